@@ -1,0 +1,41 @@
+# megamoe: two commands on a fresh machine -- `make setup`, then `make test`.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup test test-gpu notebooks figures lab bench clean
+
+setup:  ## create .venv and install megamoe (editable) with test + notebook extras
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(VPY) -m pip install -q -e '.[test,notebook,gpu]'
+else
+	@echo "no GPU found: installing the CPU build of torch 2.13.0 and Triton 3.6.0 (kernels run under TRITON_INTERPRET=1)"
+	$(VPY) -m pip install -q torch==2.13.0 triton==3.6.0
+	$(VPY) -m pip install -q -e '.[test,notebook]'
+endif
+	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(VPY) -c "import megamoe, megamoe.kernels; print('megamoe', megamoe.__version__, 'ready:', megamoe.describe_environment())"
+
+test:  ## the CPU test suite (Triton interpreter, CPU ranks); includes executing the notebooks
+	$(VPY) -m pytest tests --ignore=tests/gpu -q
+
+test-gpu:  ## the GPU suite: kernels at real sizes, notebooks with world_size = number of GPUs
+	$(VPY) -m pytest tests/gpu -q
+
+notebooks:  ## re-execute every notebook in place (outputs kept); CPU ranks when there is no GPU
+	$(VPY) -m megamoe.notebooks run
+
+figures:  ## regenerate figures/ (PNG + SVG) from the package and results/*.json
+	$(VPY) -m megamoe.figures
+
+bench:  ## GPU benchmarks -> results/*.json
+	$(VPY) -m megamoe.bench
+
+lab:  ## open JupyterLab on the notebooks
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

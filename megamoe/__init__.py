@@ -1,0 +1,46 @@
+"""megamoe: DeepGEMM's Mega MoE (one fused expert-parallel MoE layer on symmetric memory), re-created in Triton.
+
+Public API (mirrors DeepGEMM's names where they exist)::
+
+    Layout, get_num_max_pool_tokens, get_num_padded_sf_pool_tokens        # megamoe.layout
+    per_token_cast_to_fp8, per_token_cast_to_fp4, transform_weights_for_mega_moe  # megamoe.quant
+    reference_mega_moe, reference_mega_moe_ep                               # megamoe.reference
+    SymmBuffer, get_symm_buffer_for_mega_moe                                # megamoe.symm
+    launch                                                                  # megamoe.launch
+    fp8_fp4_mega_moe, MegaMoE                                               # megamoe.ops
+
+Attributes are imported lazily so that `import megamoe` stays cheap and never imports CuPy.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Layout": "layout",
+    "get_num_max_pool_tokens": "layout",
+    "get_num_padded_sf_pool_tokens": "layout",
+    "per_token_cast_to_fp8": "quant",
+    "per_token_cast_to_fp4": "quant",
+    "transform_weights_for_mega_moe": "quant",
+    "reference_mega_moe": "reference",
+    "reference_mega_moe_ep": "reference",
+    "SymmBuffer": "symm",
+    "get_symm_buffer_for_mega_moe": "symm",
+    "launch": "launch",
+    "fp8_fp4_mega_moe": "ops",
+    "MegaMoE": "ops",
+    "describe_environment": "env",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"megamoe.{_EXPORTS[name]}")
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megamoe' has no attribute {name!r}")

@@ -1,0 +1,84 @@
+"""Where megamoe runs: backend detection, the Triton interpreter switch, and provenance for results.
+
+On a machine without CUDA every Triton kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
+tensors at their real addresses. The switch must be set before the kernels are decorated, so
+:func:`ensure_interpreter_if_no_cuda` is called by ``megamoe.kernels`` on import.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one CUDA device (and the interpreter is not forced)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def ensure_interpreter_if_no_cuda() -> None:
+    """Set ``TRITON_INTERPRET=1`` when no CUDA device exists (an explicit setting is left alone)."""
+    if "TRITON_INTERPRET" not in os.environ and not cuda_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device():
+    """The torch device the kernels run on in this process: ``cuda`` unless interpreting, else ``cpu``."""
+    import torch
+
+    return torch.device("cpu") if interpreting() or not cuda_available() else torch.device("cuda", torch.cuda.current_device())
+
+
+def default_backend() -> str:
+    """``"cuda"`` when a GPU is present, else ``"cpu"`` (one process per rank, POSIX shared memory)."""
+    return "cuda" if cuda_available() else "cpu"
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str:
+    """The repository's HEAD commit (with ``-dirty`` when the tree has changes), or ``"unknown"``."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def provenance(command: str | None = None) -> dict:
+    """A dict to store beside every measured number: device, versions, commit, command."""
+    import torch
+    import triton
+
+    info = {
+        "device": torch.cuda.get_device_name() if cuda_available() else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "interpreter": interpreting(),
+    }
+    if command is not None:
+        info["command"] = command
+    return info
+
+
+def describe_environment() -> str:
+    """One line: backend, device and versions (printed by ``make setup`` and by the notebooks)."""
+    p = provenance()
+    return (f"backend={default_backend()} device={p['device']} torch={p['torch']} triton={p['triton']} "
+            f"commit={p['git_commit'][:12]}")
