@@ -9,11 +9,17 @@ Public API (mirrors DeepGEMM's names where they exist)::
     launch                                                                  # megamoe.launch
     fp8_fp4_mega_moe, MegaMoE                                               # megamoe.ops
 
-Attributes are imported lazily so that `import megamoe` stays cheap and never imports CuPy.
+Attributes are imported lazily and CuPy is never imported on CPU paths. Importing megamoe on a machine without
+CUDA switches Triton to its interpreter (``TRITON_INTERPRET=1``); that must happen before Triton itself is imported,
+so import megamoe before triton.
 """
 from __future__ import annotations
 
 import importlib
+
+from megamoe.env import ensure_interpreter_if_no_cuda as _ensure_interpreter
+
+_ensure_interpreter()
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,159 @@
+"""The two grouped GEMMs over the pool: FP8 activations x FP4 weights, both block-scaled per 32 along K.
+
+L1 (``l1_swiglu_kernel``): ``l1_acts [pool rows, H]`` x ``W1[e] [2I, H]`` -> SwiGLU -> x top-k weight -> FP8 per-32
+requant into ``l2_acts [pool rows, I]`` + ``l2_acts_sf``.
+L2 (``l2_combine_kernel``): ``l2_acts`` x ``W2[e] [H, I]`` -> BF16 rows stored straight into the **source** rank's
+``combine[slot][token]`` through ``sym_map``.
+
+Both kernels are persistent: ``tile = program_id; tile += num_programs`` over ``(pool block, N tile)`` pairs up to the
+number of used pool blocks, computed on the device from ``expert_recv_count`` (no host sync, no empty programs).
+
+The K loop steps 64 elements at a time. ``transform_weights_for_mega_moe`` packed the weights so that byte ``j`` of a
+64-chunk holds elements ``j`` (low nibble) and ``j+32`` (high nibble): a step loads 32 bytes per weight row and
+decodes two 32-wide FP8 operands, each inside exactly one per-32 scale group. Each operand pair feeds one
+``tl.dot`` (K=32, the FP8 MMA's native K) whose fp32 result is scaled by ``sa[m] * sb[n]`` and accumulated -- the
+per-32 analogue of DeepGEMM's SM90 per-128 "promotion". FP4 is decoded to FP8 (exactly) so the dot runs at FP8
+tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpreter, bf16-rate on Hopper).
+"""
+import triton
+import triton.language as tl
+
+from megamoe.kernels.numerics import (ceil_ue8m0, e2m1_to_e4m3, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16,
+                                      sf_byte, ue8m0_to_f32)
+from megamoe.kernels.pool import expert_blocks, locate_block
+from megamoe.kernels.symm import sym_map
+
+
+@triton.jit
+def _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, K: tl.constexpr, SP: tl.constexpr):
+    """Activation operands of one 64-wide K step: two fp8 [BM, 32] tiles and their fp32 scales [BM]."""
+    kk = tl.arange(0, 32)
+    base = acts + rows[:, None].to(tl.int64) * K + k0 + kk[None, :]
+    a0 = tl.load(base, mask=mask_m[:, None], other=0.0)
+    a1 = tl.load(base + 32, mask=mask_m[:, None], other=0.0)
+    word = tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=0)
+    g = k0 // 32
+    return a0, a1, ue8m0_to_f32(sf_byte(word, g)), ue8m0_to_f32(sf_byte(word, g + 1))
+
+
+@triton.jit
+def _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, K: tl.constexpr, N: tl.constexpr):
+    """acc [BM, BN] += (a0 . W[n_rows, k0:k0+32]) * sa0 sb0 + (a1 . W[n_rows, k0+32:k0+64]) * sa1 sb1.
+
+    ``w``: uint8 [N, K/2] (64-chunk nibble packing), ``w_sf``: int32 MN-major [K/128][N], ``n_rows``: int32 [BN]."""
+    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :]).to(tl.int32)
+    b0 = e2m1_to_e4m3(packed & 0xF)
+    b1 = e2m1_to_e4m3(packed >> 4)
+    word = tl.load(w_sf + (k0 // 128) * N + n_rows)
+    g = k0 // 32
+    sb0 = ue8m0_to_f32(sf_byte(word, g))
+    sb1 = ue8m0_to_f32(sf_byte(word, g + 1))
+    acc += tl.dot(a0, tl.trans(b0)) * (sa0[:, None] * sb0[None, :])
+    acc += tl.dot(a1, tl.trans(b1)) * (sa1[:, None] * sb1[None, :])
+    return acc
+
+
+@triton.jit
+def _pool_tile(tile, recv, N_TILES: tl.constexpr, R: tl.constexpr, El: tl.constexpr, BLOCK_M: tl.constexpr,
+               SF_BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """tile -> (expert, pool rows [BM], sf rows [BM], row mask [BM], n tile)."""
+    n, blocks, cum = expert_blocks(recv, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    block = tile // N_TILES
+    expert, row0, valid = locate_block(block, n, blocks, cum, BLOCK_M, BLOCK_E)
+    m = tl.arange(0, BLOCK_M)
+    return expert, row0 + m, block * SF_BLOCK_M + m, m < valid, tile % N_TILES
+
+
+@triton.jit
+def _num_tiles(recv, N_TILES: tl.constexpr, R: tl.constexpr, El: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    n, blocks, cum = expert_blocks(recv, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    return tl.max(cum, axis=0) * N_TILES
+
+
+@triton.jit
+def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
+                     OFF_RECV: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr,
+                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
+                     R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr):
+    """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.int32))
+    topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
+    out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
+    out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.uint8))
+    w1 = w1.to(tl.pointer_type(tl.uint8))
+    N_TILES: tl.constexpr = I // BLOCK_N
+    G: tl.constexpr = BLOCK_N // 32
+    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        gate_rows = (c // 8) * 16 + c % 8  # gate/up interleaved in groups of 8
+        w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
+        w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, 64):
+            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+            acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, w, w_sf, gate_rows, k0, H, 2 * I)
+            acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, w, w_sf, gate_rows + 8, k0, H, 2 * I)
+        # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
+        gate = round_to_bf16(acc_g)
+        up = round_to_bf16(acc_u)
+        if HAS_CLAMP:
+            gate = tl.minimum(gate, clamp)
+            up = tl.minimum(tl.maximum(up, -clamp), clamp)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
+        # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
+        act3 = tl.reshape(act, [BLOCK_M, G, 32])
+        amax = tl.maximum(tl.max(tl.abs(act3), axis=2), 1e-4)
+        _, sbyte = ceil_ue8m0(amax / 448.0)
+        inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
+        q = tl.reshape(f32_to_e4m3_bits(act3 * inv[:, :, None]), [BLOCK_M, BLOCK_N])
+        tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
+        grp = nt * G + tl.arange(0, G)
+        sf_addr = ((grp[None, :] // 4) * SP + sf_rows[:, None]) * 4 + grp[None, :] % 4
+        tl.store(out_sf + sf_addr, sbyte.to(tl.uint8), mask=mask_m[:, None])
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
+                      OFF_RECV: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr,
+                      OFF_COMBINE: tl.constexpr,
+                      R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                      SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One tile = BLOCK_M pool rows x BLOCK_N hidden columns, written as bf16 into combine[slot][token] of the
+    row's source rank (padding rows skipped)."""
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+    w2 = w2.to(tl.pointer_type(tl.uint8))
+    N_TILES: tl.constexpr = H // BLOCK_N
+    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        n_rows = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = w2 + expert.to(tl.int64) * H * (I // 2)
+        w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, 64):
+            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
+            acc = _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, I, H)
+        src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+        token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+        slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+        dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+        dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+        tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
+        tile += tl.num_programs(0)

@@ -1,0 +1,91 @@
+"""Bit-exact number-format helpers shared by every Triton kernel (GPU and interpreter alike).
+
+Triton's interpreter rounds fp32 -> fp8/bf16 casts wrongly (ties away from even, a mantissa-carry bug, truncated
+subnormals, garbage on overflow) and does bf16 arithmetic on raw bits. So the kernels never cast *to* fp8 or bf16:
+they round with integer operations written here, which give the same bits as torch (RTNE, FP8 saturating to
++-448 like ``cvt.rn.satfinite``) on both back ends. Decoding (fp8 -> fp32 inside ``tl.dot``) is exact everywhere.
+
+Formats:
+  * UE8M0 scale byte ``b`` means 2^(b-127); four bytes per int32, byte j of word i = group 4i+j (little-endian).
+  * FP4 e2m1 nibble = sign<<3 | code, code -> {0, .5, 1, 1.5, 2, 3, 4, 6}.
+  * FP8 e4m3fn: bias 7, max 448, no inf; 0x7f/0xff are NaN.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ue8m0_to_f32(byte):
+    """int32 exponent byte -> float32 2^(byte-127) (byte 0, never produced by the quantizers, gives 0.0)."""
+    return (byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sf_byte(word, group):
+    """Exponent byte of per-32 group ``group`` (mod 4) from a packed int32 scale word."""
+    return (word >> (8 * (group % 4))) & 0xFF
+
+
+@triton.jit
+def e2m1_to_e4m3(nibble):
+    """FP4 e2m1 nibbles (int32, low 4 bits) -> the identical values as FP8 e4m3 (exact: every e2m1 value is an
+    e4m3 value). code>=2: exponent e, mantissa m map to byte (e+6)<<3 | m<<2; code 1 (0.5) -> 0x30."""
+    mag = nibble & 7
+    bits = tl.where(mag >= 2, (mag << 2) + 0x30, tl.where(mag == 1, 0x30, 0))
+    bits = bits | ((nibble & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3_bits(x):
+    """float32 -> FP8 e4m3 bit pattern (int32 0..255), round-to-nearest-even, saturating to +-448.
+
+    Normal results keep 3 of the 23 mantissa bits; subnormal results (|x| < 2^-6) are k * 2^-9 with k rounded from
+    the 24-bit significand. Inputs are finite (the quantizers reject NaN/inf before any kernel runs).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    e = (a >> 23) - 127
+    # normal: drop 20 mantissa bits with RTNE; re-bias exponent 127 -> 7 (subtract 120 << 3)
+    keep = a >> 20
+    rem = a & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+    normal = keep + up.to(tl.int32) - (120 << 3)
+    # subnormal: k = round(|x| * 2^9) = significand >> (14 - e)
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(14 - e, 1), 25)
+    k = sig >> shift
+    rem2 = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up2 = (rem2 > half) | ((rem2 == half) & ((k & 1) == 1))
+    sub = k + up2.to(tl.int32)
+    mag = tl.minimum(tl.where(e >= -6, normal, sub), 0x7E)
+    return mag | sign
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 -> bf16 bit pattern (int32 0..65535), round-to-nearest-even (finite inputs)."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (r >> 16) & 0xFFFF
+
+
+@triton.jit
+def bf16_bits_to_f32(b):
+    """bf16 bit pattern (any int type) -> float32, exact (subnormals kept)."""
+    return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 -> nearest bf16 value, returned as float32 (DeepGEMM rounds the L1 accumulator this way)."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+
+
+@triton.jit
+def ceil_ue8m0(x):
+    """Smallest power of two >= x for positive normal float32 x, as (value float32, exponent byte int32)."""
+    bits = (x.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    return bits.to(tl.float32, bitcast=True), bits >> 23

@@ -1,0 +1,262 @@
+"""Symmetric-memory device helpers: address translation, the cross-rank barrier and a row copy.
+
+Every rank owns one byte buffer of identical :class:`~megamoe.layout.Layout`. ``buffer_ptrs`` (int64 ``[R]``) holds
+each rank's buffer base address *as seen from this process*, so the same offset in rank ``r``'s buffer is
+``ptr + buffer_ptrs[r] - buffer_ptrs[me]`` (DeepGEMM's ``SymBuffer::map``). On CUDA the addresses come from
+``torch.distributed._symmetric_memory`` (peer memory over NVLink); on CPU each rank maps every peer's POSIX shm
+segment and the kernels run under Triton's interpreter on those real host addresses.
+
+The barrier (tags below follow DeepGEMM's ``kBeforeDispatchPullBarrierTag`` etc.) uses two workspace segments:
+
+* ``barrier_signal`` i32[R]: slot ``r`` = the last epoch rank ``r`` signalled to this rank (written remotely);
+* ``barrier_state`` i32[4]: ``[epoch, failed tag, missing rank, spare]``.
+
+*Arrive* bumps this rank's epoch and writes it (``xchg``, release, system scope) into slot ``me`` of every rank.
+*Wait* polls the local slots (acquire, system scope) until all reach the epoch. Epochs only grow, so nothing is ever
+reset between barriers. A wait that runs out of time records ``[tag, lowest missing rank]`` in the state; every
+later wait then returns at once, and :func:`check_barrier_state` raises :class:`BarrierTimeout`.
+
+Arrive and wait are separate launches so that the ``local`` backend (all ranks in one process, one device) can run
+them in lock-step: arrive for every rank, then wait for every rank.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.env import interpreting
+
+TAG_BEFORE_DISPATCH_PULL = 1
+TAG_BEFORE_COMBINE_REDUCE = 2
+TAG_AFTER_WORKSPACE_CLEAN = 3
+
+#: Polls per wait launch under the interpreter; the host re-launches (after a short sleep) until the deadline.
+INTERPRETER_POLLS_PER_LAUNCH = 16
+INTERPRETER_SLEEP_S = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- device code
+@triton.jit
+def sym_map(ptr, buffer_ptrs, rank, dst_rank):
+    """``ptr`` (any pointer type, scalar or block) moved to the same byte offset in ``dst_rank``'s buffer.
+
+    ``buffer_ptrs``: int64 ``[R]`` base addresses as seen from this process; ``rank``: this rank;
+    ``dst_rank``: scalar or a block broadcastable against ``ptr``.
+    """
+    delta = tl.load(buffer_ptrs + dst_rank) - tl.load(buffer_ptrs + rank)
+    return (ptr.to(tl.pointer_type(tl.uint8)) + delta).to(ptr.dtype)
+
+
+@triton.jit
+def _globaltimer_ns():
+    """The GPU's global nanosecond timer (PTX ``%globaltimer``); not available under the interpreter."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def barrier_arrive_kernel(signal_ptr, state_ptr, buffer_ptrs, rank, num_ranks, BLOCK_R: tl.constexpr):
+    """One program: ``state[0] += 1`` and write the new epoch into ``signal[rank]`` of every rank (release, sys).
+
+    ``signal_ptr``: this rank's ``barrier_signal`` (i32 ``[R]``); ``state_ptr``: its ``barrier_state`` (i32 ``[4]``).
+    """
+    epoch = tl.load(state_ptr) + 1
+    tl.store(state_ptr, epoch)
+    peers = tl.arange(0, BLOCK_R)
+    remote = sym_map(signal_ptr + rank, buffer_ptrs, rank, peers)
+    tl.atomic_xchg(remote, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=peers < num_ranks, sem="release",
+                   scope="sys")
+
+
+@triton.jit
+def barrier_wait_kernel(signal_ptr, state_ptr, num_ranks, fail_tag, max_polls, timeout_ns, BLOCK_R: tl.constexpr,
+                        USE_GLOBALTIMER: tl.constexpr):
+    """One program: poll ``signal[r] >= state[0]`` for every rank ``r`` (acquire, sys), bounded.
+
+    The bound is ``timeout_ns`` of ``%globaltimer`` when ``USE_GLOBALTIMER`` (GPU), else ``max_polls`` polls
+    (interpreter). Unless an earlier barrier failed (``state[1] != 0``, then nothing is touched), ``state[2]`` is
+    set to the lowest rank still missing, or -1 when complete; on expiry a non-zero ``fail_tag`` is recorded in
+    ``state[1]`` (the interpreter's host loop passes 0 and records the failure itself at its wall-clock deadline).
+    """
+    epoch = tl.load(state_ptr)
+    failed = tl.load(state_ptr + 1)
+    peers = tl.arange(0, BLOCK_R)
+    valid = peers < num_ranks
+    if USE_GLOBALTIMER:
+        deadline = _globaltimer_ns() + timeout_ns
+    seen = tl.atomic_add(signal_ptr + peers, 0, mask=valid, sem="acquire", scope="sys")
+    missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+    polls = 1
+    in_time = failed == 0
+    while (missing > 0) & in_time:
+        seen = tl.atomic_add(signal_ptr + peers, 0, mask=valid, sem="acquire", scope="sys")
+        missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+        polls += 1
+        if USE_GLOBALTIMER:
+            in_time = _globaltimer_ns() <= deadline
+        else:
+            in_time = polls < max_polls
+    if failed == 0:
+        lowest = tl.min(tl.where(valid & (seen < epoch), peers, BLOCK_R))
+        tl.store(state_ptr + 2, tl.where(missing > 0, lowest, -1))
+        if (missing > 0) & (fail_tag != 0):
+            tl.store(state_ptr + 1, fail_tag)
+
+
+@triton.jit
+def remote_copy_rows_kernel(buffer, buffer_ptrs, rank, src_rank, dst_rank, src_offset, dst_offset, src_rows,
+                            dst_rows, row_bytes, BLOCK: tl.constexpr):
+    """Copy byte rows between two ranks' buffers; grid ``(num_rows, cdiv(row_bytes, BLOCK))``.
+
+    Row ``src_rows[i]`` of the segment at byte ``src_offset`` in ``src_rank``'s buffer goes to row ``dst_rows[i]``
+    of the segment at ``dst_offset`` in ``dst_rank``'s buffer. ``buffer``: this rank's buffer (u8);
+    ``src_rows``/``dst_rows``: i32 ``[num_rows]``. Either rank may be remote (pull: src remote; push: dst remote).
+    """
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < row_bytes
+    src_row = tl.load(src_rows + i).to(tl.int64)
+    dst_row = tl.load(dst_rows + i).to(tl.int64)
+    src = sym_map(buffer + src_offset + src_row * row_bytes + cols, buffer_ptrs, rank, src_rank)
+    dst = sym_map(buffer + dst_offset + dst_row * row_bytes + cols, buffer_ptrs, rank, dst_rank)
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+class BarrierTimeout(RuntimeError):
+    """A barrier's wait ran out of time; ``missing_rank`` is the lowest rank whose signal never arrived."""
+
+    def __init__(self, rank: int, tag: int, missing_rank: int, timeout_s: float):
+        super().__init__(f"rank {rank}: barrier tag {tag} timed out after {timeout_s} s waiting for rank {missing_rank}")
+        self.rank, self.tag, self.missing_rank, self.timeout_s = rank, tag, missing_rank, timeout_s
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.tag, self.missing_rank, self.timeout_s)
+
+
+def _barrier_views(sb) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``barrier_signal`` (i32 [R]) and ``barrier_state`` (i32 [4]) views."""
+    return sb.layout.view(sb.buffer, "barrier_signal"), sb.layout.view(sb.buffer, "barrier_state")
+
+
+def _block_r(sb) -> int:
+    return max(2, triton.next_power_of_2(sb.layout.num_ranks))
+
+
+def barrier_arrive(sb) -> None:
+    """Signal this rank's next barrier epoch to every rank (one single-program launch)."""
+    signal, state = _barrier_views(sb)
+    barrier_arrive_kernel[(1,)](signal, state, sb.buffer_ptrs, sb.rank, sb.layout.num_ranks, BLOCK_R=_block_r(sb))
+
+
+def _launch_wait(sb, fail_tag: int, max_polls: int, timeout_ns: int, use_globaltimer: bool) -> None:
+    signal, state = _barrier_views(sb)
+    barrier_wait_kernel[(1,)](signal, state, sb.layout.num_ranks, fail_tag, max_polls, timeout_ns,
+                              BLOCK_R=_block_r(sb), USE_GLOBALTIMER=use_globaltimer)
+
+
+def barrier_wait(sb, tag: int) -> None:
+    """Wait until every rank has arrived at this rank's current epoch, for at most ``sb.barrier_timeout_s``.
+
+    CUDA: one launch bounded by ``%globaltimer``; a timeout is only recorded in ``barrier_state`` (no host sync) and
+    raised later by :func:`check_barrier_state`. Interpreter: short launches re-issued from the host (sleeping
+    ~1 ms in between so spinning ranks do not starve each other on few cores) until wall-clock time runs out, then
+    the failure is recorded and :class:`BarrierTimeout` raised at once.
+    """
+    if not isinstance(tag, int) or tag <= 0:
+        raise ValueError(f"tag={tag!r} must be a positive int")
+    if not interpreting():
+        _launch_wait(sb, tag, 0, int(sb.barrier_timeout_s * 1e9), True)
+        return
+    _, state = _barrier_views(sb)
+    deadline = time.monotonic() + sb.barrier_timeout_s
+    while True:
+        _launch_wait(sb, 0, INTERPRETER_POLLS_PER_LAUNCH, 0, False)
+        failed_tag, missing = state[1].item(), state[2].item()
+        if failed_tag != 0:
+            check_barrier_state(sb)
+        if missing < 0:
+            return
+        if time.monotonic() > deadline:
+            state[1] = tag
+            check_barrier_state(sb)
+        time.sleep(INTERPRETER_SLEEP_S)
+
+
+def barrier(sb, tag: int) -> None:
+    """Arrive, then wait: a full barrier across all ranks of ``sb`` (one process per rank)."""
+    barrier_arrive(sb)
+    barrier_wait(sb, tag)
+
+
+def barrier_lockstep(sbs: Sequence, tag: int) -> None:
+    """A barrier over the ranks of a ``local`` backend (all in this process): arrive for all, then wait for all."""
+    for sb in sbs:
+        barrier_arrive(sb)
+    for sb in sbs:
+        barrier_wait(sb, tag)
+
+
+def check_barrier_state(sb) -> None:
+    """Raise :class:`BarrierTimeout` if any barrier of ``sb`` has timed out (a host sync on CUDA)."""
+    _, state = _barrier_views(sb)
+    _, failed_tag, missing, _ = state.tolist()
+    if failed_tag != 0:
+        raise BarrierTimeout(sb.rank, failed_tag, missing, sb.barrier_timeout_s)
+
+
+def _row_geometry(layout, name: str) -> tuple[int, int, int]:
+    """``(byte offset, rows, bytes per row)`` of a row-major segment (rows = its first dimension)."""
+    seg = layout[name]
+    if seg.mn_major:
+        raise ValueError(f"segment {name!r} is MN-major; copy_rows needs a row-major segment")
+    return seg.offset, seg.shape[0], seg.nbytes // seg.shape[0]
+
+
+def _row_index(rows, num_rows: int, what: str, device: torch.device) -> torch.Tensor:
+    """``rows`` (ints, range or integer tensor) as an i32 tensor on ``device``, bounds-checked against ``num_rows``."""
+    idx = torch.as_tensor(rows if isinstance(rows, torch.Tensor) else list(rows), dtype=torch.int64).flatten()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_rows):
+        raise IndexError(f"{what} must lie in [0, {num_rows}), got [{int(idx.min())}, {int(idx.max())}]")
+    return idx.to(device=device, dtype=torch.int32)
+
+
+def copy_rows(sb, src_rank: int, dst_rank: int, segment: str, rows, dst_rows=None, *, dst_segment: str | None = None,
+              block_bytes: int = 1024) -> None:
+    """Copy rows of ``segment`` from ``src_rank``'s buffer into ``dst_segment`` (default: the same) of ``dst_rank``.
+
+    ``rows``: source row indices (ints, range or integer tensor); ``dst_rows``: destination rows (default ``rows``).
+    A row is the segment's first dimension, any dtype, copied as bytes; both segments must have equal row bytes.
+    Pull = ``src_rank`` remote and ``dst_rank == sb.rank``; push = the mirror. The caller orders it with barriers.
+    """
+    layout = sb.layout
+    for name, r in (("src_rank", src_rank), ("dst_rank", dst_rank)):
+        if not 0 <= r < layout.num_ranks:
+            raise ValueError(f"{name}={r} must be in [0, {layout.num_ranks})")
+    src_off, src_n, row_bytes = _row_geometry(layout, segment)
+    dst_off, dst_n, dst_row_bytes = _row_geometry(layout, dst_segment or segment)
+    if dst_row_bytes != row_bytes:
+        raise ValueError(f"row bytes differ: {segment!r} has {row_bytes}, {dst_segment!r} has {dst_row_bytes}")
+    src_idx = _row_index(rows, src_n, "rows", sb.buffer.device)
+    dst_idx = src_idx if dst_rows is None else _row_index(dst_rows, dst_n, "dst_rows", sb.buffer.device)
+    if dst_idx.numel() != src_idx.numel():
+        raise ValueError(f"rows ({src_idx.numel()}) and dst_rows ({dst_idx.numel()}) differ in length")
+    if src_idx.numel() == 0:
+        return
+    block = min(triton.next_power_of_2(row_bytes), block_bytes)
+    grid = (src_idx.numel(), triton.cdiv(row_bytes, block))
+    remote_copy_rows_kernel[grid](sb.buffer, sb.buffer_ptrs, sb.rank, src_rank, dst_rank, src_off, dst_off, src_idx,
+                                  dst_idx, row_bytes, BLOCK=block)
+
+
+def pull_rows(sb, src_rank: int, segment: str, rows, dst_rows=None, **kw) -> None:
+    """:func:`copy_rows` from ``src_rank`` into this rank."""
+    copy_rows(sb, src_rank, sb.rank, segment, rows, dst_rows, **kw)
+
+
+def push_rows(sb, dst_rank: int, segment: str, rows, dst_rows=None, **kw) -> None:
+    """:func:`copy_rows` from this rank into ``dst_rank``."""
+    copy_rows(sb, sb.rank, dst_rank, segment, rows, dst_rows, **kw)
