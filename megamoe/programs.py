@@ -1,0 +1,133 @@
+"""Per-rank programs: one Mega MoE case run end to end and checked against the reference.
+
+Used by the tests (CPU ranks under ``megamoe.launch``, local ranks in one process), by ``tests/gpu`` at real sizes
+and by the notebooks. Functions that run inside launched rank processes live here, in an importable module,
+because spawned processes cannot import functions defined in a notebook or a test file.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megamoe.ops import fp8_fp4_mega_moe, load_inputs
+from megamoe.quant import transform_weights_for_mega_moe
+from megamoe.symm import SymmBuffer
+from megamoe.testing import Problem, make_problem, moe_error_stats
+
+
+@dataclass
+class MoECase:
+    """One configuration to run. ``num_tokens`` is per rank (an int, or a list with one entry per rank)."""
+
+    num_ranks: int = 2
+    num_tokens: int | list[int] = 40
+    hidden: int = 256
+    intermediate: int = 128
+    num_experts: int = 8
+    num_topk: int = 2
+    masked_ratio: float = 0.0
+    routing: str = "uniform"
+    seed: int = 0
+    block_m: int = 32
+    activation_clamp: float | None = None
+    dispatch: str = "pull"
+    num_calls: int = 1
+    num_max_tokens_per_rank: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def tokens(self) -> list[int]:
+        n = self.num_tokens
+        return list(n) if isinstance(n, (list, tuple)) else [n] * self.num_ranks
+
+    def max_tokens(self) -> int:
+        return self.num_max_tokens_per_rank or max(1, max(self.tokens()))
+
+    def problem(self, device="cpu") -> Problem:
+        return make_problem(self.num_ranks, self.tokens(), self.hidden, self.intermediate, self.num_experts,
+                            self.num_topk, masked_ratio=self.masked_ratio, routing=self.routing, seed=self.seed,
+                            device=device)
+
+
+def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
+    """int32 [El]: (token, slot) pairs every rank routes to each of ``rank``'s local experts."""
+    El = problem.num_local_experts
+    idx = torch.cat([t.flatten() for t in problem.topk_idx]).cpu()
+    idx = idx[(idx >= rank * El) & (idx < (rank + 1) * El)] - rank * El
+    return torch.bincount(idx, minlength=El).to(torch.int32)
+
+
+def _prepare(sb: SymmBuffer, problem: Problem, rank: int):
+    dev = sb.buffer.device
+    load_inputs(sb, problem.x[rank], problem.x_sf[rank], problem.topk_idx[rank], problem.topk_weights[rank])
+    l1, l2 = problem.weights_for_rank(rank)
+    l1, l2 = transform_weights_for_mega_moe(tuple(t.to(dev) for t in l1), tuple(t.to(dev) for t in l2))
+    y = torch.full((problem.num_tokens[rank], problem.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    stats = torch.zeros(problem.num_local_experts, dtype=torch.int32, device=dev)
+    return y, l1, l2, stats
+
+
+def _report(case: MoECase, problem: Problem, rank: int, y: torch.Tensor, ref: torch.Tensor, stats: torch.Tensor,
+            seconds: list[float]) -> dict:
+    out = moe_error_stats(y.cpu(), ref.cpu())
+    expected = expected_recv_counts(problem, rank) * case.num_calls
+    out.update(rank=rank, num_tokens=problem.num_tokens[rank], seconds_per_call=seconds,
+               recv_stats=stats.cpu().tolist(), recv_stats_ok=bool(torch.equal(stats.cpu(), expected)),
+               bitwise_equal=bool(torch.equal(y.cpu().view(torch.int16), ref.cpu().view(torch.int16))))
+    return out
+
+
+def run_case_local(case: MoECase, device=None) -> list[dict]:
+    """All ``case.num_ranks`` ranks in this process (``local`` backend, lock-step); one stats dict per rank."""
+    sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
+                           case.intermediate, block_m=case.block_m, device=device)
+    try:
+        dev = sbs[0].buffer.device
+        problem = case.problem(device=dev)
+        prepared = [_prepare(sb, problem, r) for r, sb in enumerate(sbs)]
+        ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
+        seconds = []
+        for _ in range(case.num_calls):
+            for y in ys:
+                y.fill_(float("nan"))
+            t0 = time.perf_counter()
+            fp8_fp4_mega_moe(ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp,
+                             cumulative_local_expert_recv_stats=stats, dispatch=case.dispatch)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        refs = problem.reference(activation_clamp=case.activation_clamp)
+        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds) for r in range(case.num_ranks)]
+    finally:
+        for sb in sbs:
+            sb.destroy()
+
+
+def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
+    """This rank's part of ``case`` with one process per rank (run it through :func:`megamoe.launch.launch`)."""
+    if world_size != case.num_ranks:
+        raise ValueError(f"world_size={world_size} does not match case.num_ranks={case.num_ranks}")
+    sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                    block_m=case.block_m)
+    try:
+        dev = sb.buffer.device
+        problem = case.problem(device=dev)
+        y, l1, l2, stats = _prepare(sb, problem, rank)
+        seconds = []
+        for _ in range(case.num_calls):
+            y.fill_(float("nan"))
+            t0 = time.perf_counter()
+            fp8_fp4_mega_moe(y, l1, l2, sb, activation_clamp=case.activation_clamp,
+                             cumulative_local_expert_recv_stats=stats, dispatch=case.dispatch)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        ref = problem.reference(activation_clamp=case.activation_clamp)[rank]
+        return _report(case, problem, rank, y, ref, stats, seconds)
+    finally:
+        sb.destroy()
+
+
+def case_dict(case: MoECase) -> dict:
+    return asdict(case)
