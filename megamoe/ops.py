@@ -72,11 +72,13 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         activation_clamp: if set, ``gate <= c`` and ``-c <= up <= c`` before SwiGLU (None = no clamp).
         cumulative_local_expert_recv_stats: optional int32 [El]; received pairs per local expert are added to it.
         dispatch: ``"pull"`` (Mega MoE) or ``"push"`` (DeepEP-style baseline: sources write into the owner's pool).
-        check: raise :class:`megamoe.kernels.symm.BarrierTimeout` if a barrier timed out (reads a device word).
+        check: validate expert ids in ``topk_idx`` before any kernel runs and raise
+            :class:`megamoe.kernels.symm.BarrierTimeout` if a barrier timed out. Both read device memory (host syncs);
+            benchmarks pass ``check=False``. Shapes and dtypes are always validated.
     """
     calls = _bind(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
-                  activation_clamp, dispatch)
-    for step in _pipeline(dispatch):
+                  activation_clamp, dispatch, check)
+    for _, step in _pipeline(dispatch):
         for call in calls:
             step(call)
     if check:
@@ -85,16 +87,25 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
 
 
 # ---------------------------------------------------------------------------------------------------- the steps
-def _pipeline(dispatch: str) -> list[Callable[[_RankCall], None]]:
-    steps = [_count_and_publish_indices, _publish_counts,
-             lambda c: barrier_arrive(c.sb), lambda c: barrier_wait(c.sb, TAG_BEFORE_DISPATCH_PULL)]
+def _pipeline(dispatch: str) -> list[tuple[str, Callable[[_RankCall], None]]]:
+    """The ordered (name, step) list of one call; each step is one launch for one rank."""
+    def arrive(c):
+        barrier_arrive(c.sb)
+
+    def wait(tag):
+        return lambda c: barrier_wait(c.sb, tag)
+
+    steps = [("count", _count_and_publish_indices), ("publish", _publish_counts),
+             ("barrier1_arrive", arrive), ("barrier1_wait", wait(TAG_BEFORE_DISPATCH_PULL))]
     if dispatch == "pull":
-        steps.append(lambda c: _dispatch_copy(c, push=False))
+        steps.append(("pull", lambda c: _dispatch_copy(c, push=False)))
     else:
-        steps += [lambda c: _dispatch_copy(c, push=True),
-                  lambda c: barrier_arrive(c.sb), lambda c: barrier_wait(c.sb, TAG_AFTER_DISPATCH_PUSH)]
-    steps += [_l1, _l2, lambda c: barrier_arrive(c.sb), lambda c: barrier_wait(c.sb, TAG_BEFORE_COMBINE_REDUCE),
-              _combine, _cleanup, lambda c: barrier_arrive(c.sb), lambda c: barrier_wait(c.sb, TAG_AFTER_WORKSPACE_CLEAN)]
+        steps += [("push", lambda c: _dispatch_copy(c, push=True)),
+                  ("barrier4_arrive", arrive), ("barrier4_wait", wait(TAG_AFTER_DISPATCH_PUSH))]
+    steps += [("l1", _l1), ("l2", _l2),
+              ("barrier2_arrive", arrive), ("barrier2_wait", wait(TAG_BEFORE_COMBINE_REDUCE)),
+              ("combine", _combine), ("cleanup", _cleanup),
+              ("barrier3_arrive", arrive), ("barrier3_wait", wait(TAG_AFTER_WORKSPACE_CLEAN))]
     return steps
 
 
@@ -211,7 +222,7 @@ def _as_list(value, name: str, count: int, is_list: bool) -> list:
     return list(value)
 
 
-def _bind(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch) -> list[_RankCall]:
+def _bind(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch, check) -> list[_RankCall]:
     is_list = isinstance(sym_buffer, (list, tuple))
     buffers = list(sym_buffer) if is_list else [sym_buffer]
     if not buffers or not all(isinstance(b, SymmBuffer) for b in buffers):
@@ -234,6 +245,8 @@ def _bind(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispa
         _as_list(stats, "cumulative_local_expert_recv_stats", n, is_list) if stats is not None else [None] * n)]
     for c in calls:
         _validate(c)
+        if check:
+            _validate_topk_idx(c)
     return calls
 
 
@@ -271,6 +284,12 @@ def _validate(c: _RankCall) -> None:
             raise ValueError(f"{name} must come from transform_weights_for_mega_moe (contiguous weights, MN-major scales)")
     if c.stats is not None:
         _check_tensor("cumulative_local_expert_recv_stats", c.stats, torch.int32, (El,), dev)
+
+
+def _validate_topk_idx(c: _RankCall) -> None:
+    """Expert ids in [-1, E) and distinct per token (one host sync)."""
+    L = c.sb.layout
+    E = L.num_experts
     idx = c.sb.topk_idx[:c.n]
     if c.n:
         bad_range = ((idx < -1) | (idx >= E)).any()

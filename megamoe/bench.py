@@ -1,0 +1,173 @@
+"""GPU benchmarks: ``python -m megamoe.bench [--suite layer|pull_push|ceilings|all] [--quick]``.
+
+Every suite writes ``results/<suite>_<device>.json`` = ``{"kind", "provenance", "config", "rows"}`` where provenance
+holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; ``python -m megamoe.figures``
+plots them. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also
+flushes L2 between runs); per-step times come from events recorded between the pipeline's launches.
+
+Suites:
+  * ``ceilings``: FP8 ``torch._scaled_mm`` 8192^3 and a 1 GiB device copy, the roofline this GPU reaches.
+  * ``layer``: one rank's Mega MoE layer (world size 1) at DeepGEMM's V4-Pro shape with the 48 experts an EP8 rank
+    owns (H 7168, I 3072, top-6), tokens/rank 8 .. 8192: total and per-step time, TFLOP/s, error vs reference.
+  * ``pull_push``: N local ranks on one GPU (lock-step), pull vs push dispatch on equal terms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from megamoe.env import REPO_ROOT, provenance
+from megamoe.ops import _bind, _pipeline, fp8_fp4_mega_moe
+from megamoe.programs import MoECase, _prepare
+from megamoe.symm import SymmBuffer
+from megamoe.testing import moe_error_stats
+
+RESULTS_DIR = REPO_ROOT / "results"
+
+
+def _device_tag() -> str:
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
+def _median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def layer_flops(num_pairs: int, hidden: int, intermediate: int) -> float:
+    """2 * pairs * H * (2I) for L1 plus 2 * pairs * I * H for L2 (DeepGEMM's ``2·recv·H·I·3``)."""
+    return 2.0 * num_pairs * hidden * intermediate * 3
+
+
+def touched_weight_bytes(recv_stats: list[int], hidden: int, intermediate: int) -> float:
+    """FP4 weights + scales of the experts that received at least one pair (what must stream from HBM)."""
+    per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 32)
+    return per_expert * sum(1 for c in recv_stats if c > 0)
+
+
+def bench_ceilings() -> dict:
+    """Measured FP8 matmul rate and device copy bandwidth (the roofline used by the other suites)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms_copy = _median_ms(lambda: dst.copy_(src))
+    return {"rows": [{"what": "fp8_scaled_mm_8192", "ms": ms, "tflops": 2 * n**3 / ms / 1e9},
+                     {"what": "copy_1GiB", "ms": ms_copy, "tb_per_s": 2 * 2**30 / ms_copy / 1e9}]}
+
+
+def _step_times_us(calls, dispatch: str, iters: int = 20) -> dict[str, float]:
+    """Median time of every pipeline step (all ranks of ``calls`` in lock-step), via events between launches."""
+    steps = _pipeline(dispatch)
+    samples: dict[str, list[float]] = {name: [] for name, _ in steps}
+    for _ in range(iters):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
+        events[0].record()
+        for i, (_, step) in enumerate(steps):
+            for c in calls:
+                step(c)
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        for i, (name, _) in enumerate(steps):
+            samples[name].append(events[i].elapsed_time(events[i + 1]) * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[SymmBuffer]) -> list[dict]:
+    """Time ``case`` for each tokens/rank in ``num_tokens`` on pre-allocated (local) buffers."""
+    rows = []
+    for n in num_tokens:
+        case.num_tokens = n
+        problem = case.problem(device="cuda")
+        prepared = [_prepare(sb, problem, r) for r, sb in enumerate(sym_buffers)]
+        ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
+        single = len(sym_buffers) == 1
+        args = (ys[0], l1s[0], l2s[0], sym_buffers[0]) if single else (ys, l1s, l2s, sym_buffers)
+        fp8_fp4_mega_moe(*args, cumulative_local_expert_recv_stats=stats[0] if single else stats,
+                         dispatch=case.dispatch)
+        refs = problem.reference()
+        err = max(moe_error_stats(ys[r].cpu(), refs[r].cpu())["rel_fro"] for r in range(len(ys)))
+        bitwise = all(torch.equal(ys[r].view(torch.int16), refs[r].view(torch.int16)) for r in range(len(ys)))
+        recv = [int(v) for s in stats for v in s.tolist()]
+        ms = _median_ms(lambda: fp8_fp4_mega_moe(*args, dispatch=case.dispatch, check=False))
+        calls = _bind(*args, None, "swiglu", None, case.dispatch, False)
+        steps = _step_times_us(calls, case.dispatch)
+        pairs = sum(recv)
+        flops = layer_flops(pairs, case.hidden, case.intermediate)
+        rows.append({"num_tokens_per_rank": n, "num_ranks": case.num_ranks, "dispatch": case.dispatch,
+                     "num_pairs": pairs, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                     "weight_bytes_touched": touched_weight_bytes(recv, case.hidden, case.intermediate),
+                     "flops": flops, "rel_fro_vs_reference": err, "bitwise_equal_reference": bitwise,
+                     "steps_us": steps})
+        print(f"  T={n:>6} ranks={case.num_ranks} {case.dispatch:<4} {ms * 1e3:10.1f} us  "
+              f"{flops / ms / 1e9:7.1f} TFLOP/s  err={err:.2e} bitwise={bitwise}  "
+              + " ".join(f"{k}={v:.0f}" for k, v in steps.items() if not k.endswith("arrive")), flush=True)
+    return rows
+
+
+def bench_layer(quick: bool) -> dict:
+    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+    tokens = [8, 512] if quick else [8, 128, 512, 2048, 8192]
+    sbs = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
+                           block_m=case.block_m, device="cuda")
+    rows = bench_layer_case(case, tokens, sbs)
+    for sb in sbs:
+        sb.destroy()
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "hidden": 7168, "intermediate": 3072,
+                       "num_experts": 48, "num_topk": 6, "block_m": 128, "routing": "uniform"}, "rows": rows}
+
+
+def bench_pull_push(quick: bool, num_ranks: int = 4) -> dict:
+    rows = []
+    tokens = [128] if quick else [128, 1024]
+    case = MoECase(num_ranks=num_ranks, hidden=7168, intermediate=3072, num_experts=48 * num_ranks // 2,
+                   num_topk=6, block_m=128)
+    sbs = SymmBuffer.local(num_ranks, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
+                           block_m=case.block_m, device="cuda")
+    for dispatch in ("pull", "push"):
+        case.dispatch = dispatch
+        rows += bench_layer_case(case, tokens, sbs)
+    for sb in sbs:
+        sb.destroy()
+    return {"config": {"num_ranks": num_ranks, "hidden": 7168, "intermediate": 3072,
+                       "num_experts": case.num_experts, "num_topk": 6, "block_m": 128,
+                       "note": "local ranks on one GPU: 'remote' accesses stay in this GPU's HBM"}, "rows": rows}
+
+
+SUITES = {"ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
+
+
+def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{kind}_{_device_tag()}.json"
+    payload = {"kind": kind, "provenance": provenance(command), **result}
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
+    command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    for kind in (SUITES if args.suite == "all" else [args.suite]):
+        print(f"[bench] {kind}", flush=True)
+        path = write_result(kind, SUITES[kind](args.quick), command, args.out)
+        print(f"[bench] wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The CPU suite's cases on a GPU, plus DeepGEMM's real sizes (hidden 7168, intermediate 3072, 384 experts).
+
+Run: `make test-gpu` (or `pytest tests/gpu -q -s` to see the error report lines).
+"""
+import pytest
+import torch
+
+from megamoe.launch import launch
+from megamoe.programs import MoECase, run_case_local, run_case_rank
+
+REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m=128)
+
+
+def _check(reports, label):
+    for r in reports:
+        print(f"{label} rank {r['rank']}: n={r['num_tokens']} rel_fro={r['rel_fro']:.3e} "
+              f"outliers={r['frac_outliers']:.2e} bitwise={r['bitwise_equal']} recv={sum(r['recv_stats'])} "
+              f"t={[round(s * 1e3, 2) for s in r['seconds_per_call']]} ms")
+        assert r["finite"], r
+        assert r["rel_fro"] <= 2e-3 and r["frac_outliers"] <= 1e-2, r
+        assert r["recv_stats_ok"], r
+
+
+@pytest.mark.parametrize("case", [
+    MoECase(num_ranks=1, num_topk=1, num_experts=4, num_tokens=37),
+    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[45, 0], masked_ratio=0.3),
+    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[33, 7, 0, 12], block_m=16, activation_clamp=0.25),
+    MoECase(num_ranks=2, num_topk=2, num_tokens=48, routing="one_expert", num_calls=2),
+    MoECase(num_ranks=2, num_topk=2, num_tokens=[29, 13], masked_ratio=0.2, dispatch="push"),
+], ids=["r1k1", "r2k6-mask-zero", "r4-bm16-clamp", "worst-pool-2calls", "push"])
+def test_small_cases_local(case):
+    _check(run_case_local(case, device="cuda"), "small")
+
+
+def test_real_size_one_rank():
+    case = MoECase(num_ranks=1, num_tokens=1024, masked_ratio=0.1, num_calls=2, seed=1, **REAL)
+    _check([run_case_rank(0, 1, case)], "real r1")
+
+
+def test_real_size_four_local_ranks():
+    case = MoECase(num_ranks=4, num_tokens=[512, 0, 256, 77], masked_ratio=0.1, num_calls=2, seed=2, **REAL)
+    _check(run_case_local(case, device="cuda"), "real local4")
+
+
+def test_real_size_push_equals_pull():
+    out = {}
+    for dispatch in ("pull", "push"):
+        case = MoECase(num_ranks=4, num_tokens=128, dispatch=dispatch, seed=3, **REAL)
+        out[dispatch] = run_case_local(case, device="cuda")
+        _check(out[dispatch], f"real local4 {dispatch}")
+    assert [r["rel_fro"] for r in out["pull"]] == [r["rel_fro"] for r in out["push"]]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 GPUs for one process per GPU")
+def test_real_size_one_process_per_gpu():
+    n = torch.cuda.device_count()
+    case = MoECase(num_ranks=n, num_tokens=512, masked_ratio=0.1, num_calls=2, **REAL)
+    _check(launch(run_case_rank, n, case, backend="cuda"), f"real cuda x{n}")
