@@ -75,37 +75,38 @@ __device__ __forceinline__ void copy_rows(const i64* buffer_ptrs, const u32 num_
     // Pull: read the peer, write myself. Push: read myself, write the peer.
     const unsigned char* src = sym.local<const unsigned char>(src_offset);
     unsigned char* dst = sym.local<unsigned char>(dst_offset);
-    if (kPull)
+    if constexpr (kPull)
         src = sym.map(src, peer);
     else
         dst = sym.map(dst, peer);
 
+    // 32-bit item indices (the host checks num_rows * chunks_per_row < 2^31): the issuing lane does one 32-bit
+    // division per item, cheap next to a multi-kilobyte copy.
     const u32 chunks_per_row = (row_bytes + chunk_bytes - 1) / chunk_bytes;
-    const u64 num_items = static_cast<u64>(num_rows) * chunks_per_row;
-    const u64 first = blockIdx.x, stride = gridDim.x;
-    const u64 num_local = num_items > first ? (num_items - first + stride - 1) / stride : 0;
+    const u32 num_items = num_rows * chunks_per_row;
+    const u32 num_local = num_items > blockIdx.x ? (num_items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
 
     // Byte offset (same in source and destination) and size of this CTA's item j.
-    auto locate = [&](const u64 j, u32& bytes) -> u64 {
-        const u64 item = first + j * stride;
-        const u64 row = item / chunks_per_row;
-        const u32 begin = static_cast<u32>(item % chunks_per_row) * chunk_bytes;
+    auto locate = [&](const u32 j, u32& bytes) -> u64 {
+        const u32 item = blockIdx.x + j * gridDim.x;
+        const u32 row = item / chunks_per_row;
+        const u32 begin = (item - row * chunks_per_row) * chunk_bytes;
         bytes = row_bytes - begin < chunk_bytes ? row_bytes - begin : chunk_bytes;
-        return row * row_bytes + begin;
+        return static_cast<u64>(row) * row_bytes + begin;
     };
-    auto issue_load = [&](const u64 j) {
-        const u32 s = static_cast<u32>(j % num_stages);
+    auto issue_load = [&](const u32 j) {
+        const u32 s = j % num_stages;
         u32 bytes;
         const u64 offset = locate(j, bytes);
         mbarrier_arrive_expect_tx(&full[s], bytes);
         tma_load_1d(slots + s * chunk_bytes, src + offset, &full[s], bytes);
     };
 
-    for (u64 j = 0; j + 1 < num_stages && j < num_local; ++j)
+    for (u32 j = 0; j + 1 < num_stages && j < num_local; ++j)
         issue_load(j);
-    for (u64 j = 0; j < num_local; ++j) {
-        const u32 s = static_cast<u32>(j % num_stages);
-        mbarrier_wait(&full[s], static_cast<u32>((j / num_stages) & 1));
+    for (u32 j = 0; j < num_local; ++j) {
+        const u32 s = j % num_stages;
+        mbarrier_wait(&full[s], (j / num_stages) & 1);
         u32 bytes;
         const u64 offset = locate(j, bytes);
         tma_store_1d(dst + offset, slots + s * chunk_bytes, bytes);
@@ -175,6 +176,16 @@ def _cupy():
     return cupy
 
 
+def _require_gpu():
+    """CuPy, after checking that both CuPy and torch see a CUDA device (RuntimeError otherwise)."""
+    import torch
+
+    cupy = _cupy()
+    if not torch.cuda.is_available():
+        raise RuntimeError("megamoe.kernels.cupy_prims needs a CUDA build of torch: torch.cuda is unavailable")
+    return cupy
+
+
 @functools.lru_cache(maxsize=None)
 def get_module():
     """The compiled ``cupy.RawModule`` (NVRTC, ``-arch=sm_90a``), built once per process."""
@@ -215,17 +226,32 @@ def _resolve_device(device) -> int:
 
     if device is None:
         return torch.cuda.current_device()
-    return torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index or 0
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return torch.cuda.current_device() if d.index is None else d.index
 
 
-def _external_stream(stream, device: int):
-    """A CuPy view of ``stream`` (a ``torch.cuda.Stream``, a raw ``cudaStream_t`` int, or None = torch's current)."""
+class _StreamHandle:
+    """A raw ``cudaStream_t`` exposed through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _external_stream(cupy, stream, device: int):
+    """A CuPy stream for ``stream`` (a ``torch.cuda.Stream``, a raw ``cudaStream_t`` int, or None = torch's current).
+
+    CuPy >= 15 wraps foreign streams with ``Stream.from_external``; CuPy 14 with ``ExternalStream``.
+    """
     import torch
 
-    cupy = _cupy()
     if stream is None:
         stream = torch.cuda.current_stream(device)
     ptr = stream if isinstance(stream, int) else stream.cuda_stream
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
     return cupy.cuda.ExternalStream(ptr, device)
 
 
@@ -255,17 +281,16 @@ def _launch_copy(name: str, buffer_ptrs, rank: int, peer: int, src_offset: int, 
     smem = num_stages * chunk_bytes
     if smem > MAX_DYNAMIC_SMEM:
         raise ValueError(f"num_stages*chunk_bytes={smem} exceeds {MAX_DYNAMIC_SMEM} bytes of shared memory")
-    if num_rows >= 2**32 or row_bytes >= 2**32:
-        raise ValueError("num_rows and row_bytes must fit in 32 bits")
     if num_rows <= 0:
         return
-    dev = _resolve_device(device)
     num_items = num_rows * -(-row_bytes // chunk_bytes)
+    if num_items >= 2**31 or row_bytes >= 2**31:
+        raise ValueError(f"num_rows * ceil(row_bytes / chunk_bytes) = {num_items} chunks must be < 2**31")
+    cupy = _require_gpu()
+    dev = _resolve_device(device)
     if num_ctas is None:
         num_ctas = DEFAULT_CTAS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
     grid = max(1, min(num_ctas, num_items))
-
-    cupy = _cupy()
     with cupy.cuda.Device(dev):
         kernel = _kernel(name)
         if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
@@ -274,7 +299,7 @@ def _launch_copy(name: str, buffer_ptrs, rank: int, peer: int, src_offset: int, 
                (_ptr_table(ptrs, dev), np.uint32(len(ptrs)), np.uint32(rank), np.uint32(peer),
                 np.uint64(src_offset), np.uint64(dst_offset), np.uint32(num_rows), np.uint32(row_bytes),
                 np.uint32(chunk_bytes), np.uint32(num_stages)),
-               shared_mem=smem, stream=_external_stream(stream, dev))
+               shared_mem=smem, stream=_external_stream(cupy, stream, dev))
 
 
 def pull_rows(buffer_ptrs: Sequence, rank: int, src_rank: int, src_offset: int, dst_offset: int, num_rows: int,
@@ -340,15 +365,15 @@ def barrier(buffer_ptrs: Sequence, rank: int, signal_offset: int, state_offset: 
     for label, v in (("signal_offset", signal_offset), ("state_offset", state_offset)):
         if v < 0 or v % 4:
             raise ValueError(f"{label}={v} must be a non-negative multiple of 4")
+    cupy = _require_gpu()
     dev = _resolve_device(device)
     threads = 32 * -(-len(ptrs) // 32)
-    cupy = _cupy()
     with cupy.cuda.Device(dev):
         _kernel("rank_barrier_kernel")(
             (1,), (threads,),
             (_ptr_table(ptrs, dev), np.uint32(len(ptrs)), np.uint32(rank), np.uint64(signal_offset),
              np.uint64(state_offset), np.int32(tag), np.uint64(int(timeout_s * 1e9))),
-            stream=_external_stream(stream, dev))
+            stream=_external_stream(cupy, stream, dev))
 
 
 def bench_pull(row_bytes: Sequence[int] = (256, 512, 1024, 2048, 4096, 7168, 8192, 16384, 65536), *,
@@ -376,9 +401,11 @@ def bench_pull(row_bytes: Sequence[int] = (256, 512, 1024, 2048, 4096, 7168, 819
 
     if op not in ("pull", "push"):
         raise ValueError(f"op must be 'pull' or 'push', got {op!r}")
+    _require_gpu()
     launch = pull_rows if op == "pull" else push_rows
     keep_alive = None
-    if buffer_ptrs is None:
+    emulated = buffer_ptrs is None
+    if emulated:
         keep_alive = [torch.zeros(2 * total_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
         buffer_ptrs = [b.data_ptr() for b in keep_alive]
     dst_offset = total_bytes if dst_offset is None else dst_offset
@@ -408,6 +435,6 @@ def bench_pull(row_bytes: Sequence[int] = (256, 512, 1024, 2048, 4096, 7168, 819
                      "gb_s": nbytes / (us * 1e-6) / 1e9})
     del keep_alive
     config = {"op": op, "total_bytes": total_bytes, "num_stages": num_stages, "chunk_bytes": chunk_bytes,
-              "num_ctas": num_ctas, "iters": iters, "repeats": repeats, "emulated_ranks": buffer_ptrs is None}
+              "num_ctas": num_ctas, "iters": iters, "repeats": repeats, "emulated_ranks": emulated}
     return {"kind": "pull_bandwidth", "provenance": provenance(f"megamoe.kernels.cupy_prims.bench_pull(op={op!r})"),
             "config": config, "rows": rows}

@@ -108,20 +108,22 @@ def barrier_wait_kernel(signal_ptr, state_ptr, num_ranks, fail_tag, max_polls, t
 
 @triton.jit
 def remote_copy_rows_kernel(buffer, buffer_ptrs, rank, src_rank, dst_rank, src_offset, dst_offset, src_rows,
-                            dst_rows, row_bytes, BLOCK: tl.constexpr):
-    """Copy byte rows between two ranks' buffers; grid ``(num_rows, cdiv(row_bytes, BLOCK))``.
+                            dst_rows, row_words, BLOCK: tl.constexpr, WORD: tl.constexpr):
+    """Copy rows between two ranks' buffers in ``WORD``-typed words; grid ``(num_rows, cdiv(row_words, BLOCK))``.
 
-    Row ``src_rows[i]`` of the segment at byte ``src_offset`` in ``src_rank``'s buffer goes to row ``dst_rows[i]``
-    of the segment at ``dst_offset`` in ``dst_rank``'s buffer. ``buffer``: this rank's buffer (u8);
-    ``src_rows``/``dst_rows``: i32 ``[num_rows]``. Either rank may be remote (pull: src remote; push: dst remote).
+    Row ``src_rows[i]`` of the segment at word ``src_offset`` of ``src_rank``'s buffer goes to row ``dst_rows[i]``
+    of the segment at word ``dst_offset`` of ``dst_rank``'s buffer; a row is ``row_words`` words. ``buffer``: this
+    rank's buffer (u8); ``src_rows``/``dst_rows``: i32 ``[num_rows]``; ``WORD``: an integer type of 1, 2, 4 or 8
+    bytes. Either rank may be remote (pull: ``src_rank`` remote; push: ``dst_rank`` remote).
     """
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < row_bytes
+    mask = cols < row_words
+    words = buffer.to(tl.pointer_type(WORD))
     src_row = tl.load(src_rows + i).to(tl.int64)
     dst_row = tl.load(dst_rows + i).to(tl.int64)
-    src = sym_map(buffer + src_offset + src_row * row_bytes + cols, buffer_ptrs, rank, src_rank)
-    dst = sym_map(buffer + dst_offset + dst_row * row_bytes + cols, buffer_ptrs, rank, dst_rank)
+    src = sym_map(words + src_offset + src_row * row_words + cols, buffer_ptrs, rank, src_rank)
+    dst = sym_map(words + dst_offset + dst_row * row_words + cols, buffer_ptrs, rank, dst_rank)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
@@ -208,6 +210,9 @@ def check_barrier_state(sb) -> None:
         raise BarrierTimeout(sb.rank, failed_tag, missing, sb.barrier_timeout_s)
 
 
+_WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
+
+
 def _row_geometry(layout, name: str) -> tuple[int, int, int]:
     """``(byte offset, rows, bytes per row)`` of a row-major segment (rows = its first dimension)."""
     seg = layout[name]
@@ -229,7 +234,8 @@ def copy_rows(sb, src_rank: int, dst_rank: int, segment: str, rows, dst_rows=Non
     """Copy rows of ``segment`` from ``src_rank``'s buffer into ``dst_segment`` (default: the same) of ``dst_rank``.
 
     ``rows``: source row indices (ints, range or integer tensor); ``dst_rows``: destination rows (default ``rows``).
-    A row is the segment's first dimension, any dtype, copied as bytes; both segments must have equal row bytes.
+    A row is the segment's first dimension, any dtype, moved as the widest words (<= 8 bytes) dividing the row
+    bytes and both segment offsets; both segments must have equal row bytes. ``block_bytes``: bytes per program.
     Pull = ``src_rank`` remote and ``dst_rank == sb.rank``; push = the mirror. The caller orders it with barriers.
     """
     layout = sb.layout
@@ -246,10 +252,12 @@ def copy_rows(sb, src_rank: int, dst_rank: int, segment: str, rows, dst_rows=Non
         raise ValueError(f"rows ({src_idx.numel()}) and dst_rows ({dst_idx.numel()}) differ in length")
     if src_idx.numel() == 0:
         return
-    block = min(triton.next_power_of_2(row_bytes), block_bytes)
-    grid = (src_idx.numel(), triton.cdiv(row_bytes, block))
-    remote_copy_rows_kernel[grid](sb.buffer, sb.buffer_ptrs, sb.rank, src_rank, dst_rank, src_off, dst_off, src_idx,
-                                  dst_idx, row_bytes, BLOCK=block)
+    word = next(w for w in (8, 4, 2, 1) if (row_bytes | src_off | dst_off) % w == 0)
+    row_words = row_bytes // word
+    block = min(triton.next_power_of_2(row_words), max(1, block_bytes // word))
+    grid = (src_idx.numel(), triton.cdiv(row_words, block))
+    remote_copy_rows_kernel[grid](sb.buffer, sb.buffer_ptrs, sb.rank, src_rank, dst_rank, src_off // word,
+                                  dst_off // word, src_idx, dst_idx, row_words, BLOCK=block, WORD=_WORD_TYPES[word])
 
 
 def pull_rows(sb, src_rank: int, segment: str, rows, dst_rows=None, **kw) -> None:

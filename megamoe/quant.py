@@ -1,0 +1,378 @@
+"""Number formats of the FP8 x FP4 Mega MoE, and the weight layout megamoe's Triton kernels read.
+
+Formats
+-------
+* **FP8 E4M3** (``torch.float8_e4m3fn``) carries activations: the layer input ``x`` and the L2 input
+  (the SwiGLU output). 1 sign, 4 exponent (bias 7) and 3 mantissa bits; largest finite value 448; normals down
+  to 2^-6, subnormals in steps of 2^-9. No infinities.
+* **FP4 E2M1** carries weights: 1 sign, 2 exponent and 1 mantissa bit. Code ``c`` (0..7) of a nibble is the
+  magnitude ``FP4_E2M1_VALUES[c]`` = 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 of the nibble is the sign. Two nibbles
+  per byte, stored as ``torch.int8``; the low nibble holds the element with the smaller index.
+* **UE8M0** scale factors: an unsigned 8-bit exponent, value 2^(byte-127); it is exactly the exponent field of a
+  float32 power of two. One scale covers 32 consecutive elements along K (the ``(1, 1, 32)`` recipe; the
+  only granularity Mega MoE supports). Four bytes are packed little-endian into one int32: byte ``j`` of int
+  ``i`` is the scale of group ``4i + j``. An ``[m, k]`` tensor thus has an int32 scale tensor ``[m, k/128]``.
+
+A scale is the smallest power of two with ``amax / scale <= format max`` (448 for FP8, 6 for FP4), where amax
+is the group's largest magnitude, floored at 1e-4 so all-zero groups get a finite scale. Dividing by a power
+of two is exact, so all rounding happens in the final cast to the narrow format, and dequantisation
+(``value * scale``) is exact in float32.
+
+Layouts
+-------
+Quantised tensors produced here are *K-major*: element ``k`` of row ``n`` is at ``[n, k/2]`` (nibble ``k % 2``)
+and its scale is byte ``(k/32) % 4`` of ``sf[n, k/128]``. :func:`transform_weights_for_mega_moe` turns the
+K-major expert weights into the layout of megamoe's kernels; :func:`untransform_weights_for_mega_moe` inverts
+it exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+FP4_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+
+SF_GRAN_K = 32
+"""Elements along K per scale factor."""
+SF_PACK = 4
+"""UE8M0 scale bytes per int32."""
+AMAX_FLOOR = 1e-4
+"""Lower bound on a group's amax before its scale is computed (DeepGEMM's value)."""
+L1_INTERLEAVE_ROWS = 8
+"""Gate and up rows of the L1 weight alternate in runs of this many rows after the transform."""
+FP4_REPACK_K = 64
+"""K-chunk of the transformed FP4 nibble order (see :func:`transform_weights_for_mega_moe`)."""
+
+# Midpoints between consecutive E2M1 magnitudes. A magnitude exactly on midpoint i (between codes i and i+1)
+# rounds to whichever of the two codes has an even mantissa bit (code & 1 == 0): up when i is odd.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+_FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# UE8M0 scales
+# ----------------------------------------------------------------------------------------------------------
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>= x``, computed exactly on the float32 bit pattern (no log2/pow).
+
+    ``x``: float32 tensor of any shape, every element ``> 0`` and finite (not checked). Returns float32 of the
+    same shape. Results are at least 2^-126 (the smallest normal float32, UE8M0 byte 1): subnormal inputs map
+    to 2^-126. Inputs above 2^127 give ``inf``.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"x: expected torch.float32, got {x.dtype}")
+    bits = x.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Pack float32 power-of-two scales ``[..., g]`` into int32 ``[..., g/4]`` of UE8M0 bytes.
+
+    The byte of a scale is its float32 exponent field ``(bits >> 23) & 0xFF``; byte ``j`` (bits ``8j..8j+7``)
+    of output int ``i`` is scale ``4i + j`` (little-endian). ``g`` must be a multiple of 4 and every scale a
+    normal, finite, positive power of two (2^-126 .. 2^127), else ``ValueError``.
+    """
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales: expected torch.float32, got {scales.dtype}")
+    if scales.dim() < 1 or scales.shape[-1] % SF_PACK != 0:
+        raise ValueError(f"scales: last dimension must be a multiple of {SF_PACK}, got shape {tuple(scales.shape)}")
+    bits = scales.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    is_power_of_two = ((bits & 0x807FFFFF) == 0) & (exponent > 0) & (exponent < 0xFF)
+    if not bool(is_power_of_two.all()):
+        raise ValueError("scales: every element must be a positive, normal, finite power of two")
+    groups = exponent.to(torch.int64).unflatten(-1, (-1, SF_PACK))
+    shifts = torch.arange(SF_PACK, device=scales.device, dtype=torch.int64) * 8
+    packed = (groups << shifts).sum(dim=-1)  # in [0, 2^32): wrap to the signed int32 with the same bits
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_ue8m0`: int32 ``[..., g/4]`` -> float32 ``[..., g]`` with value 2^(byte-127).
+
+    Built from bits, so exact: byte 0 gives 2^-127 (a float32 subnormal) and byte 255 gives NaN (as in the OCP
+    MX specification). Any stride layout of ``sf`` is accepted.
+    """
+    if sf.dtype != torch.int32:
+        raise TypeError(f"sf: expected torch.int32, got {sf.dtype}")
+    shifts = torch.arange(SF_PACK, device=sf.device, dtype=torch.int64) * 8
+    exponent = ((sf.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF).flatten(-2).to(torch.int32)
+    bits = exponent << 23
+    bits = torch.where(exponent == 0, torch.full_like(bits, 0x00400000), bits)  # 2^-127
+    bits = torch.where(exponent == 0xFF, torch.full_like(bits, 0x7FC00000), bits)  # NaN
+    return bits.view(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# E2M1 nibbles
+# ----------------------------------------------------------------------------------------------------------
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to E2M1 nibbles: uint8 ``sign << 3 | code``, same shape as ``v``.
+
+    Round to nearest on the grid ``FP4_E2M1_VALUES``; a tie goes to the code with an even mantissa bit
+    (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4); magnitudes above 6 saturate to 6. The sign bit
+    is the float's sign bit, so negative values that round to zero give the nibble 8 (-0). ``v`` must not
+    contain NaN (not checked).
+    """
+    magnitude = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for i, midpoint in enumerate(_E2M1_MIDPOINTS):
+        rounds_up = magnitude >= midpoint if i % 2 == 1 else magnitude > midpoint
+        code += rounds_up.to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (uint8 ``sign << 3 | code``, any shape) -> float32 values of the same shape."""
+    magnitude = FP4_E2M1_VALUES.to(nibbles.device)[(nibbles & 7).long()]
+    return torch.where((nibbles & 8) != 0, -magnitude, magnitude)
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles ``[..., k]`` -> int8 ``[..., k/2]``; byte ``i`` = nibble ``2i`` | nibble ``2i+1`` << 4."""
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).view(torch.int8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: int8 ``[..., k/2]`` -> uint8 nibbles ``[..., k]``."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Quantisation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_float_input(t: torch.Tensor, name: str, gran_k: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+    if gran_k != SF_GRAN_K:
+        raise ValueError(f"gran_k: only {SF_GRAN_K} (the (1, 1, 32) recipe) is supported, got {gran_k}")
+    if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % (SF_GRAN_K * SF_PACK) != 0:
+        raise ValueError(
+            f"{name}: last dimension must be a positive multiple of {SF_GRAN_K * SF_PACK}, got shape {tuple(t.shape)}"
+        )
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name}: contains NaN or inf")
+
+
+def _group_scales(t: torch.Tensor, format_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``t [..., k]`` into float32 groups ``[..., k/32, 32]`` and their power-of-two scales ``[..., k/32]``."""
+    groups = t.float().unflatten(-1, (-1, SF_GRAN_K))
+    amax = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    return groups, ceil_to_ue8m0(amax / format_max)
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, gran_k: int = SF_GRAN_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise activations per 32 elements to FP8 E4M3 with UE8M0 scales.
+
+    ``x``: ``[m, k]`` float32/bfloat16/float16, ``k % 128 == 0``, finite. Returns ``(x_fp8, sf)``:
+    ``x_fp8`` ``[m, k]`` ``torch.float8_e4m3fn`` and ``sf`` int32 ``[m, k/128]`` (packed UE8M0, K-major).
+    Per group: ``scale = ceil_to_ue8m0(max(amax, 1e-4) / 448)`` and ``x_fp8 = fp8(x / scale)`` with
+    round-to-nearest-even (the division is exact, and ``|x / scale| <= 448`` so nothing saturates).
+    """
+    _check_float_input(x, "x", gran_k)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [m, k] tensor, got shape {tuple(x.shape)}")
+    groups, scales = _group_scales(x, FP8_E4M3_MAX)
+    x_fp8 = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return x_fp8, pack_ue8m0(scales)
+
+
+def _cast_to_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    groups, scales = _group_scales(w, FP4_E2M1_MAX)
+    nibbles = e2m1_encode(groups / scales.unsqueeze(-1)).flatten(-2)
+    return pack_nibbles(nibbles), pack_ue8m0(scales)
+
+
+def per_token_cast_to_fp4(w: torch.Tensor, gran_k: int = SF_GRAN_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight matrix per 32 elements along K to FP4 E2M1 with UE8M0 scales.
+
+    ``w``: ``[n, k]`` float32/bfloat16/float16, ``k % 128 == 0``, finite. Returns ``(w_packed, sf)``:
+    ``w_packed`` int8 ``[n, k/2]`` (low nibble = even element, see :func:`pack_nibbles`) and ``sf`` int32
+    ``[n, k/128]`` (packed UE8M0, K-major). Per group: ``scale = ceil_to_ue8m0(max(amax, 1e-4) / 6)`` and each
+    element is :func:`e2m1_encode` of ``w / scale``.
+    """
+    _check_float_input(w, "w", gran_k)
+    if w.dim() != 2:
+        raise ValueError(f"w: expected a 2-D [n, k] tensor, got shape {tuple(w.shape)}")
+    return _cast_to_fp4(w)
+
+
+def cast_grouped_weights_to_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_cast_to_fp4` for every expert.
+
+    ``w [E, n, k]`` -> (int8 ``[E, n, k/2]``, int32 ``[E, n, k/128]``), each expert quantised independently.
+    """
+    _check_float_input(w, "w", SF_GRAN_K)
+    if w.dim() != 3:
+        raise ValueError(f"w: expected a 3-D [E, n, k] tensor, got shape {tuple(w.shape)}")
+    return _cast_to_fp4(w)
+
+
+def _expand_scales(sf: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """Unpacked scales broadcastable over ``[..., k]``, after checking ``sf`` is ``[..., k/128]``."""
+    if sf.dtype != torch.int32:
+        raise TypeError(f"sf: expected torch.int32, got {sf.dtype}")
+    if sf.shape[-1] * SF_GRAN_K * SF_PACK != k:
+        raise ValueError(f"sf: last dimension {sf.shape[-1]} does not match {name} (k = {k}, expected k/128)")
+    return unpack_ue8m0(sf).repeat_interleave(SF_GRAN_K, dim=-1)
+
+
+def dequant_fp8(x_fp8: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """``x_fp8 [..., m, k]`` float8_e4m3fn with ``sf`` int32 ``[..., m, k/128]`` -> float32 ``[..., m, k]`` (exact)."""
+    if x_fp8.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"x_fp8: expected torch.float8_e4m3fn, got {x_fp8.dtype}")
+    if sf.shape[:-1] != x_fp8.shape[:-1]:
+        raise ValueError(f"sf: shape {tuple(sf.shape)} does not match x_fp8 {tuple(x_fp8.shape)}")
+    return x_fp8.float() * _expand_scales(sf, x_fp8.shape[-1], "x_fp8")
+
+
+def dequant_fp4(w_packed: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """``w_packed`` int8 ``[..., n, k/2]`` (K-major nibbles) with ``sf`` int32 ``[..., n, k/128]`` -> float32
+    ``[..., n, k]`` (exact)."""
+    if w_packed.dtype != torch.int8:
+        raise TypeError(f"w_packed: expected torch.int8, got {w_packed.dtype}")
+    if sf.shape[:-1] != w_packed.shape[:-1]:
+        raise ValueError(f"sf: shape {tuple(sf.shape)} does not match w_packed {tuple(w_packed.shape)}")
+    values = e2m1_decode(unpack_nibbles(w_packed))
+    return values * _expand_scales(sf, values.shape[-1], "w_packed")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Expert weights: validation and the kernel layout
+# ----------------------------------------------------------------------------------------------------------
+
+QuantWeights = tuple[torch.Tensor, torch.Tensor]
+"""``(w int8 [E, n, k/2], sf int32 [E, n, k/128])``: FP4 nibbles and packed UE8M0 scales of E experts."""
+
+
+def _check_pair(pair: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)):
+        raise TypeError(f"{name}: expected a (weights, scales) pair of tensors")
+    w, sf = pair
+    if w.dtype != torch.int8 or sf.dtype != torch.int32:
+        raise TypeError(f"{name}: expected (int8, int32) tensors, got ({w.dtype}, {sf.dtype})")
+    if w.dim() != 3 or sf.dim() != 3:
+        raise ValueError(f"{name}: expected 3-D tensors, got shapes {tuple(w.shape)} and {tuple(sf.shape)}")
+    return w, sf
+
+
+def check_moe_weights(l1_weights: QuantWeights, l2_weights: QuantWeights) -> tuple[int, int, int]:
+    """Validate a pair of FP4 expert weights and return ``(num_experts, hidden, intermediate)``.
+
+    ``l1_weights = (int8 [E, 2I, H/2], int32 [E, 2I, H/128])`` (rows ``[0, I)`` gate, ``[I, 2I)`` up) and
+    ``l2_weights = (int8 [E, H, I/2], int32 [E, H, I/128])``, with ``H`` and ``I`` multiples of 128 and all
+    four tensors on one device. Only shapes, dtypes and devices are checked, so the transformed layout of
+    :func:`transform_weights_for_mega_moe` passes as well. Errors name the offending argument.
+    """
+    w1, sf1 = _check_pair(l1_weights, "l1_weights")
+    w2, sf2 = _check_pair(l2_weights, "l2_weights")
+    num_experts, two_i, half_h = w1.shape
+    hidden, intermediate = 2 * half_h, two_i // 2
+    if two_i % 2 != 0 or hidden % 128 != 0 or intermediate % 128 != 0:
+        raise ValueError(
+            f"l1_weights: shape {tuple(w1.shape)} gives H={hidden}, 2I={two_i}; H and I must be multiples of 128"
+        )
+    if tuple(sf1.shape) != (num_experts, two_i, hidden // 128):
+        raise ValueError(f"l1_weights: scales {tuple(sf1.shape)} do not match weights {tuple(w1.shape)}")
+    expected = ((num_experts, hidden, intermediate // 2), (num_experts, hidden, intermediate // 128))
+    if (tuple(w2.shape), tuple(sf2.shape)) != expected:
+        raise ValueError(
+            f"l2_weights: shapes {tuple(w2.shape)}, {tuple(sf2.shape)} do not match l1_weights "
+            f"(E={num_experts}, H={hidden}, I={intermediate}: expected {expected[0]}, {expected[1]})"
+        )
+    if len({t.device for t in (w1, sf1, w2, sf2)}) != 1:
+        raise ValueError("l2_weights: l1_weights and l2_weights must all be on one device")
+    return num_experts, hidden, intermediate
+
+
+def _interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, c]`` with rows gate | up -> rows ``[gate0..7, up0..7, gate8..15, up8..15, ...]``."""
+    e, two_i, c = t.shape
+    gate, up = t.view(e, 2, two_i // (2 * L1_INTERLEAVE_ROWS), L1_INTERLEAVE_ROWS, c).unbind(1)
+    return torch.stack((gate, up), dim=2).reshape(e, two_i, c)
+
+
+def _deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_interleave_gate_up`."""
+    e, two_i, c = t.shape
+    pairs = t.reshape(e, two_i // (2 * L1_INTERLEAVE_ROWS), 2, L1_INTERLEAVE_ROWS, c)
+    return pairs.transpose(1, 2).reshape(e, two_i, c)
+
+
+def _repack_nibbles_split(w: torch.Tensor) -> torch.Tensor:
+    """K-major nibbles ``[..., k/2]`` -> per 64-element chunk, byte ``j`` = element ``j`` | element ``32+j`` << 4."""
+    chunks = unpack_nibbles(w).unflatten(-1, (-1, 2, FP4_REPACK_K // 2))
+    return (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).flatten(-2).view(torch.int8)
+
+
+def _unrepack_nibbles_split(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_repack_nibbles_split`."""
+    chunks = w.view(torch.uint8).unflatten(-1, (-1, FP4_REPACK_K // 2))
+    nibbles = torch.stack((chunks & 0xF, chunks >> 4), dim=-2).flatten(-3)
+    return pack_nibbles(nibbles)
+
+
+def _to_mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K/128]`` with strides ``(N*K/128, 1, N)``: the N index is contiguous."""
+    return sf.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def transform_weights_for_mega_moe(
+    l1_weights: QuantWeights, l2_weights: QuantWeights, activation: str = "swiglu"
+) -> tuple[QuantWeights, QuantWeights]:
+    """Re-lay K-major FP4 expert weights into the layout megamoe's Triton kernels read.
+
+    Inputs (as from :func:`cast_grouped_weights_to_fp4`, for the ``El`` experts a rank owns):
+    ``l1_weights = (int8 [El, 2I, H/2], int32 [El, 2I, H/128])`` with rows ``[0, I)`` gate and ``[I, 2I)`` up,
+    and ``l2_weights = (int8 [El, H, I/2], int32 [El, H, I/128])``; ``H``, ``I`` multiples of 128.
+
+    Returns ``((l1_w, l1_sf), (l2_w, l2_sf))``, same shapes and dtypes, with three changes:
+
+    a. **L1 gate/up interleave** (L1 weights and scales): rows become
+       ``[gate0..7, up0..7, gate8..15, up8..15, ...]``, as DeepGEMM's ``_interleave_weights(gran=8)``. Every
+       16-row period holds matching gate and up rows, so an L1 output tile of ``2*BN`` weight rows contains
+       ``BN`` complete gate/up pairs and the SwiGLU epilogue needs no exchange across tiles.
+    b. **Split nibble order** (L1 and L2 weights): along K, in chunks of 64 elements, byte ``j`` (0..31) of
+       chunk ``c`` holds element ``64c + j`` in its low nibble and element ``64c + 32 + j`` in its high nibble.
+       A K-step of 64 loads 32 bytes whose low nibbles form one 32-wide operand and whose high nibbles form the
+       next; each lies in exactly one per-32 scale group, so the kernel decodes ``lo = b & 15`` and
+       ``hi = b >> 4`` straight into two FP8 dot operands with no join/interleave shuffle.
+    c. **MN-major scales** (L1 and L2): shape stays ``[El, N, K/128]`` but strides become
+       ``(N*K/128, 1, N)``, like DeepGEMM's MN-major SF, so a kernel reads one int32 per ``(k/128, n)`` with
+       ``n`` contiguous. (DeepGEMM's further UTCCP row permutation is an SM100 tensor-memory detail and is
+       not applied.)
+
+    Errors name ``l1_weights``/``l2_weights`` for bad dtypes or shapes; ``activation`` must be ``"swiglu"``.
+    """
+    if activation != "swiglu":
+        raise ValueError(f"activation: only 'swiglu' is supported, got {activation!r}")
+    check_moe_weights(l1_weights, l2_weights)
+    (w1, sf1), (w2, sf2) = l1_weights, l2_weights
+    l1 = (_repack_nibbles_split(_interleave_gate_up(w1)).contiguous(), _to_mn_major(_interleave_gate_up(sf1)))
+    l2 = (_repack_nibbles_split(w2).contiguous(), _to_mn_major(sf2))
+    return l1, l2
+
+
+def untransform_weights_for_mega_moe(
+    l1_weights: QuantWeights, l2_weights: QuantWeights
+) -> tuple[QuantWeights, QuantWeights]:
+    """Exact inverse of :func:`transform_weights_for_mega_moe`: kernel layout -> contiguous K-major weights."""
+    check_moe_weights(l1_weights, l2_weights)
+    (w1, sf1), (w2, sf2) = l1_weights, l2_weights
+    l1 = (_deinterleave_gate_up(_unrepack_nibbles_split(w1)), _deinterleave_gate_up(sf1.contiguous()))
+    l2 = (_unrepack_nibbles_split(w2).contiguous(), sf2.contiguous())
+    return l1, l2

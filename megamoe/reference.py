@@ -1,0 +1,285 @@
+"""The semantics every megamoe kernel must match, in plain torch (any device, float32 accumulation).
+
+One Mega MoE layer, per token ``t`` and top-k slot ``j`` with expert ``e = topk_idx[t, j] >= 0``:
+
+1. ``a = dequant(x[t])``, FP8 x UE8M0 -> float32 ``[H]``.
+2. ``h = bf16(a @ W1[e].T)``: float32 accumulate, then one rounding to bf16 (DeepGEMM rounds the L1
+   accumulator to bf16 before the activation). ``gate = h[:I]``, ``up = h[I:]``.
+3. Optional clamp ``c``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)``.
+4. ``act = silu(gate) * up * topk_weights[t, j]`` in float32, ``silu(g) = g / (1 + exp(-g))``. The top-k
+   weight is applied here, before requantisation, not in the combine.
+5. ``act`` is requantised per 32 with :func:`megamoe.quant.per_token_cast_to_fp8`.
+6. ``o = bf16(dequant(act) @ W2[e].T)`` (float32 accumulate), the row the combine buffer holds for ``(j, t)``.
+7. ``y[t] = bf16(sum_j float32(o[j]))`` over valid slots in increasing ``j``, float32 accumulation and one
+   round-to-nearest-even at the end; a token with every slot masked gets ``y[t] = 0``.
+
+Every (token, slot) row is computed independently; a kernel may batch and order rows as it likes, and differs
+from this reference only through float32 summation order (see :func:`megamoe.testing.assert_moe_close`).
+Weights are in the untransformed (K-major, gate rows then up rows) layout of
+:func:`megamoe.quant.cast_grouped_weights_to_fp4`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from megamoe.quant import QuantWeights, check_moe_weights, dequant_fp4, dequant_fp8, per_token_cast_to_fp8
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul() -> Iterator[None]:
+    """Force full-precision float32 matmuls (no TF32 / bf16 shortcuts) on CUDA and oneDNN while inside."""
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [b.fp32_precision for b in backends]
+    try:
+        for b in backends:
+            b.fp32_precision = "ieee"
+        yield
+    finally:
+        for b, precision in zip(backends, saved):
+            b.fp32_precision = precision
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_tokens(
+    x: torch.Tensor,
+    x_sf: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    hidden: int,
+    num_experts: int,
+    names: tuple[str, str, str, str] = ("x", "x_sf", "topk_idx", "topk_weights"),
+) -> None:
+    """Check one rank's inputs against the weights' ``hidden`` and ``num_experts``; errors use ``names``."""
+    tensors = (x, x_sf, topk_idx, topk_weights)
+    dtypes = (torch.float8_e4m3fn, torch.int32, torch.int64, torch.float32)
+    for t, dtype, name in zip(tensors, dtypes, names):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    x_name, sf_name, idx_name, w_name = names
+    n = x.shape[0]
+    if x.shape[1] != hidden:
+        raise ValueError(f"{x_name}: hidden size {x.shape[1]} does not match the weights' H={hidden}")
+    if tuple(x_sf.shape) != (n, hidden // 128):
+        raise ValueError(f"{sf_name}: expected shape {(n, hidden // 128)}, got {tuple(x_sf.shape)}")
+    if topk_idx.shape[0] != n or topk_idx.shape[1] < 1:
+        raise ValueError(f"{idx_name}: expected shape [{n}, num_topk >= 1], got {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"{w_name}: shape {tuple(topk_weights.shape)} does not match topk_idx {tuple(topk_idx.shape)}")
+    if topk_idx.numel() and not bool(((topk_idx >= -1) & (topk_idx < num_experts)).all()):
+        raise ValueError(f"{idx_name}: expert ids must lie in [-1, {num_experts}) (-1 = masked slot)")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{x_name}: {', '.join(names)} must all be on one device")
+
+
+def _check_clamp(activation_clamp: float | None) -> None:
+    if activation_clamp is not None and not activation_clamp > 0:
+        raise ValueError(f"activation_clamp: must be None or > 0, got {activation_clamp}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One expert, and the combine
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ExpertOutput:
+    l1_out: torch.Tensor  # bf16 [m, 2I]: gate | up, before the clamp
+    l2_in: torch.Tensor  # float8_e4m3fn [m, I]
+    l2_in_sf: torch.Tensor  # int32 [m, I/128]
+    out: torch.Tensor  # bf16 [m, H]
+
+
+def _expert_weights(weights: QuantWeights, e: int) -> torch.Tensor:
+    """Expert ``e`` of FP4 weights ``(int8 [E, n, k/2], int32 [E, n, k/128])`` as float32 ``[n, k]``."""
+    return dequant_fp4(weights[0][e], weights[1][e])
+
+
+def swiglu(h: torch.Tensor, activation_clamp: float | None) -> torch.Tensor:
+    """SwiGLU of L1 outputs ``h [m, 2I]`` (gate | up, any float dtype) -> float32 ``[m, I]``.
+
+    ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` when a clamp ``c`` is given; then
+    ``gate / (1 + exp(-gate)) * up`` in float32.
+    """
+    gate, up = h.float().chunk(2, dim=-1)
+    if activation_clamp is not None:
+        gate = gate.clamp(max=activation_clamp)
+        up = up.clamp(-activation_clamp, activation_clamp)
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def _expert_forward(
+    a: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    activation_clamp: float | None,
+) -> _ExpertOutput:
+    """One expert on ``m`` rows: ``a`` float32 ``[m, H]``, top-k ``weights`` float32 ``[m]``, dequantised
+    ``w1 [2I, H]`` and ``w2 [H, I]``."""
+    l1_out = (a @ w1.T).to(torch.bfloat16)
+    act = swiglu(l1_out, activation_clamp) * weights.unsqueeze(1)
+    l2_in, l2_in_sf = per_token_cast_to_fp8(act)
+    out = (dequant_fp8(l2_in, l2_in_sf) @ w2.T).to(torch.bfloat16)
+    return _ExpertOutput(l1_out, l2_in, l2_in_sf, out)
+
+
+def combine(buffer: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Reduce a combine buffer: bf16 ``[k, n, H]`` and int64 ``topk_idx [n, k]`` -> bf16 ``y [n, H]``.
+
+    ``y[t] = bf16(sum of float32(buffer[j, t]) over j with topk_idx[t, j] >= 0, in increasing j)``; entries of
+    masked slots are never read, so their content does not matter.
+    """
+    acc = torch.zeros(buffer.shape[1:], dtype=torch.float32, device=buffer.device)
+    for j in range(buffer.shape[0]):
+        valid = (topk_idx[:, j] >= 0).unsqueeze(1)
+        acc = torch.where(valid, acc + buffer[j].float(), acc)
+    return acc.to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------------------
+
+
+def reference_mega_moe(
+    x: torch.Tensor,
+    x_sf: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l1_weights: QuantWeights,
+    l2_weights: QuantWeights,
+    *,
+    activation_clamp: float | None = None,
+    return_intermediates: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
+    """The whole MoE layer on one rank holding all ``E`` experts (see the module docstring for the maths).
+
+    Args:
+        x: float8_e4m3fn ``[n, H]`` tokens.
+        x_sf: int32 ``[n, H/128]`` packed UE8M0 scales of ``x`` (K-major).
+        topk_idx: int64 ``[n, k]`` expert ids in ``[0, E)``, or -1 for a masked slot.
+        topk_weights: float32 ``[n, k]``.
+        l1_weights: ``(int8 [E, 2I, H/2], int32 [E, 2I, H/128])``, rows gate then up, untransformed.
+        l2_weights: ``(int8 [E, H, I/2], int32 [E, H, I/128])``, untransformed.
+        activation_clamp: optional ``c > 0``: ``gate <= c`` and ``|up| <= c`` before SwiGLU.
+        return_intermediates: also return a dict with
+
+            * ``expert_recv_count`` int64 ``[E]``: (token, slot) pairs each expert receives;
+            * ``expert_rows``: per expert, int64 ``[m_e, 2]`` of ``(token, slot)``, token-major;
+            * ``l1_out``: per expert, bf16 ``[m_e, 2I]`` L1 outputs (gate | up, before the clamp);
+            * ``l2_in``: per expert, ``(float8_e4m3fn [m_e, I], int32 [m_e, I/128])`` L2 inputs;
+            * ``combine``: bf16 ``[k, n, H]``, ``combine[j, t]`` = expert output for slot ``j`` of token
+              ``t`` (zero for masked slots).
+
+    Returns:
+        ``y`` bf16 ``[n, H]``, or ``(y, intermediates)``.
+    """
+    num_experts, hidden, _ = check_moe_weights(l1_weights, l2_weights)
+    _check_tokens(x, x_sf, topk_idx, topk_weights, hidden=hidden, num_experts=num_experts)
+    _check_clamp(activation_clamp)
+    if x.device != l1_weights[0].device:
+        raise ValueError(f"x: on {x.device} but the weights are on {l1_weights[0].device}")
+
+    a = dequant_fp8(x, x_sf)
+    buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
+    rows_per_expert, outputs = [], []
+    with _ieee_fp32_matmul():
+        for e in range(num_experts):
+            rows = (topk_idx == e).nonzero()
+            token, slot = rows.unbind(1)
+            out = _expert_forward(
+                a[token], topk_weights[token, slot],
+                _expert_weights(l1_weights, e), _expert_weights(l2_weights, e), activation_clamp,
+            )
+            buffer[slot, token] = out.out
+            rows_per_expert.append(rows)
+            outputs.append(out)
+    y = combine(buffer, topk_idx)
+    if not return_intermediates:
+        return y
+    intermediates = {
+        "expert_recv_count": torch.tensor([len(r) for r in rows_per_expert], dtype=torch.int64),
+        "expert_rows": rows_per_expert,
+        "l1_out": [o.l1_out for o in outputs],
+        "l2_in": [(o.l2_in, o.l2_in_sf) for o in outputs],
+        "combine": buffer,
+    }
+    return y, intermediates
+
+
+def reference_mega_moe_ep(
+    xs: list[torch.Tensor],
+    x_sfs: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    topk_weights_list: list[torch.Tensor],
+    l1_weights: QuantWeights,
+    l2_weights: QuantWeights,
+    num_ranks: int,
+    *,
+    activation_clamp: float | None = None,
+) -> list[torch.Tensor]:
+    """The layer in expert-parallel form over ``num_ranks`` ranks, simulated in one process.
+
+    Rank ``r`` holds tokens ``xs[r]`` ``[n_r, H]`` (with ``x_sfs[r]``, ``topk_idxs[r]``,
+    ``topk_weights_list[r]``, as in :func:`reference_mega_moe`; ``n_r = 0`` allowed) and owns experts
+    ``[r*El, (r+1)*El)`` of the global weights (``El = E / num_ranks``). Each rank runs its experts on the
+    (token, slot) pairs routed to them from every rank (source rank, then token, then slot order) and writes
+    each output row into the source rank's bf16 combine buffer ``[k, n_src, H]``; every rank then reduces
+    its own buffer. Returns the per-rank ``y`` (bf16 ``[n_r, H]``), bitwise equal to
+    :func:`reference_mega_moe` on the concatenated tokens.
+    """
+    num_experts, hidden, _ = check_moe_weights(l1_weights, l2_weights)
+    if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_ranks: must be a positive divisor of the number of experts {num_experts}, got {num_ranks}"
+        )
+    lists = {"xs": xs, "x_sfs": x_sfs, "topk_idxs": topk_idxs, "topk_weights_list": topk_weights_list}
+    for name, values in lists.items():
+        if not isinstance(values, (list, tuple)) or len(values) != num_ranks:
+            raise ValueError(f"{name}: expected a list of num_ranks={num_ranks} tensors")
+    for r in range(num_ranks):
+        names = tuple(f"{name}[{r}]" for name in lists)
+        _check_tokens(xs[r], x_sfs[r], topk_idxs[r], topk_weights_list[r],
+                      hidden=hidden, num_experts=num_experts, names=names)
+        if xs[r].device != l1_weights[0].device:
+            raise ValueError(f"xs[{r}]: on {xs[r].device} but the weights are on {l1_weights[0].device}")
+        if topk_idxs[r].shape[1] != topk_idxs[0].shape[1]:
+            raise ValueError(
+                f"topk_idxs[{r}]: num_topk {topk_idxs[r].shape[1]} differs from rank 0's {topk_idxs[0].shape[1]}"
+            )
+    _check_clamp(activation_clamp)
+
+    num_local = num_experts // num_ranks
+    a = [dequant_fp8(x, sf) for x, sf in zip(xs, x_sfs)]
+    buffers = [torch.zeros((idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
+               for x, idx in zip(xs, topk_idxs)]
+    with _ieee_fp32_matmul():
+        for rank in range(num_ranks):
+            experts = slice(rank * num_local, (rank + 1) * num_local)
+            local_l1 = (l1_weights[0][experts], l1_weights[1][experts])
+            local_l2 = (l2_weights[0][experts], l2_weights[1][experts])
+            for local_e in range(num_local):
+                e = rank * num_local + local_e
+                rows = [(idx == e).nonzero().unbind(1) for idx in topk_idxs]  # per source: (token, slot)
+                counts = [len(token) for token, _ in rows]
+                out = _expert_forward(
+                    torch.cat([a_src[token] for a_src, (token, _) in zip(a, rows)]),
+                    torch.cat([w[token, slot] for w, (token, slot) in zip(topk_weights_list, rows)]),
+                    _expert_weights(local_l1, local_e), _expert_weights(local_l2, local_e), activation_clamp,
+                )
+                for buffer, (token, slot), part in zip(buffers, rows, out.out.split(counts)):
+                    buffer[slot, token] = part
+    return [combine(buffer, idx) for buffer, idx in zip(buffers, topk_idxs)]

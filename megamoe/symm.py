@@ -1,0 +1,274 @@
+"""SymmBuffer: one symmetric byte buffer per rank, every peer's copy addressable from every rank.
+
+Three backends, one interface (``buffer``, ``buffer_ptrs``, ``rank``, ``layout``, typed views):
+
+* ``cuda``: ``torch.distributed._symmetric_memory`` (NVLink peer memory); world size 1 uses a plain allocation.
+* ``cpu``: one process per rank, a gloo group. Each rank creates a POSIX shm file, every rank maps every peer's
+  file, then each rank unlinks its own file at once (the mappings stay valid, so a crash cannot leak ``/dev/shm``).
+  Kernels run under Triton's interpreter directly on those host mappings.
+* ``local``: N ranks in one process on one device (:meth:`SymmBuffer.local`), driven in lock-step.
+
+``buffer_ptrs`` (int64 ``[R]``, on the kernel device) holds each rank's buffer base *as seen from this process*;
+kernels translate addresses with ``megamoe.kernels.symm.sym_map``.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from megamoe.env import cuda_available, kernel_device
+from megamoe.layout import Layout
+
+#: The views DeepGEMM's SymmBuffer exposes as attributes.
+VIEW_NAMES = ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf")
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "megamoe-"
+BACKENDS = ("cuda", "cpu", "local")
+#: The kernels' smallest M tile: the pool padding granularity must be a power of two at least this large.
+MIN_BLOCK_M = 16
+
+
+def shm_path(rank: int) -> str:
+    """A fresh shm file name for ``rank``: ``/dev/shm/megamoe-<pid>-<uuid>-r<rank>`` (the pid lets a launcher
+    sweep what a killed child left behind)."""
+    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}-r{rank}")
+
+
+def _check_config(block_m, mma_type, activation, barrier_timeout_s, backend) -> None:
+    """Arguments that :class:`Layout` does not check (it validates the shapes)."""
+    if isinstance(block_m, bool) or not isinstance(block_m, int):
+        raise TypeError(f"block_m must be an int, got {type(block_m).__name__}")
+    if block_m < MIN_BLOCK_M or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= {MIN_BLOCK_M}")
+    if mma_type != "fp8xfp4":
+        raise ValueError(f"mma_type={mma_type!r} is not supported (only 'fp8xfp4')")
+    if activation != "swiglu":
+        raise ValueError(f"activation={activation!r} is not supported (only 'swiglu')")
+    if isinstance(barrier_timeout_s, bool) or not isinstance(barrier_timeout_s, (int, float)):
+        raise TypeError(f"barrier_timeout_s must be a number, got {type(barrier_timeout_s).__name__}")
+    if not (math.isfinite(barrier_timeout_s) and barrier_timeout_s > 0):
+        raise ValueError(f"barrier_timeout_s={barrier_timeout_s} must be a finite number > 0")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None (auto)")
+
+
+def _group_info(group) -> tuple[int, int, str]:
+    """``(rank, world size, backend)`` of ``group``; no initialized process group means a single rank."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        return 0, 1, "cuda" if cuda_available() else "cpu"
+    group = group or dist.group.WORLD
+    pg_backend = str(dist.get_backend(group)).lower()
+    backend = "cuda" if "nccl" in pg_backend or (pg_backend != "gloo" and cuda_available()) else "cpu"
+    return dist.get_rank(group), dist.get_world_size(group), backend
+
+
+class _View:
+    """Descriptor: a typed view of one segment, built when the buffer is and dropped by ``destroy()``."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, sb, owner=None):
+        if sb is None:
+            return self
+        return sb.view(self.name)
+
+
+class SymmBuffer:
+    """One rank's symmetric buffer of :class:`~megamoe.layout.Layout` (DeepGEMM's ``SymmBuffer``).
+
+    Args:
+        group: the expert-parallel process group (None: the default group, or a single rank when torch.distributed
+            is not initialized). Its size is the number of ranks R.
+        num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m: see ``Layout``.
+        backend: "cuda", "cpu" or None (auto: "cuda" for an NCCL group / a CUDA machine, "cpu" for gloo).
+        barrier_timeout_s: how long a barrier waits for a missing rank before failing.
+        mma_type, activation: only "fp8xfp4" and "swiglu" exist.
+
+    Attributes: ``layout``, ``rank``, ``num_ranks``, ``group``, ``backend``, ``device``, ``buffer`` (u8
+    ``[layout.num_bytes]``, zeroed), ``buffer_ptrs`` (int64 ``[R]`` on ``device``), ``barrier_timeout_s`` and the
+    views ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts, l2_acts_sf``.
+    """
+
+    x = _View()
+    x_sf = _View()
+    topk_idx = _View()
+    topk_weights = _View()
+    l1_acts = _View()
+    l1_acts_sf = _View()
+    l2_acts = _View()
+    l2_acts_sf = _View()
+
+    def __init__(self, group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                 intermediate_hidden: int, *, block_m: int = 128, backend: str | None = None,
+                 barrier_timeout_s: float = 30.0, mma_type: str = "fp8xfp4", activation: str = "swiglu"):
+        _check_config(block_m, mma_type, activation, barrier_timeout_s, backend)
+        if backend == "local":
+            raise ValueError("backend='local' runs every rank in one process: use SymmBuffer.local(num_ranks, ...)")
+        rank, world, auto = _group_info(group)
+        layout = Layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m)
+        self._init_fields(layout, rank, group, backend or auto, barrier_timeout_s)
+        if self.backend == "cuda":
+            self._alloc_cuda()
+        elif world == 1:
+            self._adopt(torch.zeros(layout.num_bytes, dtype=torch.uint8), [])
+        else:
+            self._alloc_cpu_shm()
+
+    @classmethod
+    def local(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+              intermediate_hidden: int, *, block_m: int = 128, device=None, barrier_timeout_s: float = 30.0,
+              mma_type: str = "fp8xfp4", activation: str = "swiglu") -> list["SymmBuffer"]:
+        """``num_ranks`` buffers in this process on one device (default: the kernel device), rank = list index.
+
+        Every rank's ``buffer_ptrs`` holds the same addresses; drive the ranks in lock-step (e.g. arrive for all,
+        then wait for all: ``megamoe.kernels.symm.barrier_lockstep``).
+        """
+        _check_config(block_m, mma_type, activation, barrier_timeout_s, None)
+        layout = Layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                        block_m)
+        device = torch.device(device) if device is not None else kernel_device()
+        buffers = [torch.zeros(layout.num_bytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
+        ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+        sbs = []
+        for rank, buf in enumerate(buffers):
+            sb = cls.__new__(cls)
+            sb._init_fields(layout, rank, None, "local", barrier_timeout_s)
+            sb._adopt(buf, [])
+            sb.buffer_ptrs = ptrs
+            sb._peers = buffers
+            sbs.append(sb)
+        return sbs
+
+    # ------------------------------------------------------------------ set-up
+    def _init_fields(self, layout: Layout, rank: int, group, backend: str, barrier_timeout_s: float) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.num_ranks = layout.num_ranks
+        self.group = group
+        self.backend = backend
+        self.barrier_timeout_s = float(barrier_timeout_s)
+        self._handle = None
+        self._maps: list[mmap.mmap] = []
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def _adopt(self, buffer: torch.Tensor, peers: list[torch.Tensor]) -> None:
+        """Install ``buffer`` (this rank's bytes) and ``peers`` (every rank's bytes as seen here, [] = [buffer])."""
+        self.buffer = buffer
+        self.device = buffer.device
+        self._peers = peers or [buffer]
+        self.buffer_ptrs = torch.tensor([p.data_ptr() for p in self._peers], dtype=torch.int64, device=self.device)
+        self._views = {}
+
+    def _alloc_cuda(self) -> None:
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        device = torch.device("cuda", torch.cuda.current_device())
+        n = self.layout.num_bytes
+        if self.num_ranks == 1:
+            self._adopt(torch.zeros(n, dtype=torch.uint8, device=device), [])
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(n, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(buffer, self.group or dist.group.WORLD)
+        peers = [self._handle.get_buffer(r, (n,), torch.uint8) for r in range(self.num_ranks)]
+        buffer.zero_()
+        self._adopt(buffer, peers)
+        self.buffer_ptrs = torch.tensor(list(self._handle.buffer_ptrs), dtype=torch.int64, device=device)
+        dist.barrier(group=self.group)
+        torch.cuda.synchronize(device)
+
+    def _alloc_cpu_shm(self) -> None:
+        """Create, exchange and map the shm files; this rank's file is unlinked before returning (or on error)."""
+        n = self.layout.num_bytes
+        path = shm_path(self.rank)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.ftruncate(fd, n)
+                own = mmap.mmap(fd, n)
+            finally:
+                os.close(fd)
+            self._maps.append(own)
+            paths = [None] * self.num_ranks
+            dist.all_gather_object(paths, path, group=self.group)
+            peers = []
+            for r, p in enumerate(paths):
+                m = own if r == self.rank else _map_file(p, n)
+                if m is not own:
+                    self._maps.append(m)
+                peers.append(torch.frombuffer(m, dtype=torch.uint8))
+            dist.barrier(group=self.group)
+        finally:
+            os.unlink(path)
+        self._adopt(peers[self.rank], peers)
+
+    # ------------------------------------------------------------------ access
+    def view(self, name: str) -> torch.Tensor:
+        """Typed view of segment ``name`` of this rank's buffer (see ``layout.table()``)."""
+        if self._views is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        if name not in self._views:
+            self._views[name] = self.layout.view(self.buffer, name)
+        return self._views[name]
+
+    def peer_view(self, rank: int, name: str) -> torch.Tensor:
+        """Typed view of segment ``name`` in ``rank``'s buffer, as mapped into this process (host-side access,
+        for tests and debugging; kernels use ``buffer_ptrs``)."""
+        if self._views is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        return self.layout.view(self._peers[rank], name)
+
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Drop the views and release the memory (idempotent). A mapping still exported by a tensor the caller
+        holds is released when that tensor dies."""
+        if self._views is None:
+            return
+        self._views = None
+        self.buffer = self.buffer_ptrs = None
+        self._peers = []
+        self._handle = None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps = []
+
+    def __enter__(self) -> "SymmBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._views is None else f"{self.layout.num_bytes:,} bytes on {self.device}"
+        return f"SymmBuffer(rank={self.rank}/{self.num_ranks}, backend={self.backend!r}, {state})"
+
+
+def _map_file(path: str, num_bytes: int) -> mmap.mmap:
+    """Map an existing shm file of ``num_bytes`` read-write."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, num_bytes)
+    finally:
+        os.close(fd)
+
+
+def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                                 intermediate_hidden: int, *, block_m: int = 128, backend: str | None = None,
+                                 barrier_timeout_s: float = 30.0, mma_type: str = "fp8xfp4",
+                                 activation: str = "swiglu") -> SymmBuffer:
+    """DeepGEMM's factory name for :class:`SymmBuffer` (same arguments)."""
+    return SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                      block_m=block_m, backend=backend, barrier_timeout_s=barrier_timeout_s, mma_type=mma_type,
+                      activation=activation)

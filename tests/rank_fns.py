@@ -1,0 +1,214 @@
+"""Per-rank functions for the multi-rank tests, called as ``fn(rank, world_size, ...)`` by ``megamoe.launch``.
+
+They live in a module (not in the test files) because spawned ranks import them by name. Each works on either
+backend: ``cpu`` ranks (gloo, shm, Triton interpreter) and ``cuda`` ranks (NCCL, symmetric memory).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import megamoe.symm
+from megamoe.kernels import symm as ks
+from megamoe.symm import SymmBuffer
+
+#: A small layout: T=16 tokens of H=384 FP8 bytes (2 copy blocks of 256 B, the second one masked).
+T, H, I, TOPK, BLOCK_M = 16, 384, 256, 2, 16
+COPY_BLOCK_BYTES = 256
+
+
+def make_buffer(world_size: int, **kw) -> SymmBuffer:
+    """A SymmBuffer of the test layout on the default group (2 experts per rank)."""
+    return SymmBuffer(None, 2 * world_size, T, TOPK, H, I, block_m=BLOCK_M, **kw)
+
+
+def sync(sb: SymmBuffer) -> None:
+    """Finish this rank's queued device work (host-side reads/writes of peers are ordered by a group barrier)."""
+    if sb.device.type == "cuda":
+        torch.cuda.synchronize(sb.device)
+
+
+def own_shm_files() -> list[str]:
+    """This process's ``/dev/shm/megamoe-<pid>-*`` files (there should never be any after set-up)."""
+    return glob.glob(f"/dev/shm/megamoe-{os.getpid()}-*")
+
+
+# ---------------------------------------------------------------------------------------------------- copy pattern
+def pattern(rank: int, rows: torch.Tensor, cols: int = H) -> torch.Tensor:
+    """u8 ``[len(rows), cols]``: the bytes rank ``rank`` stores in row ``rows[i]`` of its ``x``."""
+    c = torch.arange(cols)
+    return ((rank * 89 + rows[:, None] * 13 + c[None, :] * 7) % 251).to(torch.uint8)
+
+
+def fill_x(sb: SymmBuffer) -> None:
+    """Write this rank's pattern into every row of ``x``."""
+    sb.x.view(torch.uint8).copy_(pattern(sb.rank, torch.arange(T)).to(sb.device))
+
+
+def exchange_rows(sb: SymmBuffer) -> None:
+    """Pull every rank's ``x`` (rows reversed) into ``l1_acts[p*T : (p+1)*T]``; push this rank's ``x`` into every
+    rank's ``l1_acts[R*T + rank*T + i]``. Needs ``x`` filled on every rank (a barrier) before."""
+    R = sb.num_ranks
+    for p in range(R):
+        ks.pull_rows(sb, p, "x", range(T - 1, -1, -1), range(p * T, (p + 1) * T), dst_segment="l1_acts",
+                     block_bytes=COPY_BLOCK_BYTES)
+        ks.push_rows(sb, p, "x", range(T), range(R * T + sb.rank * T, R * T + (sb.rank + 1) * T),
+                     dst_segment="l1_acts", block_bytes=COPY_BLOCK_BYTES)
+
+
+def count_bad_bytes(sb: SymmBuffer) -> int:
+    """Bytes of ``l1_acts`` that differ from what :func:`exchange_rows` on every rank should have left."""
+    R = sb.num_ranks
+    acts = sb.l1_acts.view(torch.uint8).cpu()
+    bad = 0
+    for p in range(R):
+        pulled = pattern(p, torch.arange(T - 1, -1, -1))
+        pushed = pattern(p, torch.arange(T))
+        bad += int((acts[p * T:(p + 1) * T] != pulled).sum())
+        bad += int((acts[R * T + p * T:R * T + (p + 1) * T] != pushed).sum())
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------------- rank functions
+def symm_views_and_copy(rank: int, world_size: int) -> dict:
+    """Build a SymmBuffer, report its layout/views/pointers, read a peer's bytes through the shared mapping, then
+    pull and push rows with the copy kernel between barriers and count wrong bytes."""
+    sb = make_buffer(world_size)
+    files_after_init = own_shm_files()
+    views = {name: (str(getattr(sb, name).dtype), tuple(getattr(sb, name).shape), getattr(sb, name).stride())
+             for name in megamoe.symm.VIEW_NAMES}
+    sb.topk_idx.fill_(1000 + rank)
+    sync(sb)
+    dist.barrier()
+    peer = (rank + 1) % world_size
+    peer_value = int(sb.peer_view(peer, "topk_idx")[T - 1, TOPK - 1])
+    fill_x(sb)
+    ks.barrier(sb, ks.TAG_BEFORE_DISPATCH_PULL)
+    exchange_rows(sb)
+    ks.barrier(sb, ks.TAG_BEFORE_COMBINE_REDUCE)
+    ks.check_barrier_state(sb)
+    bad = count_bad_bytes(sb)
+    info = {"rank": sb.rank, "num_ranks": sb.num_ranks, "backend": sb.backend, "num_bytes": sb.layout.num_bytes,
+            "segments": [(s.name, s.offset, s.nbytes) for s in sb.layout], "views": views,
+            "buffer_ptrs": sb.buffer_ptrs.tolist(), "own_ptr": sb.buffer.data_ptr(), "peer_value": peer_value,
+            "bad_bytes": bad, "files_after_init": files_after_init}
+    ks.barrier(sb, ks.TAG_AFTER_WORKSPACE_CLEAN)  # nobody unmaps while a peer may still write
+    sb.destroy()
+    sb.destroy()
+    info["files_after_destroy"] = own_shm_files()
+    return info
+
+
+def symm_barrier_rounds(rank: int, world_size: int, rounds: int, skew_s: float) -> dict:
+    """``rounds`` rounds of: (rank ``i % R`` sleeps ``skew_s``) write a round stamp, barrier, read every peer's
+    stamp, barrier. Returns the stamps that were wrong and the final barrier state/signals (no zeroing between)."""
+    sb = make_buffer(world_size, barrier_timeout_s=30.0)
+    wrong = []
+    for i in range(rounds):
+        if rank == i % world_size:
+            time.sleep(skew_s)
+        sb.topk_idx[0, 0] = 100 * i + rank
+        ks.barrier(sb, ks.TAG_BEFORE_DISPATCH_PULL)
+        for p in range(world_size):
+            got = int(sb.peer_view(p, "topk_idx")[0, 0])
+            if got != 100 * i + p:
+                wrong.append((i, p, got))
+        ks.barrier(sb, ks.TAG_BEFORE_COMBINE_REDUCE)
+    ks.check_barrier_state(sb)
+    out = {"wrong": wrong, "state": sb.view("barrier_state").tolist(), "signal": sb.view("barrier_signal").tolist()}
+    sb.destroy()
+    return out
+
+
+def symm_barrier_timeout(rank: int, world_size: int, absent_rank: int, timeout_s: float) -> dict | None:
+    """Every rank but ``absent_rank`` enters a tag-2 barrier that ``absent_rank`` skips; the others report the
+    BarrierTimeout they get, how long it took, and whether a later wait fails at once."""
+    sb = make_buffer(world_size, barrier_timeout_s=timeout_s)
+    ks.barrier(sb, ks.TAG_BEFORE_DISPATCH_PULL)
+    out = None
+    if rank != absent_rank:
+        start = time.monotonic()
+        try:
+            ks.barrier(sb, ks.TAG_BEFORE_COMBINE_REDUCE)
+            ks.check_barrier_state(sb)
+        except ks.BarrierTimeout as e:
+            out = {"rank": e.rank, "tag": e.tag, "missing_rank": e.missing_rank, "message": str(e),
+                   "elapsed_s": time.monotonic() - start}
+        start = time.monotonic()
+        try:
+            ks.barrier(sb, ks.TAG_AFTER_WORKSPACE_CLEAN)
+            ks.check_barrier_state(sb)
+        except ks.BarrierTimeout as e:
+            out["again"] = (e.tag, e.missing_rank, time.monotonic() - start)
+    sync(sb)
+    dist.barrier()
+    sb.destroy()
+    return out
+
+
+def symm_setup_fails(rank: int, world_size: int) -> list[str]:
+    """Every rank fails while mapping its peers' segments (after the names were exchanged); returns the shm files
+    of this process left behind (should be none: SymmBuffer unlinks on error)."""
+    def broken_map(path, num_bytes):
+        raise OSError(f"injected failure mapping {path}")
+
+    megamoe.symm._map_file = broken_map
+    try:
+        make_buffer(world_size)
+    except OSError as e:
+        assert "injected" in str(e)
+    else:
+        raise AssertionError("SymmBuffer did not fail")
+    return own_shm_files()
+
+
+def symm_setup_dies(rank: int, world_size: int, dying_rank: int, pid_dir: str) -> None:
+    """``dying_rank`` exits abruptly (code 3) in the middle of SymmBuffer set-up, its shm file still linked."""
+    write_pid(pid_dir, rank)
+    if rank == dying_rank:
+        def exit_while_mapping(path, num_bytes):
+            os._exit(3)
+
+        megamoe.symm._map_file = exit_while_mapping
+    make_buffer(world_size)
+
+
+# ---------------------------------------------------------------------------------------------------- launch tests
+def write_pid(pid_dir: str, rank: int) -> None:
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def whoami(rank: int, world_size: int, payload, *, scale: int = 1) -> dict:
+    """The rank's view of the launch: arguments, environment and process."""
+    return {"rank": rank, "world_size": world_size, "payload": payload, "scale": scale, "pid": os.getpid(),
+            "dist_rank": dist.get_rank(), "dist_world": dist.get_world_size(), "backend": dist.get_backend(),
+            "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                   "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}}
+
+
+def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
+    """``bad_rank`` raises a ValueError; the others return their rank."""
+    if rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    return rank
+
+
+def exit_on(rank: int, world_size: int, bad_rank: int, code: int, pid_dir: str) -> None:
+    """``bad_rank`` dies with ``os._exit(code)``; the others hang until terminated."""
+    write_pid(pid_dir, rank)
+    if rank == bad_rank:
+        os._exit(code)
+    time.sleep(600)
+
+
+def sleep_on(rank: int, world_size: int, slow_rank: int, pid_dir: str) -> int:
+    """``slow_rank`` never finishes; the others return at once."""
+    write_pid(pid_dir, rank)
+    if rank == slow_rank:
+        time.sleep(600)
+    return rank
