@@ -143,7 +143,39 @@ def bench_pull_push(quick: bool, num_ranks: int = 4) -> dict:
                        "note": "local ranks on one GPU: 'remote' accesses stay in this GPU's HBM"}, "rows": rows}
 
 
-SUITES = {"ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
+def bench_tune(quick: bool) -> dict:
+    """Sweep GEMM launch configs and block_m at two token counts; time the L1 and L2 steps (V4-Pro, 48 experts)."""
+    from megamoe import ops
+
+    rows = []
+    base = {k: dict(v) for k, v in ops.GEMM_CONFIG.items()}
+    variants = [{}, {"programs_per_sm": 0}, {"num_stages": 2}, {"num_stages": 4}, {"num_warps": 4},
+                {"BLOCK_N": 128, "l1_only": True}, {"BLOCK_N": 64, "l2_only": True}]
+    for block_m in (64, 128):
+        case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=block_m)
+        sbs = SymmBuffer.local(1, 48, 512, 6, 7168, 3072, block_m=block_m, device="cuda")
+        for n in (8, 512):
+            case.num_tokens = n
+            problem = case.problem(device="cuda")
+            y, l1, l2, stats = _prepare(sbs[0], problem, 0)
+            for v in variants:
+                for step in ("l1", "l2"):
+                    if v.get("l1_only") and step == "l2" or v.get("l2_only") and step == "l1":
+                        continue
+                    ops.GEMM_CONFIG[step] = {**base[step], **{k: x for k, x in v.items() if not k.endswith("_only")}}
+                fp8_fp4_mega_moe(y, l1, l2, sbs[0])
+                calls = _bind(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
+                steps = _step_times_us(calls, "pull", iters=10)
+                row = {"block_m": block_m, "num_tokens": n, "variant": {k: x for k, x in v.items()},
+                       "l1_us": steps["l1"], "l2_us": steps["l2"], "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
+                rows.append(row)
+                print(f"  bm={block_m} T={n} {v}: l1={steps['l1']:.0f} us l2={steps['l2']:.0f} us", flush=True)
+                ops.GEMM_CONFIG.update({k: dict(x) for k, x in base.items()})
+        sbs[0].destroy()
+    return {"config": {"shape": "V4-Pro, 48 experts, top-6"}, "rows": rows}
+
+
+SUITES = {"tune": bench_tune, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
@@ -163,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    for kind in (SUITES if args.suite == "all" else [args.suite]):
+    for kind in ([k for k in SUITES if k != "tune"] if args.suite == "all" else [args.suite]):
         print(f"[bench] {kind}", flush=True)
         path = write_result(kind, SUITES[kind](args.quick), command, args.out)
         print(f"[bench] wrote {path}", flush=True)

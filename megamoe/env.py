@@ -47,7 +47,11 @@ def default_backend() -> str:
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """The repository's HEAD commit (with ``-dirty`` when the tree has changes), or ``"unknown"``."""
+    """The repository's HEAD commit (with ``-dirty`` when the tree has changes), or ``"unknown"``.
+
+    ``MEGAMOE_GIT_COMMIT`` overrides it, for copies of the tree without ``.git`` (e.g. a remote GPU machine)."""
+    if os.environ.get("MEGAMOE_GIT_COMMIT"):
+        return os.environ["MEGAMOE_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

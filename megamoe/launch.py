@@ -239,4 +239,5 @@ def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, pa
         with contextlib.suppress(OSError):  # the parent may already have given up on this rank
             conn.send(("error", traceback.format_exc()))
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to clean up: a late terminate just ends us
         conn.close()

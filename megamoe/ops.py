@@ -35,6 +35,13 @@ TAG_AFTER_DISPATCH_PUSH = 4
 
 WeightPair = tuple[torch.Tensor, torch.Tensor]
 
+#: Launch configuration of the GEMM steps on CUDA (``python -m megamoe.bench --suite tune`` sweeps it).
+#: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
+GEMM_CONFIG = {
+    "l1": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2},
+    "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2},
+}
+
 
 @dataclass
 class _RankCall:
@@ -153,36 +160,43 @@ def _dispatch_copy(c: _RankCall, push: bool) -> None:
         BLOCK_W=max(2, triton.next_power_of_2(H // 128)), PUSH=push, **_schedule_meta(L))
 
 
-def _num_programs(max_tiles: int, device: torch.device) -> int:
+def _num_programs(max_tiles: int, device: torch.device, programs_per_sm: int) -> int:
+    """Persistent grid size: a few programs on the interpreter (they run one after another anyway)."""
     if device.type != "cuda":
         return max(1, min(max_tiles, 4))
-    return max(1, min(max_tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    if programs_per_sm == 0:
+        return max_tiles
+    return max(1, min(max_tiles, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def _l1(c: _RankCall) -> None:
     L = c.sb.layout
-    block_n = 64
+    cfg = GEMM_CONFIG["l1"]
+    block_n = cfg["BLOCK_N"]
     w, sf = c.l1
-    grid = (_num_programs(L.num_max_pool_blocks * (L.intermediate_hidden // block_n), c.sb.buffer.device),)
+    grid = (_num_programs(L.num_max_pool_blocks * (L.intermediate_hidden // block_n), c.sb.buffer.device,
+                          cfg["programs_per_sm"]),)
     kg.l1_swiglu_kernel[grid](
         c.sb.buffer, w, sf, float(c.clamp) if c.clamp is not None else 0.0,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
                    OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
         H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n, HAS_CLAMP=c.clamp is not None,
-        num_warps=8, num_stages=3, **_schedule_meta(L))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_schedule_meta(L))
 
 
 def _l2(c: _RankCall) -> None:
     L = c.sb.layout
-    block_n = 128
+    cfg = GEMM_CONFIG["l2"]
+    block_n = cfg["BLOCK_N"]
     w, sf = c.l2
-    grid = (_num_programs(L.num_max_pool_blocks * (L.hidden // block_n), c.sb.buffer.device),)
+    grid = (_num_programs(L.num_max_pool_blocks * (L.hidden // block_n), c.sb.buffer.device,
+                          cfg["programs_per_sm"]),)
     kg.l2_combine_kernel[grid](
         c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank, w, sf,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf",
                    OFF_META="token_src_metadata", OFF_COMBINE="combine"),
         T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n,
-        num_warps=8, num_stages=3, **_schedule_meta(L))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_schedule_meta(L))
 
 
 def _combine(c: _RankCall) -> None:

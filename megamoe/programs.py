@@ -14,7 +14,7 @@ import torch
 from megamoe.ops import fp8_fp4_mega_moe, load_inputs
 from megamoe.quant import transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
-from megamoe.testing import Problem, make_problem, moe_error_stats
+from megamoe.testing import Problem, check_stats, default_accumulation, make_problem, moe_error_stats
 
 
 @dataclass
@@ -71,6 +71,8 @@ def _prepare(sb: SymmBuffer, problem: Problem, rank: int):
 def _report(case: MoECase, problem: Problem, rank: int, y: torch.Tensor, ref: torch.Tensor, stats: torch.Tensor,
             seconds: list[float]) -> dict:
     out = moe_error_stats(y.cpu(), ref.cpu())
+    accumulation = default_accumulation(y.device)
+    out.update(accumulation=accumulation, failures=check_stats(out, accumulation))
     expected = expected_recv_counts(problem, rank) * case.num_calls
     out.update(rank=rank, num_tokens=problem.num_tokens[rank], seconds_per_call=seconds,
                recv_stats=stats.cpu().tolist(), recv_stats_ok=bool(torch.equal(stats.cpu(), expected)),

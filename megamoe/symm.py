@@ -183,6 +183,8 @@ class SymmBuffer:
         buffer.zero_()
         self._adopt(buffer, peers)
         self.buffer_ptrs = torch.tensor(list(self._handle.buffer_ptrs), dtype=torch.int64, device=device)
+        if self._handle.buffer_ptrs[self.rank] != buffer.data_ptr():
+            raise RuntimeError("symmetric memory handle's buffer_ptrs[rank] is not the buffer's address")
         dist.barrier(group=self.group)
         torch.cuda.synchronize(device)
 

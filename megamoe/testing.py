@@ -192,13 +192,22 @@ def make_problem(
 # Tolerance
 # ----------------------------------------------------------------------------------------------------------
 
-REL_FRO_TOL = 2e-3
-"""Bound on ``||y - ref||_F / ||ref||_F``."""
+#: Tolerance profiles: what may differ between a kernel and the reference, by how the kernel accumulates.
+#: ``"fp32"``: dot products accumulated in float32 (Triton's interpreter; also the reference) -- they differ only
+#: in summation order. ``"fp8_mma"``: Hopper FP8 tensor cores, which add the products inside one MMA (K=32) with
+#: ~14 significant bits (DeepSeek-V3 report, H800) before each fp32 promotion.
+TOLERANCES = {
+    "fp32": {"rel_fro": 2e-3, "frac_outliers": 1e-2, "max_row_rel": 2e-2},
+    "fp8_mma": {"rel_fro": 1e-2, "frac_outliers": None, "max_row_rel": 5e-2},
+}
 ELEM_REL_TOL = 2.0**-7
 ELEM_ABS_TOL_RMS = 2.0**-10
 """An element is an outlier when ``|y - ref| > ELEM_REL_TOL * |ref| + ELEM_ABS_TOL_RMS * rms(ref)``."""
-OUTLIER_FRAC_TOL = 1e-2
-"""Bound on the fraction of outlier elements."""
+
+
+def default_accumulation(device) -> str:
+    """The tolerance profile for kernels that ran on ``device``: ``"fp8_mma"`` on CUDA, ``"fp32"`` otherwise."""
+    return "fp8_mma" if torch.device(device).type == "cuda" else "fp32"
 
 
 def moe_error_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict:
@@ -227,6 +236,12 @@ def moe_error_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict:
     num_outliers = int((excess > 0).sum())
     stats["num_outliers"] = num_outliers
     stats["frac_outliers"] = num_outliers / max(y.numel(), 1)
+    if y.dim() == 2 and y.numel():
+        row_ref = ref32.norm(dim=1)
+        row_rel = (y32 - ref32).norm(dim=1) / row_ref.clamp_min(rms * y.shape[1] ** 0.5 * 1e-3)
+        stats["max_row_rel"] = float(torch.where(finite.all(dim=1), row_rel, float("inf")).max())
+    else:
+        stats["max_row_rel"] = 0.0
     if y.numel():
         worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
         stats.update(worst_index=worst, worst_y=y32[worst].item(), worst_ref=ref32[worst].item())
@@ -235,30 +250,38 @@ def moe_error_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict:
     return stats
 
 
-def assert_moe_close(y: torch.Tensor, y_ref: torch.Tensor, name: str = "y") -> dict:
+def check_stats(stats: dict, accumulation: str = "fp32") -> list[str]:
+    """The bounds of profile ``accumulation`` (see :data:`TOLERANCES`) that ``stats`` violates (empty = pass)."""
+    tol = TOLERANCES[accumulation]
+    failures = [] if stats["finite"] else ["non-finite values"]
+    for key in ("rel_fro", "frac_outliers", "max_row_rel"):
+        if tol[key] is not None and stats[key] > tol[key]:
+            failures.append(f"{key} {stats[key]:.3e} > {tol[key]:.0e} ({accumulation})")
+    return failures
+
+
+def assert_moe_close(y: torch.Tensor, y_ref: torch.Tensor, name: str = "y", accumulation: str = "fp32") -> dict:
     """Assert a kernel's MoE output matches the reference's; return :func:`moe_error_stats` on success.
 
     Why these bounds: kernel and reference consume identical quantised inputs, and every product of an FP8
-    (4-bit significand) and an FP4 (2-bit significand) value times power-of-two scales is exact in float32,
-    so the two differ only in float32 summation order (~1e-6 relative). That can flip the bf16 rounding of
-    an L1 or L2 output (one bf16 ulp, 2^-8 relative) and, rarely, the FP8 requantisation of one SwiGLU
-    output (one FP8 ulp, <= 2^-3 relative, on one of ``I`` terms of an L2 dot product). Hence:
+    (4-bit significand) and an FP4 (2-bit significand) value times power-of-two scales is exact in float32.
 
-    * every element finite;
-    * ``||y - ref||_F / ||ref||_F <= 2e-3``;
-    * at most 1% of elements with ``|y - ref| > 2^-7 |ref| + 2^-10 rms(ref)`` (two bf16 ulps, plus an absolute
-      floor for elements near zero, where cancellation makes relative error meaningless).
+    * ``"fp32"`` accumulation: the two differ only in float32 summation order (~1e-6 relative). That can flip the
+      bf16 rounding of an L1 or L2 output (one bf16 ulp, 2^-8 relative) and, rarely, the FP8 requantisation of one
+      SwiGLU output (one FP8 ulp, <= 2^-3 relative, on one of ``I`` terms of an L2 dot product). Hence
+      ``||y - ref||_F / ||ref||_F <= 2e-3``, at most 1% of elements with ``|y - ref| > 2^-7 |ref| + 2^-10 rms``
+      (two bf16 ulps plus a floor near zero), and no row off by more than 2%.
+    * ``"fp8_mma"`` accumulation: each K=32 tensor-core dot carries ~2^-13 relative error, so an L1 output lands
+      on the other side of a bf16 rounding boundary with probability ~2^-13 / 2^-8 = 3%, and of an FP8 requant
+      boundary ~2^-13 / 2^-4 = 0.05% of the time. With I = 3072 that is ~1.5 flipped L2 inputs per row, each
+      changing one of I terms by <= 1/16 of itself: relative row error ~ sqrt(1.5 / I) / 16 ~ 1.4e-3, plus bf16
+      flips. Bound: ``rel_fro <= 1e-2`` and every row within 5% (a wrong expert or token gives ~100%); the
+      outlier fraction is reported, not bounded (2-ulp differences are common at K = 7168).
 
     Raises AssertionError naming ``name`` with the statistics and the worst element's index.
     """
     stats = moe_error_stats(y, y_ref)
-    failures = []
-    if not stats["finite"]:
-        failures.append("non-finite values")
-    if stats["rel_fro"] > REL_FRO_TOL:
-        failures.append(f"relative Frobenius error {stats['rel_fro']:.3e} > {REL_FRO_TOL:.0e}")
-    if stats["frac_outliers"] > OUTLIER_FRAC_TOL:
-        failures.append(f"outlier fraction {stats['frac_outliers']:.3e} > {OUTLIER_FRAC_TOL:.0e}")
+    failures = check_stats(stats, accumulation)
     if failures:
         raise AssertionError(
             f"{name} does not match the reference: {'; '.join(failures)}. worst element {name}"

@@ -179,8 +179,30 @@ def symm_setup_dies(rank: int, world_size: int, dying_rank: int, pid_dir: str) -
 
 # ---------------------------------------------------------------------------------------------------- launch tests
 def write_pid(pid_dir: str, rank: int) -> None:
+    """Record this rank's pid as ``<pid_dir>/rank<rank>.pid`` (read back by the parent after a failed launch)."""
     with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+
+
+def _recorded_pids(pid_dir) -> list[int]:
+    return [int(open(f).read()) for f in glob.glob(os.path.join(str(pid_dir), "*.pid"))]
+
+
+def pids_alive(pid_dir) -> list[int]:
+    """The recorded rank pids that still exist (none may outlive ``launch``)."""
+    alive = []
+    for pid in _recorded_pids(pid_dir):
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def pid_shm_files(pid_dir) -> list[str]:
+    """``/dev/shm`` files created by the recorded rank pids."""
+    return [p for pid in _recorded_pids(pid_dir) for p in glob.glob(f"/dev/shm/megamoe-{pid}-*")]
 
 
 def whoami(rank: int, world_size: int, payload, *, scale: int = 1) -> dict:

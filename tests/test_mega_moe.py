@@ -13,8 +13,7 @@ from megamoe.testing import assert_moe_close
 
 def _check(reports):
     for r in reports:
-        assert r["finite"], r
-        assert r["rel_fro"] <= 2e-3 and r["frac_outliers"] <= 1e-2, r
+        assert not r["failures"], r
         assert r["recv_stats_ok"], r
 
 

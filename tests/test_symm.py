@@ -2,9 +2,7 @@
 
 Multi-rank tests spawn one process per rank through ``megamoe.launch`` and run the functions in ``rank_fns``.
 """
-import glob
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,23 +20,6 @@ from megamoe.symm import VIEW_NAMES, SymmBuffer, get_symm_buffer_for_mega_moe  #
 
 SHAPE = dict(num_experts=8, num_max_tokens_per_rank=rank_fns.T, num_topk=rank_fns.TOPK, hidden=rank_fns.H,
              intermediate_hidden=rank_fns.I, block_m=rank_fns.BLOCK_M)
-
-
-def pids_alive(pid_dir) -> list[int]:
-    alive = []
-    for f in glob.glob(os.path.join(pid_dir, "*.pid")):
-        pid = int(Path(f).read_text())
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
-
-
-def pid_shm_files(pid_dir) -> list[str]:
-    return [p for f in glob.glob(os.path.join(pid_dir, "*.pid"))
-            for p in glob.glob(f"/dev/shm/megamoe-{Path(f).read_text()}-*")]
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -138,8 +119,8 @@ def test_rank_dying_during_setup_leaves_no_segment(tmp_path):
     with pytest.raises(LaunchError) as info:
         launch(rank_fns.symm_setup_dies, 2, 1, str(tmp_path), backend="cpu", timeout_s=60)
     assert info.value.rank == 1 and info.value.exitcode == 3
-    assert pids_alive(tmp_path) == []
-    assert pid_shm_files(tmp_path) == []
+    assert rank_fns.pids_alive(tmp_path) == []
+    assert rank_fns.pid_shm_files(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------------- local backend

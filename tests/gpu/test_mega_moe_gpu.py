@@ -16,8 +16,7 @@ def _check(reports, label):
         print(f"{label} rank {r['rank']}: n={r['num_tokens']} rel_fro={r['rel_fro']:.3e} "
               f"outliers={r['frac_outliers']:.2e} bitwise={r['bitwise_equal']} recv={sum(r['recv_stats'])} "
               f"t={[round(s * 1e3, 2) for s in r['seconds_per_call']]} ms")
-        assert r["finite"], r
-        assert r["rel_fro"] <= 2e-3 and r["frac_outliers"] <= 1e-2, r
+        assert not r["failures"], r
         assert r["recv_stats_ok"], r
 
 

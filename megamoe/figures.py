@@ -1,0 +1,417 @@
+"""Figures for the notebooks and for ``make figures`` (``python -m megamoe.figures``).
+
+Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
+global figure state), so the same call works in a notebook (the Figure displays itself) and headless.
+:func:`save_figure` writes ``<name>.png`` (150 dpi) and ``<name>.svg`` to ``figures/`` (``$MEGAMOE_FIGURES_DIR``
+overrides it).
+
+Benchmark figures read ``results/<name>.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), schema::
+
+    {"kind": "...", "provenance": {...},            # megamoe.env.provenance()
+     "config": {...},                               # what was run; optional plot hints below
+     "rows": [{...}, ...]}                          # one flat dict per measurement
+
+``kind`` (top level, else ``config["kind"]``, else the file name) picks the plotter in :data:`BENCH_PLOTS`; any
+other kind is drawn by :func:`bench_xy` from the hints ``config["x"]``, ``config["y"]`` (a column or a list),
+``config["series"]`` (a column splitting rows into lines), ``config["xlog"]`` / ``config["ylog"]`` and
+``config["title"]``, or, without hints, the first numeric column against the other numeric columns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from megamoe.env import REPO_ROOT
+from megamoe.layout import MAX_RANKS, MAX_TOPK, Layout
+
+GiB = 2**30
+MiB = 2**20
+
+#: DeepGEMM's two test shapes (tests/test_mega_moe.py and PR #316).
+SHAPES = {
+    "V4-Flash": dict(num_experts=256, hidden=4096, intermediate_hidden=2048),
+    "V4-Pro": dict(num_experts=384, hidden=7168, intermediate_hidden=3072),
+}
+#: The point every sweep of :func:`pool_size_sweep` varies one parameter around (DeepGEMM's EP8 test).
+BASE = dict(num_ranks=8, num_max_tokens_per_rank=8192, num_topk=6, block_m=128)
+SWEEPS = {
+    "num_ranks": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 72),
+    "num_max_tokens_per_rank": (128, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+    "num_topk": (1, 2, 4, 6, 8, 12, 16),
+    "block_m": (16, 32, 64, 96, 128, 192, 256),
+}
+SWEEP_LABELS = {"num_ranks": "ranks (EP size)", "num_max_tokens_per_rank": "tokens per rank",
+                "num_topk": "top-k", "block_m": "block_m"}
+REGION_COLORS = {"workspace": "#8c8c8c", "input": "#4c72b0", "pool": "#dd8452", "combine": "#55a868"}
+
+
+# ---------------------------------------------------------------------------------------------------- plumbing
+def apply_style() -> None:
+    """The project's matplotlib style (rcParams): small fonts, light grid, no top/right spines, deterministic SVG."""
+    matplotlib.rcParams.update({
+        "figure.dpi": 100, "savefig.dpi": 150, "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9,
+        "legend.fontsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.grid": True, "grid.alpha": 0.3,
+        "axes.spines.top": False, "axes.spines.right": False, "lines.linewidth": 1.6, "lines.markersize": 4,
+        "svg.hashsalt": "megamoe", "svg.fonttype": "none",
+    })
+
+
+def new_figure(nrows: int = 1, ncols: int = 1, *, size: tuple[float, float] = (6.0, 4.0), **subplot_kw):
+    """(Figure on an Agg canvas, axes array of shape [nrows, ncols]) in the project style."""
+    apply_style()
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw)
+    return fig, axes
+
+
+def figures_dir() -> Path:
+    """Output folder: ``$MEGAMOE_FIGURES_DIR`` or ``<repo>/figures``."""
+    return Path(os.environ.get("MEGAMOE_FIGURES_DIR") or REPO_ROOT / "figures")
+
+
+def results_dir() -> Path:
+    """Benchmark results folder: ``$MEGAMOE_RESULTS_DIR`` or ``<repo>/results``."""
+    return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or REPO_ROOT / "results")
+
+
+def save_figure(fig: Figure, name: str) -> list[Path]:
+    """Write ``<figures_dir>/<name>.png`` (150 dpi) and ``.svg`` (tight bounding box); return both paths."""
+    out = figures_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
+    return paths
+
+
+def _short_number(v: float) -> str:
+    """3 -> "3", 20000 -> "20k", 1500000 -> "1.5M", 0.1 -> "0.1"."""
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:g}{suffix}"
+    return f"{v:g}"
+
+
+def log_axis(ax, axis: str = "y", base: int = 10) -> None:
+    """Log scale on ``axis`` (call after plotting) with short plain labels ("20k", not "2x10^4"); over less than
+    two decades the 2x and 5x minor ticks are labelled too."""
+    getattr(ax, f"set_{axis}scale")("log", base=base)
+    if base != 10:
+        return
+    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
+    label_minor = hi < 100 * lo
+
+    def minor(v, _pos):
+        mantissa = v / 10 ** np.floor(np.log10(v) + 1e-9)
+        return _short_number(v) if label_minor and round(mantissa) in (2, 5) else ""
+
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_formatter(FuncFormatter(lambda v, _pos: _short_number(v)))
+    target.set_minor_formatter(FuncFormatter(minor))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------------------------------------------- layout figures
+def _layout(shape: str, **overrides) -> Layout:
+    kw = {**BASE, **SHAPES[shape], **overrides}
+    return Layout(kw["num_ranks"], kw["num_experts"], kw["num_max_tokens_per_rank"], kw["num_topk"],
+                  kw["hidden"], kw["intermediate_hidden"], kw["block_m"])
+
+
+def _sweep_values(param: str, shape: str) -> list[int]:
+    """Values of ``param`` valid for ``shape`` (ranks must divide the experts; top-k <= 32)."""
+    experts = SHAPES[shape]["num_experts"]
+    values = SWEEPS[param]
+    if param == "num_ranks":
+        return [r for r in values if experts % r == 0 and r <= MAX_RANKS]
+    if param == "num_topk":
+        return [k for k in values if k <= MAX_TOPK]
+    return list(values)
+
+
+def pool_size_sweep() -> Figure:
+    """Symmetric buffer size (GiB, top row) and pool rows per rank (bottom row) of both DeepGEMM shapes, varying
+    ranks, tokens per rank, top-k and block_m one at a time around EP8, T=8192, top-6, block_m=128."""
+    fig, axes = new_figure(2, 4, size=(13.0, 6.0))
+    for col, param in enumerate(SWEEPS):
+        for shape in SHAPES:
+            xs = _sweep_values(param, shape)
+            layouts = [_layout(shape, **{param: x}) for x in xs]
+            axes[0, col].plot(xs, [lay.num_bytes / GiB for lay in layouts], marker="o", label=shape)
+            axes[1, col].plot(xs, [lay.num_max_pool_tokens for lay in layouts], marker="o", label=shape)
+        for row in range(2):
+            ax = axes[row, col]
+            lo, hi = ax.get_ylim()
+            if hi > 10 * lo:
+                log_axis(ax)
+            if param in ("num_ranks", "num_max_tokens_per_rank"):
+                log_axis(ax, "x", base=2)
+            ax.axvline(BASE[param], color="k", lw=0.8, ls=":")
+        axes[1, col].set_xlabel(SWEEP_LABELS[param])
+    axes[0, 0].set_ylabel("symmetric buffer per rank (GiB)")
+    axes[1, 0].set_ylabel("pool rows per rank (worst case)")
+    axes[0, 0].legend()
+    fig.suptitle("Mega MoE symmetric buffer, first-release sizing (no ring): one parameter varied around "
+                 "EP8, T=8192, top-6, block_m=128 (dotted)")
+    return fig
+
+
+def layout_breakdown(layout: Layout) -> Figure:
+    """Bytes of every segment (left, log scale, coloured by region) and the regions stacked (right, GiB)."""
+    fig, axes = new_figure(1, 2, size=(11.0, 4.5), width_ratios=[3, 1])
+    ax = axes[0, 0]
+    segs = list(layout)
+    ys = np.arange(len(segs))[::-1]
+    ax.barh(ys, [max(s.nbytes, 1) for s in segs], color=[REGION_COLORS[s.region] for s in segs])
+    ax.set_yticks(ys, [s.name for s in segs])
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes")
+    for y, s in zip(ys, segs):
+        ax.text(max(s.nbytes, 1) * 1.15, y, _fmt_bytes(s.nbytes), va="center", fontsize=7)
+    ax.set_xlim(right=max(s.nbytes for s in segs) * 40)
+    ax.grid(axis="y", visible=False)
+
+    ax = axes[0, 1]
+    bottom = 0.0
+    for region, nbytes in layout.region_bytes().items():
+        ax.bar(0, nbytes / GiB, bottom=bottom, color=REGION_COLORS[region], label=f"{region} {_fmt_bytes(nbytes)}")
+        bottom += nbytes / GiB
+    ax.set_xticks([])
+    ax.set_ylabel("GiB")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02))
+    ax.grid(axis="x", visible=False)
+    fig.suptitle(f"Symmetric buffer of one rank: R={layout.num_ranks}, E={layout.num_experts}, "
+                 f"T={layout.num_max_tokens_per_rank}, top-{layout.num_topk}, H={layout.hidden}, "
+                 f"I={layout.intermediate_hidden}, block_m={layout.block_m} -> {_fmt_bytes(layout.num_bytes)}")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------- simulation figures
+def occupancy_sweep(ranks: Sequence[int] = (8, 16, 24, 32, 48, 64, 72), *, num_experts: int = 576,
+                    num_tokens_per_rank: int = 8192, num_topk: int = 8, hidden: int = 7168,
+                    intermediate_hidden: int = 3072, block_m: int = 128, zipf_alpha: float = 1.0,
+                    seed: int = 0) -> list:
+    """Simulations feeding :func:`occupancy_vs_bound`: uniform and Zipf routing at each rank count.
+
+    576 experts divide every rank count from 8 to 72 (8 experts per rank at NVL72). Returns ``SimResult``\\ s.
+    """
+    from megamoe.sim import simulate_routing
+
+    out = []
+    for routing in ("uniform", "zipf"):
+        for r in ranks:
+            out.append(simulate_routing(r, num_tokens_per_rank, num_experts, num_topk, hidden=hidden,
+                                        intermediate_hidden=intermediate_hidden, block_m=block_m, routing=routing,
+                                        zipf_alpha=zipf_alpha, seed=seed))
+    return out
+
+
+def occupancy_vs_bound(results: Sequence) -> Figure:
+    """Pool rows per rank (left, log) and worst-rank occupancy (right) against the buffer's worst-case bound.
+
+    ``results``: ``SimResult``\\ s of one shape at several rank counts, any mix of routings (one line each).
+    """
+    fig, axes = new_figure(1, 2, size=(11.0, 4.2))
+    ax_rows, ax_occ = axes[0]
+    by_routing: dict[str, list] = {}
+    for res in sorted(results, key=lambda r: r.num_ranks):
+        label = res.routing if res.routing != "zipf" else f"zipf a={res.zipf_alpha:g}"
+        by_routing.setdefault(label, []).append(res)
+    for label, group in by_routing.items():
+        xs = [r.num_ranks for r in group]
+        worst = [r.pool_rows.max(axis=1).mean() for r in group]
+        line, = ax_rows.plot(xs, worst, marker="o", label=f"{label}: busiest rank")
+        ax_rows.plot(xs, [r.pool_rows.mean() for r in group], ls="--", color=line.get_color(),
+                     label=f"{label}: mean rank")
+        ax_occ.plot(xs, [100 * r.occupancy.max(axis=1).mean() for r in group], marker="o", label=label)
+    first = next(iter(by_routing.values()))
+    ax_rows.plot([r.num_ranks for r in first], [r.pool_bound for r in first], color="k", marker="s",
+                 label="bound (buffer size)")
+    log_axis(ax_rows)
+    lo, hi = ax_rows.get_ylim()
+    ax_rows.set_ylim(lo, hi * 12)   # a decade of headroom for the legend
+    ax_rows.set_xlabel("ranks")
+    ax_rows.set_ylabel("pool rows per rank")
+    ax_rows.legend(loc="upper left", ncol=2)
+    log_axis(ax_occ)
+    ax_occ.set_xlabel("ranks")
+    ax_occ.set_ylabel("busiest rank's pool / bound (%)")
+    ax_occ.legend()
+    r0 = first[0]
+    fig.suptitle(f"Realized pool vs worst-case bound: E={r0.num_experts}, T={r0.num_tokens_per_rank}, "
+                 f"top-{r0.num_topk}, block_m={r0.block_m}")
+    return fig
+
+
+def traffic_heatmap(result, trial: int = 0) -> Figure:
+    """Dispatch and combine bytes between every pair of ranks (MiB; row = sender, column = receiver).
+
+    ``result``: a ``SimResult``; the diagonal is local (no NVLink). Cells are annotated up to 16 ranks.
+    """
+    fig, axes = new_figure(1, 2, size=(11.0, 4.8))
+    mats = {"dispatch (pulled by the expert's rank)": result.dispatch_bytes[trial],
+            "combine (written back to the token's rank)": result.combine_bytes[trial]}
+    for ax, (title, m) in zip(axes[0], mats.items()):
+        mib = m / MiB
+        im = ax.imshow(mib, cmap="viridis")
+        fig.colorbar(im, ax=ax, label="MiB", shrink=0.85)
+        ax.set_title(title)
+        ax.set_xlabel("receiver rank")
+        ax.set_ylabel("sender rank")
+        ax.grid(False)
+        if result.num_ranks <= 16:
+            for (i, j), v in np.ndenumerate(mib):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6,
+                        color="w" if v < mib.max() / 2 else "k")
+    alpha = f" a={result.zipf_alpha:g}" if result.routing == "zipf" else ""
+    fig.suptitle(f"Traffic of one call: R={result.num_ranks}, E={result.num_experts}, "
+                 f"T={result.num_tokens_per_rank}, top-{result.num_topk}, H={result.hidden}, "
+                 f"{result.routing}{alpha} routing; load imbalance {result.load_imbalance[trial]:.2f}")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark figures
+def _title(data: dict, default: str) -> str:
+    device = data.get("provenance", {}).get("device", "unknown device")
+    return f"{data.get('config', {}).get('title', default)} ({device})"
+
+
+def bench_pull_bandwidth(data: dict) -> Figure:
+    """``kind = "pull_bandwidth"`` (``cupy_prims.bench_pull``): GB/s against row size, one line per ``op``."""
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    for op in sorted({r.get("op", "pull") for r in data["rows"]}):
+        rows = sorted((r for r in data["rows"] if r.get("op", "pull") == op), key=lambda r: r["row_bytes"])
+        ax.plot([r["row_bytes"] for r in rows], [r["gb_s"] for r in rows], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("row bytes")
+    ax.set_ylabel("payload GB/s")
+    ax.legend()
+    where = "two ranks emulated on one GPU" if data.get("config", {}).get("emulated_ranks") else "peer over NVLink"
+    ax.set_title(_title(data, f"1-D bulk copy through shared memory, {where}"))
+    return fig
+
+
+def _numeric_columns(rows: list[dict]) -> list[str]:
+    return [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def bench_xy(data: dict) -> Figure | None:
+    """Any other kind: ``config`` hints x / y / series / xlog / ylog / title, else first numeric column vs the rest.
+
+    Returns None (and prints why) when the rows have nothing numeric to plot.
+    """
+    rows, cfg = data.get("rows") or [], data.get("config", {})
+    numeric = _numeric_columns(rows) if rows else []
+    x = cfg.get("x") or (numeric[0] if numeric else None)
+    ys = cfg.get("y") or [c for c in numeric if c != x]
+    ys = [ys] if isinstance(ys, str) else list(ys)
+    if x is None or not ys:
+        print(f"figures: results of kind {data.get('kind')!r} have no numeric columns to plot, skipping")
+        return None
+    series_key = cfg.get("series")
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault("" if series_key is None else f"{series_key}={r.get(series_key)}", []).append(r)
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    for group, members in groups.items():
+        members = sorted(members, key=lambda r: r[x])
+        for y in ys:
+            label = " ".join(p for p in (group, y if len(ys) > 1 or not group else "") if p)
+            ax.plot([r[x] for r in members], [r[y] for r in members], marker="o", label=label or y)
+    if cfg.get("xlog"):
+        ax.set_xscale("log", base=2)
+    if cfg.get("ylog"):
+        log_axis(ax)
+    ax.set_xlabel(x)
+    ax.set_ylabel(ys[0] if len(ys) == 1 else "value")
+    ax.legend()
+    ax.set_title(_title(data, str(data.get("kind", "benchmark"))))
+    return fig
+
+
+#: ``kind`` -> plotting function for results/*.json.
+BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {"pull_bandwidth": bench_pull_bandwidth}
+
+
+def load_results(name: str) -> dict | None:
+    """``results/<name>.json`` as a dict, or None (with a printed line) when the file does not exist."""
+    path = results_dir() / f"{name}.json"
+    if not path.exists():
+        print(f"figures: no {path}, skipping")
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def results_kind(data: dict, name: str) -> str:
+    """The ``kind`` of a results dict: top-level, else in ``config``, else the file name."""
+    return data.get("kind") or data.get("config", {}).get("kind") or name
+
+
+def plot_results(name: str) -> Figure | None:
+    """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot."""
+    data = load_results(name)
+    if data is None:
+        return None
+    return BENCH_PLOTS.get(results_kind(data, name), bench_xy)(data)
+
+
+# ---------------------------------------------------------------------------------------------------- make figures
+def static_figures() -> dict[str, Callable[[], Figure]]:
+    """Name -> builder of every figure that needs no GPU."""
+    from megamoe.sim import simulate_routing
+
+    def heatmap():
+        pro = SHAPES["V4-Pro"]
+        return traffic_heatmap(simulate_routing(8, 8192, pro["num_experts"], 6, hidden=pro["hidden"],
+                                                intermediate_hidden=pro["intermediate_hidden"], routing="zipf",
+                                                zipf_alpha=1.0, seed=0))
+
+    return {
+        "pool_size_sweep": pool_size_sweep,
+        "layout_breakdown_v4_flash": lambda: layout_breakdown(_layout("V4-Flash")),
+        "layout_breakdown_v4_pro": lambda: layout_breakdown(_layout("V4-Pro")),
+        "occupancy_vs_bound": lambda: occupancy_vs_bound(occupancy_sweep()),
+        "traffic_heatmap_ep8_zipf": heatmap,
+    }
+
+
+def main() -> list[Path]:
+    """Regenerate every GPU-free figure, then one ``bench_<name>`` figure per ``results/*.json``."""
+    written: list[Path] = []
+    print(f"figures -> {figures_dir()}")
+    for name, build in static_figures().items():
+        t0 = time.perf_counter()
+        written += save_figure(build(), name)
+        print(f"  {name} ({time.perf_counter() - t0:.1f} s)")
+    result_files = sorted(results_dir().glob("*.json"))
+    if not result_files:
+        print(f"  no {results_dir()}/*.json: no benchmark figures (run `make bench` on a GPU)")
+    for path in result_files:
+        fig = plot_results(path.stem)
+        if fig is not None:
+            written += save_figure(fig, f"bench_{path.stem}")
+            print(f"  bench_{path.stem}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
