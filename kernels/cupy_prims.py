@@ -195,17 +195,24 @@ def get_module():
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
+    """One of :data:`KERNEL_NAMES` as a ``cupy.RawKernel``."""
     return get_module().get_function(name)
 
 
 @functools.lru_cache(maxsize=64)
 def _ptr_table(ptrs: tuple[int, ...], device: int):
-    """Device copy (int64[R]) of a rendezvous table, cached by value."""
+    """Device copy (int64[R]) of a rendezvous table, cached by value.
+
+    The copy runs on CuPy's current stream, not the launch stream: synchronise once so that no kernel on another
+    (non-blocking) stream can read the table before it has landed.
+    """
     import numpy as np
 
     cupy = _cupy()
     with cupy.cuda.Device(device):
-        return cupy.asarray(np.asarray(ptrs, dtype=np.int64))
+        table = cupy.asarray(np.asarray(ptrs, dtype=np.int64))
+        cupy.cuda.runtime.deviceSynchronize()
+    return table
 
 
 def _as_ptrs(buffer_ptrs) -> tuple[int, ...]:
@@ -222,6 +229,7 @@ def _as_ptrs(buffer_ptrs) -> tuple[int, ...]:
 
 
 def _resolve_device(device) -> int:
+    """CUDA device index of ``device`` (None, an int, a string or a torch.device; None = torch's current)."""
     import torch
 
     if device is None:

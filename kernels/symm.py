@@ -66,9 +66,9 @@ def barrier_arrive_kernel(signal_ptr, state_ptr, buffer_ptrs, rank, num_ranks, B
     epoch = tl.load(state_ptr) + 1
     tl.store(state_ptr, epoch)
     peers = tl.arange(0, BLOCK_R)
-    remote = sym_map(signal_ptr + rank, buffer_ptrs, rank, peers)
-    tl.atomic_xchg(remote, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=peers < num_ranks, sem="release",
-                   scope="sys")
+    valid = peers < num_ranks
+    remote = sym_map(signal_ptr + rank, buffer_ptrs, rank, tl.where(valid, peers, rank))  # no read past [R]
+    tl.atomic_xchg(remote, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=valid, sem="release", scope="sys")
 
 
 @triton.jit
@@ -132,7 +132,8 @@ class BarrierTimeout(RuntimeError):
     """A barrier's wait ran out of time; ``missing_rank`` is the lowest rank whose signal never arrived."""
 
     def __init__(self, rank: int, tag: int, missing_rank: int, timeout_s: float):
-        super().__init__(f"rank {rank}: barrier tag {tag} timed out after {timeout_s} s waiting for rank {missing_rank}")
+        super().__init__(f"rank {rank}: barrier tag {tag} timed out after {timeout_s} s "
+                         f"waiting for rank {missing_rank}")
         self.rank, self.tag, self.missing_rank, self.timeout_s = rank, tag, missing_rank, timeout_s
 
     def __reduce__(self):

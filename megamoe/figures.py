@@ -18,6 +18,7 @@ other kind is drawn by :func:`bench_xy` from the hints ``config["x"]``, ``config
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -31,7 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from megamoe.env import REPO_ROOT
-from megamoe.layout import MAX_RANKS, MAX_TOPK, Layout
+from megamoe.layout import MAX_RANKS, Layout
 
 GiB = 2**30
 MiB = 2**20
@@ -65,10 +66,20 @@ def apply_style() -> None:
     })
 
 
+class NotebookFigure(Figure):
+    """A Figure that shows itself as PNG when it is a notebook cell's value (``_repr_png_``), even when pyplot --
+    which installs matplotlib's own notebook hooks -- was never imported."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
 def new_figure(nrows: int = 1, ncols: int = 1, *, size: tuple[float, float] = (6.0, 4.0), **subplot_kw):
     """(Figure on an Agg canvas, axes array of shape [nrows, ncols]) in the project style."""
     apply_style()
-    fig = Figure(figsize=size, layout="constrained")
+    fig = NotebookFigure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw)
     return fig, axes
@@ -121,6 +132,7 @@ def log_axis(ax, axis: str = "y", base: int = 10) -> None:
 
 
 def _fmt_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB" (binary units, 3 significant digits)."""
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
@@ -135,14 +147,11 @@ def _layout(shape: str, **overrides) -> Layout:
 
 
 def _sweep_values(param: str, shape: str) -> list[int]:
-    """Values of ``param`` valid for ``shape`` (ranks must divide the experts; top-k <= 32)."""
+    """Values of ``param`` valid for ``shape`` (the rank count must divide the experts)."""
     experts = SHAPES[shape]["num_experts"]
-    values = SWEEPS[param]
     if param == "num_ranks":
-        return [r for r in values if experts % r == 0 and r <= MAX_RANKS]
-    if param == "num_topk":
-        return [k for k in values if k <= MAX_TOPK]
-    return list(values)
+        return [r for r in SWEEPS[param] if experts % r == 0 and r <= MAX_RANKS]
+    return list(SWEEPS[param])
 
 
 def pool_size_sweep() -> Figure:
@@ -150,15 +159,17 @@ def pool_size_sweep() -> Figure:
     ranks, tokens per rank, top-k and block_m one at a time around EP8, T=8192, top-6, block_m=128."""
     fig, axes = new_figure(2, 4, size=(13.0, 6.0))
     for col, param in enumerate(SWEEPS):
+        ys: tuple[list[float], list[float]] = ([], [])
         for shape in SHAPES:
             xs = _sweep_values(param, shape)
             layouts = [_layout(shape, **{param: x}) for x in xs]
-            axes[0, col].plot(xs, [lay.num_bytes / GiB for lay in layouts], marker="o", label=shape)
-            axes[1, col].plot(xs, [lay.num_max_pool_tokens for lay in layouts], marker="o", label=shape)
+            for row, values in enumerate(([lay.num_bytes / GiB for lay in layouts],
+                                          [lay.num_max_pool_tokens for lay in layouts])):
+                axes[row, col].plot(xs, values, marker="o", label=shape)
+                ys[row].extend(values)
         for row in range(2):
             ax = axes[row, col]
-            lo, hi = ax.get_ylim()
-            if hi > 10 * lo:
+            if max(ys[row]) > 10 * min(ys[row]):
                 log_axis(ax)
             if param in ("num_ranks", "num_max_tokens_per_rank"):
                 log_axis(ax, "x", base=2)
@@ -308,6 +319,78 @@ def bench_pull_bandwidth(data: dict) -> Figure:
     return fig
 
 
+def bench_layer_timing(data: dict) -> Figure:
+    """``kind = "layer"`` or ``"pull_push"`` (``megamoe.bench``): total time, per-step time and TFLOP/s against
+    tokens per rank, one line style per ``dispatch`` mode. Rows need ``num_tokens_per_rank``, ``us``, ``tflops``
+    and may carry ``dispatch`` and ``steps_us`` ({step: us})."""
+    fig, axes = new_figure(1, 3, size=(14.0, 4.2))
+    ax_total, ax_steps, ax_rate = axes[0]
+    styles = ["-", "--", ":", "-."]
+    modes = sorted({r.get("dispatch", "") for r in data["rows"]})
+    step_colors: dict[str, str] = {}
+    for style, mode in zip(styles * len(modes), modes):
+        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode), key=lambda r: r["num_tokens_per_rank"])
+        xs = [r["num_tokens_per_rank"] for r in rows]
+        tag = f" ({mode})" if mode else ""
+        ax_total.plot(xs, [r["us"] for r in rows], ls=style, marker="o", label=f"total{tag}")
+        ax_rate.plot(xs, [r["tflops"] for r in rows], ls=style, marker="o", label=f"TFLOP/s{tag}")
+        for step in (rows[0].get("steps_us") or {}) if rows else {}:
+            line, = ax_steps.plot(xs, [r["steps_us"][step] for r in rows], ls=style, marker=".",
+                                  color=step_colors.get(step), label=step if step not in step_colors else None)
+            step_colors[step] = line.get_color()
+    for ax in (ax_total, ax_steps, ax_rate):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+    log_axis(ax_total)
+    ax_total.set_ylabel("us per call")
+    ax_total.legend()
+    if step_colors:
+        log_axis(ax_steps)
+        styles_note = " / ".join(f"{m} {s}" for m, s in zip(modes, styles)) if len(modes) > 1 else None
+        ax_steps.legend(ncol=2, fontsize=7, title=styles_note)
+    ax_steps.set_ylabel("us per step")
+    ax_rate.set_ylabel("TFLOP/s")
+    ax_rate.legend()
+    fig.suptitle(_title(data, f"Mega MoE layer: {data.get('kind', '')}"))
+    return fig
+
+
+def bench_ceilings(data: dict) -> Figure:
+    """``kind = "ceilings"``: one bar per measured ceiling, labelled with its rate (``tflops`` / ``tb_per_s`` /
+    ``gb_s``)."""
+    metrics = {"tflops": "TFLOP/s", "tb_per_s": "TB/s", "gb_s": "GB/s"}
+    rows = [(r["what"], m, r[m]) for r in data["rows"] for m in metrics if m in r]
+    fig, axes = new_figure(1, len(rows), size=(3.2 * len(rows), 3.2))
+    for ax, (what, metric, value) in zip(axes[0], rows):
+        ax.bar([0], [value], color="#4c72b0", width=0.6)
+        ax.text(0, value, f"{value:,.0f}" if value >= 100 else f"{value:.3g}", ha="center", va="bottom")
+        ax.set_xticks([0], [what])
+        ax.set_ylabel(metrics[metric])
+        ax.grid(axis="x", visible=False)
+    fig.suptitle(_title(data, "Measured ceilings"))
+    return fig
+
+
+def bench_tune(data: dict) -> Figure:
+    """``kind = "tune"``: L1 and L2 step time of every launch-config variant, one panel per (block_m, tokens)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in data["rows"]:
+        groups.setdefault((r["block_m"], r["num_tokens"]), []).append(r)
+    fig, axes = new_figure(1, len(groups), size=(4.0 * len(groups), 4.5), sharey=False)
+    for ax, ((block_m, tokens), rows) in zip(axes[0], sorted(groups.items())):
+        labels = [", ".join(f"{k}={v}" for k, v in r["variant"].items()) or "default" for r in rows]
+        ys = np.arange(len(rows))[::-1]
+        for offset, step in ((-0.2, "l1_us"), (0.2, "l2_us")):
+            ax.barh(ys + offset, [r.get(step, np.nan) for r in rows], height=0.4, label=step.replace("_us", ""))
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xlabel("us")
+        ax.set_title(f"block_m={block_m}, T={tokens}")
+        ax.grid(axis="y", visible=False)
+    axes[0, 0].legend()
+    fig.suptitle(_title(data, "GEMM launch-config sweep"))
+    return fig
+
+
 def _numeric_columns(rows: list[dict]) -> list[str]:
     return [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
@@ -348,7 +431,10 @@ def bench_xy(data: dict) -> Figure | None:
 
 
 #: ``kind`` -> plotting function for results/*.json.
-BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {"pull_bandwidth": bench_pull_bandwidth}
+BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
+    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_timing, "pull_push": bench_layer_timing,
+    "ceilings": bench_ceilings, "tune": bench_tune,
+}
 
 
 def load_results(name: str) -> dict | None:
@@ -367,11 +453,22 @@ def results_kind(data: dict, name: str) -> str:
 
 
 def plot_results(name: str) -> Figure | None:
-    """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot."""
+    """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot.
+
+    A kind's plotter that finds a column missing (the schema moved on) falls back to :func:`bench_xy`.
+    """
     data = load_results(name)
     if data is None:
         return None
-    return BENCH_PLOTS.get(results_kind(data, name), bench_xy)(data)
+    kind = results_kind(data, name)
+    plotter = BENCH_PLOTS.get(kind, bench_xy)
+    try:
+        return plotter(data)
+    except (KeyError, TypeError) as e:
+        if plotter is bench_xy:
+            raise
+        print(f"figures: {name}: the {kind!r} plotter needs {e}; using the generic x/y plot")
+        return bench_xy(data)
 
 
 # ---------------------------------------------------------------------------------------------------- make figures

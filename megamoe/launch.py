@@ -62,7 +62,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         with _environ(env):
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child_main, name=f"megamoe-rank{rank}", daemon=True,
+                p = ctx.Process(target=_child_main, name=f"megamoe-rank{rank}",
                                 args=(fn, rank, world_size, backend, store_dir, os.getpid(), args, kwargs, writer))
                 p.start()
                 writer.close()
@@ -171,8 +171,15 @@ def _receive(reader, proc):
         return None
     proc.join()
     code = proc.exitcode
-    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
     raise LaunchError(f"rank {_rank_of(proc)} {how} without returning a result", rank=_rank_of(proc), exitcode=code)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def _rank_of(proc) -> int:

@@ -107,7 +107,7 @@ def _count_pairs(topk_idx: np.ndarray, num_tokens_per_rank: int, num_experts: in
 
 
 # ---------------------------------------------------------------------------------------------------- results
-@dataclass
+@dataclass(eq=False)
 class SimResult:
     """Counts and traffic of ``num_trials`` simulated Mega MoE calls (leading axis of every array = trial).
 

@@ -70,7 +70,7 @@ def _group_info(group) -> tuple[int, int, str]:
 
 
 class _View:
-    """Descriptor: a typed view of one segment, built when the buffer is and dropped by ``destroy()``."""
+    """Descriptor: the typed view of the segment it is named after (cached per buffer, dropped by ``destroy()``)."""
 
     def __set_name__(self, owner, name):
         self.name = name

@@ -14,6 +14,19 @@ GENERIC = {"provenance": {"device": "test"}, "config": {"x": "tokens", "y": "us"
            "rows": [{"impl": i, "tokens": t, "us": t * f} for i, f in (("staged", 2.0), ("fused", 1.0))
                     for t in (8, 64, 512)]}
 
+LAYER = {"kind": "layer", "provenance": {"device": "test"}, "config": {},
+         "rows": [{"num_tokens_per_rank": t, "dispatch": d, "us": t * f, "tflops": t / f,
+                   "steps_us": {"count": 1.0, "l1": t * f / 2, "l2": t * f / 3}}
+                  for d, f in (("pull", 1.0), ("push", 1.2)) for t in (8, 512, 8192)]}
+CEILINGS = {"kind": "ceilings", "provenance": {"device": "test"},
+            "rows": [{"what": "fp8_scaled_mm_8192", "ms": 0.75, "tflops": 1457.0},
+                     {"what": "copy_1GiB", "ms": 0.5, "tb_per_s": 4.2}]}
+TUNE = {"kind": "tune", "provenance": {"device": "test"}, "config": {},
+        "rows": [{"block_m": 64, "num_tokens": 8, "variant": {}, "l1_us": 400.0, "l2_us": 200.0},
+                 {"block_m": 64, "num_tokens": 8, "variant": {"BLOCK_N": 128, "l1_only": True}, "l1_us": 380.0}]}
+RESULTS = {"pull_bandwidth": PULL, "latency_sweep": GENERIC, "layer_test": LAYER, "ceilings_test": CEILINGS,
+           "tune_test": TUNE}
+
 
 @pytest.fixture
 def dirs(tmp_path, monkeypatch):
@@ -26,18 +39,19 @@ def dirs(tmp_path, monkeypatch):
 
 def test_main_writes_every_figure(dirs, capsys):
     out, res = dirs
-    (res / "pull_bandwidth.json").write_text(json.dumps(PULL))
-    (res / "latency_sweep.json").write_text(json.dumps(GENERIC))
+    for name, data in RESULTS.items():
+        (res / f"{name}.json").write_text(json.dumps(data))
     t0 = time.perf_counter()
     written = figures.main()
     assert time.perf_counter() - t0 < 30
-    names = list(figures.static_figures()) + ["bench_pull_bandwidth", "bench_latency_sweep"]
+    names = list(figures.static_figures()) + [f"bench_{n}" for n in RESULTS]
     for name in names:
         for ext in ("png", "svg"):
             path = out / f"{name}.{ext}"
             assert path.exists() and path.stat().st_size > 1000, path
     assert sorted(p.name for p in written) == sorted(f"{n}.{e}" for n in names for e in ("png", "svg"))
-    assert "bench_pull_bandwidth" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "bench_pull_bandwidth" in out_text and "generic" not in out_text   # every kind had its own plotter
 
 
 def test_main_without_results_skips_bench_figures(dirs, capsys, monkeypatch):
@@ -54,6 +68,14 @@ def test_plot_results_missing_file_and_unplottable_rows(dirs, capsys):
     assert "skipping" in capsys.readouterr().out
     (res / "text_only.json").write_text(json.dumps({"kind": "notes", "config": {}, "rows": [{"what": "x"}]}))
     assert figures.plot_results("text_only") is None
+
+
+def test_schema_drift_falls_back_to_the_generic_plot(dirs, capsys):
+    _, res = dirs
+    drifted = {"kind": "layer", "rows": [{"tokens": 8, "time_us": 5.0}, {"tokens": 64, "time_us": 9.0}]}
+    (res / "layer_new.json").write_text(json.dumps(drifted))
+    assert figures.plot_results("layer_new") is not None
+    assert "generic" in capsys.readouterr().out
 
 
 def test_kind_dispatch():

@@ -1,0 +1,84 @@
+"""megamoe.layout: pool formulas (the seed's example), segment order/alignment, views, validation."""
+import pytest
+import torch
+
+from megamoe.layout import SEGMENT_ALIGNMENT, Layout, get_num_max_pool_tokens, get_num_padded_sf_pool_tokens
+
+SEED = dict(num_ranks=8, num_max_tokens_per_rank=8192, num_topk=6, num_experts_per_rank=48, block_m=192)
+
+
+def test_seed_example_pool_formula():
+    # DeepGEMM's formula: align(R*T*min(k, El) + El*(block_m - 1), block_m)
+    assert 8 * 8192 * 6 + 48 * 191 == 402_384
+    assert get_num_max_pool_tokens(**SEED) == 402_432
+    assert get_num_padded_sf_pool_tokens(402_432, 192) == 2_096 * 256 == 536_576
+
+
+def test_seed_stated_numbers_are_one_block_of_padding_and_too_small():
+    # The seed note states 393,408 / 524,544 for the same inputs. Its SF number follows from its pool number ...
+    assert get_num_padded_sf_pool_tokens(393_408, 192) == 524_544
+    # ... but 393,408 = R*T*k + one block: only El*(block_m-1) rows of padding are a true worst case.
+    assert 393_408 == (8 * 8192 * 6 // 192 + 1) * 192
+    # Even perfectly uniform routing (48 experts x 8192 pairs each, 8192 % 192 = 128) overflows 393,408 rows:
+    uniform_rows = 48 * -(-8192 // 192) * 192
+    assert uniform_rows == 396_288 > 393_408
+    assert uniform_rows <= get_num_max_pool_tokens(**SEED)
+
+
+@pytest.mark.parametrize("counts", [[1] * 48, [191 + 192 * 3] * 48, [8192 * 6 * 8 - 47] + [1] * 47])
+def test_bound_holds_for_ragged_counts(counts):
+    need = sum(-(-c // 192) * 192 for c in counts)
+    assert sum(counts) <= 8 * 8192 * 6
+    assert need <= get_num_max_pool_tokens(**SEED)
+
+
+def test_segments_in_seed_order_aligned_and_disjoint():
+    L = Layout(8, 384, 8192, 6, 7168, 3072, block_m=192)
+    names = [s.name for s in L]
+    assert names == ["grid_sync", "barrier_signal", "barrier_state", "expert_send_count", "expert_recv_count",
+                     "expert_recv_count_sum", "l1_arrival_count", "l2_arrival_mask", "src_token_topk_idx",
+                     "token_src_metadata", "x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf",
+                     "l1_topk_weights", "l2_acts", "l2_acts_sf", "combine"]
+    segs = list(L)
+    for a, b in zip(segs, segs[1:]):
+        assert a.offset % SEGMENT_ALIGNMENT == 0 and a.end <= b.offset
+    assert segs[-1].end <= L.num_bytes
+    assert L["l1_acts"].nbytes == 402_432 * 7168
+    assert L["combine"].nbytes == 6 * 8192 * 7168 * 2
+    assert L["x_sf"].shape == (8192, 7168 // 128)
+    assert "402,432" in L.table()
+
+
+def test_views_alias_the_buffer_with_the_right_dtype_and_strides():
+    L = Layout(2, 8, 64, 2, 256, 128, block_m=32)
+    buf = torch.zeros(L.num_bytes, dtype=torch.uint8)
+    sf = L.view(buf, "l1_acts_sf")
+    assert sf.shape == (L.num_padded_sf_pool_tokens, 2) and sf.stride() == (1, L.num_padded_sf_pool_tokens)
+    sf[5, 1] = 0x01020304
+    word = buf[L.offset("l1_acts_sf"):].view(torch.int32)[L.num_padded_sf_pool_tokens + 5]
+    assert int(word) == 0x01020304
+    x = L.view(buf, "x")
+    assert x.dtype == torch.float8_e4m3fn and x.shape == (64, 256)
+    assert L.view(buf, "combine").shape == (2, 64, 256)
+    assert sum(L.region_bytes().values()) == L.num_bytes
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=7), "num_experts=7 must be divisible by num_ranks=2"),
+    (dict(hidden=200), "hidden=200 must be a multiple of 128"),
+    (dict(intermediate_hidden=64), "intermediate_hidden=64 must be"),
+    (dict(num_topk=33), "num_topk=33"),
+    (dict(num_ranks=73, num_experts=73), "num_ranks=73"),
+    (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank=0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    args = dict(num_ranks=2, num_experts=8, num_max_tokens_per_rank=64, num_topk=2, hidden=256,
+                intermediate_hidden=128, block_m=32)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        Layout(**args)
+
+
+def test_wrong_types_are_named():
+    with pytest.raises(TypeError, match="hidden must be an int"):
+        Layout(2, 8, 64, 2, 256.0, 128)
