@@ -10,6 +10,8 @@ Suites:
   * ``layer``: one rank's Mega MoE layer (world size 1) at DeepGEMM's V4-Pro shape with the 48 experts an EP8 rank
     owns (H 7168, I 3072, top-6), tokens/rank 8 .. 8192: total and per-step time, TFLOP/s, error vs reference.
   * ``pull_push``: N local ranks on one GPU (lock-step), pull vs push dispatch on equal terms.
+  * ``tma_pull``: the seed's CUDA primitives (CuPy): TMA 1-D bulk copy bandwidth by row size.
+  * ``tune`` (not in ``all``): GEMM launch-config sweep behind ``megamoe.ops.GEMM_CONFIG``.
 """
 from __future__ import annotations
 
@@ -175,7 +177,18 @@ def bench_tune(quick: bool) -> dict:
     return {"config": {"shape": "V4-Pro, 48 experts, top-6"}, "rows": rows}
 
 
-SUITES = {"tune": bench_tune, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
+def bench_tma_pull(quick: bool) -> dict:
+    """The seed's CUDA primitives (CuPy): TMA 1-D bulk pull/push bandwidth vs row size, two buffers on one GPU."""
+    from megamoe.kernels import cupy_prims
+
+    rows = []
+    for op in ("pull", "push"):
+        res = cupy_prims.bench_pull(op=op, row_bytes=(1024, 7168) if quick else (256, 1024, 4096, 7168, 16384, 65536))
+        rows += res["rows"]
+    return {"config": res["config"], "rows": rows}
+
+
+SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:

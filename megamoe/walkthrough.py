@@ -1221,8 +1221,10 @@ def dataflow_figure():
     _arrow(ax, 9.7, 3.33, 10.4, 3.33)
     _arrow(ax, 11.55, 2.7, 11.55, 1.6)
     _arrow(ax, 10.4, 0.97, 2.6, 0.97, "write-back: map(&combine[slot][t], src)  (NVLink write)", color="#a3541d")
-    _arrow(ax, 1.4, 2.7, 1.4, 1.6, "", ls=":")
-    ax.text(1.5, 2.1, "counts + src indices\n(remote atomics)", fontsize=7)
+    _box(ax, 4.3, 1.75, 2.2, 0.7, "workspace: recv counts,\nsource indices", dst, fontsize=7, alpha=0.5)
+    _arrow(ax, 2.6, 2.85, 4.3, 2.1, "", ls=":")
+    ax.text(2.75, 2.05, "step 1: remote stores\n+ atomics (no data)", fontsize=7)
+    _arrow(ax, 5.4, 2.45, 5.4, 2.7, "", ls=":")
     ax.text(0.2, 4.1, "source rank (every rank is a source)", fontsize=8, color="#2b5d8c")
     ax.text(4.3, 4.1, "expert's rank (every rank owns E/R experts)", fontsize=8, color="#a3541d")
     return fig
