@@ -1230,20 +1230,30 @@ def dataflow_figure():
     return fig
 
 
+_STEP_TEXT = {
+    "count": "count\npairs per expert;\natomic slot; write\nsrc index to owner",
+    "publish": "publish\nsend counts ->\nowner's recv_count",
+    "pull": "pull\nowner copies x, x_sf,\nweights of its pairs\ninto the L1 pool",
+    "push": "push\nsource copies its\nrows into the\nowner's L1 pool",
+    "l1": "l1\nFP8xFP4 GEMM,\nSwiGLU x weight,\nFP8 requant -> L2 pool",
+    "l2": "l2\nFP8xFP4 GEMM -> BF16\nstored into the source's\ncombine[slot][token]",
+    "combine": "combine\nsum the top-k slots\n-> y (BF16)",
+    "cleanup": "cleanup\nzero the counters\n(+ recv stats)",
+}
+
+
 def pipeline_figure(dispatch: str = "pull"):
-    """The staged pipeline of one call (one launch per step, from ``megamoe.ops._pipeline``), grouped into the
-    phases a persistent fused kernel would overlap, with the three barriers."""
+    """Top: the staged pipeline of one call (one launch per step, names from ``megamoe.ops._pipeline``) with the
+    cross-rank barriers. Bottom: a schematic of the same work in a fused persistent kernel, where the launch
+    boundaries inside each barrier interval become per-block arrival counters and the roles overlap."""
     from matplotlib.patches import Rectangle
 
     from megamoe.figures import new_figure
 
     names = stage_names(dispatch)
-    groups = {"count": "dispatch: count", "publish": "dispatch: count", "pull": "dispatch: copy",
-              "push": "dispatch: copy", "l1": "L1 GEMM + SwiGLU", "l2": "L2 GEMM + write-back",
-              "combine": "combine", "cleanup": "cleanup"}
-    colors = {"dispatch: count": "#c6dbef", "dispatch: copy": "#9ecae1", "L1 GEMM + SwiGLU": "#fdd0a2",
-              "L2 GEMM + write-back": "#fdae6b", "combine": "#c7e9c0", "cleanup": "#e0e0e0"}
-    fig, axes = new_figure(size=(13.0, 3.6))
+    colors = {"count": "#c6dbef", "publish": "#c6dbef", "pull": "#9ecae1", "push": "#9ecae1", "l1": "#fdd0a2",
+              "l2": "#fdae6b", "combine": "#c7e9c0", "cleanup": "#e0e0e0"}
+    fig, axes = new_figure(2, 1, size=(13.0, 6.4), height_ratios=[1.1, 1])
     ax = axes[0, 0]
     ax.axis("off")
     x = 0.0
@@ -1252,21 +1262,39 @@ def pipeline_figure(dispatch: str = "pull"):
             continue
         if name.endswith("_wait"):
             tag = name.removeprefix("barrier").split("_")[0]
-            ax.add_patch(Rectangle((x, 0.6), 0.18, 1.6, color="k"))
-            ax.text(x + 0.09, 2.3, f"barrier\ntag {tag}", ha="center", va="bottom", fontsize=7)
-            x += 0.5
+            ax.add_patch(Rectangle((x, 0.5), 0.16, 1.9, color="k"))
+            ax.text(x + 0.08, 2.5, f"barrier\ntag {tag}", ha="center", va="bottom", fontsize=7)
+            x += 0.45
             continue
-        g = groups.get(name, name)
-        _box(ax, x, 0.9, 1.5, 1.0, name, colors.get(g, "#ffffff"))
-        x += 1.8
+        _box(ax, x, 0.7, 1.55, 1.5, _STEP_TEXT.get(name, name), colors.get(name, "#ffffff"), fontsize=7)
+        x += 1.75
     ax.set_xlim(-0.2, x)
-    ax.set_ylim(-0.9, 3.0)
-    ax.text(0, -0.35, "this repo: every box is one kernel launch per rank; a launch boundary is a grid-wide sync. "
-            "A fused persistent kernel (DeepGEMM) keeps every SM resident and replaces the boundaries between\n"
-            "count/copy, copy/L1, L1/L2 with per-block arrival counters (l1_arrival_count, l2_arrival_mask), so "
-            "pulls, both GEMMs and the write-back overlap; only the three cross-rank barriers remain.",
+    ax.set_ylim(0.0, 3.2)
+    ax.set_title(f"This repo: one call of fp8_fp4_mega_moe (dispatch={dispatch!r}); every box is one kernel launch "
+                 "per rank, each launch boundary a grid-wide sync", loc="left")
+
+    ax = axes[1, 0]
+    ax.set_xlim(-0.2, 15.5)
+    ax.set_ylim(-0.9, 4.3)
+    ax.axis("off")
+    lanes = ["dispatch warps", "TMA + MMA warps", "epilogue warps"]
+    for i, lane in enumerate(lanes):
+        ax.text(-0.1, 3.3 - i, lane, ha="right", va="center", fontsize=8)
+    spans = [(0, 0.0, 1.6, "count + publish", "#c6dbef"), (0, 2.1, 4.6, "pull token rows (per pool block)", "#9ecae1"),
+             (1, 2.6, 6.9, "L1 blocks start when their rows arrived; then L2 blocks", "#fdd0a2"),
+             (2, 3.0, 7.6, "L1 epilogue (SwiGLU, requant) | L2 epilogue + write-back", "#fdae6b"),
+             (2, 8.2, 10.4, "combine: sum slots -> y", "#c7e9c0"), (0, 8.2, 9.6, "cleanup", "#e0e0e0")]
+    for lane, x0, x1, text, color in spans:
+        _box(ax, x0 + 0.15, 3.0 - lane, x1 - x0, 0.6, text, color, fontsize=7)
+    for xb, tag in ((1.95, 1), (8.0, 2), (10.75, 3)):
+        ax.add_patch(Rectangle((xb, 0.6), 0.1, 3.2, color="k"))
+        ax.text(xb + 0.05, 3.9, f"barrier tag {tag}", ha="center", fontsize=7)
+    ax.text(0.0, 0.15, "A fused persistent kernel (DeepGEMM) keeps one CTA per SM for the whole layer. Inside a "
+            "barrier interval the launch boundaries become per-block arrival counters (l1_arrival_count,\n"
+            "l2_arrival_mask in the workspace): a GEMM block starts as soon as its pool rows have landed, so "
+            "pulling, both GEMMs and the write-back overlap. Only the three cross-rank barriers remain.",
             fontsize=8, va="top")
-    ax.set_title(f"One call of fp8_fp4_mega_moe (dispatch={dispatch!r}), step by step", loc="left")
+    ax.set_title("Where a fused kernel would fuse (schematic, not to scale)", loc="left")
     return fig
 
 

@@ -1,0 +1,221 @@
+"""Run and check the notebooks: ``python -m megamoe.notebooks {run,check,list}``.
+
+``run [--names 03 05_gemm_swiglu ...] [--world-size N] [--backend B] [--timeout S]``
+    Re-executes notebooks **in place** with papermill (outputs are kept in the files), injecting the parameters
+    ``world_size`` (default: the number of GPUs when CUDA is present, else 2) and ``backend`` (default ``auto``).
+    Prints ``[3/8] 03_pool_sizing ... 41.2 s`` per notebook and writes the times, with provenance, to
+    ``results/notebook_times_<device>.json``.
+``check [--names ...]``
+    Verifies the committed notebooks: every code cell was executed, no error outputs, a ``parameters`` cell, a
+    provenance line (the output of ``megamoe.describe_environment()``), and no kernel code (``@triton.jit``).
+    Exits 1 and lists the problems otherwise.
+``list``
+    Prints the notebooks in order with their titles.
+
+Notebooks live in ``<repo>/notebooks`` and are numbered ``00_`` .. ``07_``; a name may be given in full, without
+``.ipynb``, or as its number prefix.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from megamoe.env import REPO_ROOT
+
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+KERNEL_NAME = "python3"
+#: Seconds papermill waits for one cell before failing the notebook.
+CELL_TIMEOUT_S = 1800
+#: A provenance line printed by megamoe.describe_environment().
+PROVENANCE_RE = re.compile(r"backend=\S+ device=.+ torch=\S+ triton=\S+ commit=\S+")
+#: Source patterns that mean kernel code was written in a notebook (kernels belong in megamoe/kernels).
+KERNEL_CODE_RE = re.compile(r"@triton\.jit|@triton\.autotune|import triton\.language|\btl\.(load|store|program_id)\(")
+
+
+def notebook_paths(names: list[str] | None = None, directory: Path = NOTEBOOK_DIR) -> list[Path]:
+    """The notebooks ``NN_*.ipynb`` of ``directory`` in order, or those matching ``names`` (full name, stem, or
+    number prefix such as ``03``). Unknown names raise ValueError."""
+    every = sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        stem = Path(name).name.removesuffix(".ipynb")
+        hits = [p for p in every if p.stem == stem or p.stem.split("_")[0] == stem]
+        if not hits:
+            raise ValueError(f"no notebook {name!r} in {directory} (have: {', '.join(p.stem for p in every)})")
+        chosen += [p for p in hits if p not in chosen]
+    return chosen
+
+
+def default_world_size() -> int:
+    """The number of GPUs when CUDA is present, else 2 (CPU ranks)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 2
+
+
+def device_tag() -> str:
+    """``cpu`` or the GPU's name in lower case with dashes (``h200``), for result file names."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
+def title(path: Path) -> str:
+    """The first markdown heading of a notebook."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("# ").strip()
+    return ""
+
+
+def execute(path: Path, output: Path | None = None, parameters: dict | None = None,
+            cwd: Path | None = None, timeout_s: float = CELL_TIMEOUT_S) -> float:
+    """Execute one notebook with papermill into ``output`` (default: in place); return the seconds it took.
+
+    Raises ``papermill.PapermillExecutionError`` (naming the failing cell) when a cell fails; the output notebook
+    then holds everything up to the error.
+    """
+    import papermill
+
+    t0 = time.perf_counter()
+    papermill.execute_notebook(str(path), str(output or path), parameters=parameters or {},
+                               kernel_name=KERNEL_NAME, cwd=str(cwd or path.parent), progress_bar=False,
+                               log_output=False, execution_timeout=timeout_s)
+    return time.perf_counter() - t0
+
+
+def run(names: list[str] | None = None, world_size: int | None = None, backend: str = "auto",
+        timeout_s: float = CELL_TIMEOUT_S, results_dir: Path | None = None) -> dict:
+    """Re-execute notebooks in place (outputs kept), print progress, write ``notebook_times_<device>.json``.
+
+    Returns the written record: ``{"kind": "notebook_times", "provenance", "config", "rows"}``; each row has
+    ``notebook``, ``seconds`` and ``ok``. A failing notebook is reported and the others still run; the return
+    record then has ``"failed"`` set and :func:`main` exits 1.
+    """
+    from megamoe.env import provenance
+
+    paths = notebook_paths(names)
+    world_size = default_world_size() if world_size is None else world_size
+    params = {"world_size": world_size, "backend": backend}
+    print(f"executing {len(paths)} notebook(s) in place with {params}", flush=True)
+    rows, failed = [], []
+    for i, path in enumerate(paths, 1):
+        print(f"[{i}/{len(paths)}] {path.stem} ...", end=" ", flush=True)
+        t0 = time.perf_counter()
+        try:
+            execute(path, parameters=params, timeout_s=timeout_s)
+            ok = True
+            print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+        except Exception as e:  # report, keep going with the other notebooks
+            ok = False
+            failed.append(path.stem)
+            print(f"FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {str(e).strip()[:2000]}",
+                  flush=True)
+        rows.append({"notebook": path.stem, "seconds": round(time.perf_counter() - t0, 2), "ok": ok})
+    record = {"kind": "notebook_times",
+              "provenance": provenance("python -m megamoe.notebooks run " + " ".join(sys.argv[2:])),
+              "config": {**params, "title": "notebook execution time", "x": "notebook", "y": "seconds"},
+              "rows": rows}
+    if failed:
+        record["failed"] = failed
+    out_dir = Path(results_dir) if results_dir else REPO_ROOT / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"notebook_times_{device_tag()}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    total = sum(r["seconds"] for r in rows)
+    print(f"total {total:.1f} s; wrote {out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    return record
+
+
+def _outputs_text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif "data" in out:
+            parts.append(str(out["data"].get("text/plain", "")))
+            parts.append(str(out["data"].get("text/markdown", "")))
+    return "".join(parts)
+
+
+def check_notebook(path: Path) -> list[str]:
+    """Problems of one committed notebook (empty list = fine); see the module docstring for the rules."""
+    import nbformat
+
+    problems = []
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:
+        return [f"cannot read: {e}"]
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in code):
+        problems.append("no cell tagged 'parameters'")
+    if not any(c.get("outputs") for c in code):
+        problems.append("no outputs (not executed?)")
+    unexecuted = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()
+                  and c.get("execution_count") is None]
+    if unexecuted:
+        problems.append(f"code cells never executed: {unexecuted}")
+    for i, c in enumerate(nb.cells):
+        if c.cell_type != "code":
+            continue
+        for out in c.get("outputs", []):
+            if out.get("output_type") == "error":
+                problems.append(f"cell {i} has an error output: {out.get('ename')}: {out.get('evalue', '')[:200]}")
+        if KERNEL_CODE_RE.search(c.source):
+            problems.append(f"cell {i} contains kernel code (kernels belong in megamoe/kernels)")
+    if not any(PROVENANCE_RE.search(_outputs_text(c)) for c in code):
+        problems.append("no provenance line (print megamoe.describe_environment())")
+    if nb.metadata.get("papermill", {}).get("exception"):
+        problems.append("papermill recorded an exception for the last execution")
+    return problems
+
+
+def check(names: list[str] | None = None) -> dict[str, list[str]]:
+    """:func:`check_notebook` for every (or the named) notebook; prints one line each."""
+    report = {}
+    for path in notebook_paths(names):
+        problems = check_notebook(path)
+        report[path.stem] = problems
+        print(f"{'ok  ' if not problems else 'FAIL'} {path.stem}" + "".join(f"\n     - {p}" for p in problems))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe.notebooks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="re-execute notebooks in place (papermill)")
+    p_run.add_argument("--names", nargs="*", help="notebooks to run (default: all), e.g. 03 05_gemm_swiglu")
+    p_run.add_argument("--world-size", type=int, default=None, help="ranks (default: #GPUs, else 2)")
+    p_run.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "local"])
+    p_run.add_argument("--timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
+    p_check = sub.add_parser("check", help="verify committed notebooks (outputs, no errors, provenance)")
+    p_check.add_argument("--names", nargs="*")
+    sub.add_parser("list", help="list the notebooks")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for path in notebook_paths():
+            print(f"{path.stem:<24} {title(path)}")
+        return 0
+    if args.command == "check":
+        return 1 if any(check(args.names).values()) else 0
+    record = run(args.names, args.world_size, args.backend, args.timeout)
+    return 1 if record.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
