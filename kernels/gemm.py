@@ -5,6 +5,16 @@ requant into ``l2_acts [pool rows, I]`` + ``l2_acts_sf``.
 L2 (``l2_combine_kernel``): ``l2_acts`` x ``W2[e] [H, I]`` -> BF16 rows stored straight into the **source** rank's
 ``combine[slot][token]`` through ``sym_map``.
 
+Two ways to apply the per-32 scales (constexpr ``SCALED_OPERANDS``; ``megamoe.ops.GEMM_CONFIG`` picks, from
+measurements in ``results/tune_h200.json``):
+
+* ``False`` -- FP8 operands: per scale group one K=32 FP8 dot, then ``acc += dot * sa[m] * sb[n]`` (an fp32
+  "promotion" per group, DeepGEMM SM90's trick at 4x its frequency). Runs on FP8 tensor cores, whose in-MMA
+  accumulation keeps ~14 bits, and every promotion waits for its MMA.
+* ``True`` -- scaled operands: both scales are powers of two, so ``fp8 * sa`` and ``e2m1 * sb`` are exact in bf16;
+  the operands are widened with the scales folded in and every dot chains on one accumulator (bf16 tensor cores,
+  fp32 accumulate; the interpreter uses fp32 operands since its bf16 dot is broken). Products stay exact.
+
 Both kernels are persistent: ``tile = program_id; tile += num_programs`` over ``(pool block, N tile)`` pairs up to the
 number of used pool blocks, computed on the device from ``expert_recv_count`` (no host sync, no empty programs).
 
@@ -18,8 +28,8 @@ tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpr
 import triton
 import triton.language as tl
 
-from megamoe.kernels.numerics import (ceil_ue8m0, e2m1_to_e4m3, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16,
-                                      sf_byte, ue8m0_to_f32)
+from megamoe.kernels.numerics import (ceil_ue8m0, e2m1_scaled_f32, e2m1_to_e4m3, f32_to_bf16_bits, f32_to_e4m3_bits,
+                                      round_to_bf16, sf_byte, ue8m0_to_f32)
 from megamoe.kernels.pool import expert_blocks, locate_block
 from megamoe.kernels.symm import sym_map
 
@@ -54,6 +64,27 @@ def _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, K: tl.constexpr, N:
 
 
 @triton.jit
+def _widen_a(a0, a1, sa0, sa1, DOT_DTYPE: tl.constexpr):
+    """Scaled-operand mode: fold the per-32 activation scales into the operands, exactly (fp8 * 2^k fits bf16)."""
+    return (a0.to(tl.float32) * sa0[:, None]).to(DOT_DTYPE), (a1.to(tl.float32) * sa1[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
+def _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, K: tl.constexpr, N: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr):
+    """acc += a0w . (W[n, k0:k0+32] * sb0) + a1w . (W[n, k0+32:k0+64] * sb1), scales folded into the decoded weights
+    (exact: e2m1 * 2^k has 2 significant bits). No per-group promotion: both dots chain on one accumulator."""
+    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :]).to(tl.int32)
+    word = tl.load(w_sf + (k0 // 128) * N + n_rows)
+    g = k0 // 32
+    b0 = e2m1_scaled_f32(packed & 0xF, sf_byte(word, g)[:, None]).to(DOT_DTYPE)
+    b1 = e2m1_scaled_f32(packed >> 4, sf_byte(word, g + 1)[:, None]).to(DOT_DTYPE)
+    acc = tl.dot(a0w, tl.trans(b0), acc)
+    acc = tl.dot(a1w, tl.trans(b1), acc)
+    return acc
+
+
+@triton.jit
 def _pool_tile(tile, recv, N_TILES: tl.constexpr, R: tl.constexpr, El: tl.constexpr, BLOCK_M: tl.constexpr,
                SF_BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
     """tile -> (expert, pool rows [BM], sf rows [BM], row mask [BM], n tile)."""
@@ -77,7 +108,8 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
                      R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
@@ -100,8 +132,13 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, 64):
             a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
-            acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, w, w_sf, gate_rows, k0, H, 2 * I)
-            acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, w, w_sf, gate_rows + 8, k0, H, 2 * I)
+            if SCALED_OPERANDS:
+                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+                acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
+                acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
+            else:
+                acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, w, w_sf, gate_rows, k0, H, 2 * I)
+                acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, w, w_sf, gate_rows + 8, k0, H, 2 * I)
         # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
         gate = round_to_bf16(acc_g)
         up = round_to_bf16(acc_u)
@@ -129,7 +166,8 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
                       OFF_COMBINE: tl.constexpr,
                       R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                       SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, SCALED_OPERANDS: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N hidden columns, written as bf16 into combine[slot][token] of the
     row's source rank (padding rows skipped)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
@@ -149,7 +187,11 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, 64):
             a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
-            acc = _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, I, H)
+            if SCALED_OPERANDS:
+                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+                acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
+            else:
+                acc = _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, I, H)
         src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
         token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
         slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)

@@ -89,3 +89,15 @@ def ceil_ue8m0(x):
     """Smallest power of two >= x for positive normal float32 x, as (value float32, exponent byte int32)."""
     bits = (x.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
     return bits.to(tl.float32, bitcast=True), bits >> 23
+
+
+@triton.jit
+def e2m1_scaled_f32(nibble, scale_byte):
+    """FP4 e2m1 nibbles times their UE8M0 scale 2^(scale_byte-127), as float32, exactly (integer ops only).
+
+    code >= 2 is 2^((code>>1)-1) * (1 + (code&1)/2): exponent field (code>>1)+126, mantissa bit 22 = code&1;
+    code 1 is 0.5 (exponent field 126); the scale adds scale_byte-127 to the exponent field."""
+    code = nibble & 7
+    efield = tl.where(code >= 2, (code >> 1) + 126, 126) + scale_byte - 127
+    bits = (efield << 23) | ((code & tl.where(code >= 2, 1, 0)) << 22) | ((nibble & 8) << 28)
+    return tl.where(code == 0, 0, bits).to(tl.float32, bitcast=True)

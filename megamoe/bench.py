@@ -151,12 +151,15 @@ def bench_tune(quick: bool) -> dict:
 
     rows = []
     base = {k: dict(v) for k, v in ops.GEMM_CONFIG.items()}
-    variants = [{}, {"programs_per_sm": 0}, {"num_stages": 2}, {"num_stages": 4}, {"num_warps": 4},
-                {"BLOCK_N": 128, "l1_only": True}, {"BLOCK_N": 64, "l2_only": True}]
+    fp8 = {"scaled_operands": False}
+    scaled = {"scaled_operands": True}
+    variants = [fp8, {**fp8, "num_warps": 8, "l1_only": True}, scaled, {**scaled, "num_warps": 4},
+                {**scaled, "num_warps": 8}, {**scaled, "num_stages": 4}, {**scaled, "BLOCK_N": 128, "l1_only": True},
+                {**scaled, "programs_per_sm": 1}]
     for block_m in (64, 128):
         case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=block_m)
-        sbs = SymmBuffer.local(1, 48, 512, 6, 7168, 3072, block_m=block_m, device="cuda")
-        for n in (8, 512):
+        sbs = SymmBuffer.local(1, 48, 2048, 6, 7168, 3072, block_m=block_m, device="cuda")
+        for n in ((8, 512) if quick else (8, 512, 2048)):
             case.num_tokens = n
             problem = case.problem(device="cuda")
             y, l1, l2, stats = _prepare(sbs[0], problem, 0)

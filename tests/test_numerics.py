@@ -68,6 +68,23 @@ def test_ceil_ue8m0_is_smallest_power_of_two_above():
     assert torch.equal(p, want)
 
 
+@triton.jit
+def _fp4_scaled_kernel(nib_ptr, sbyte_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, nx.e2m1_scaled_f32(tl.load(nib_ptr + offs), tl.load(sbyte_ptr + offs)))
+
+
+def test_e2m1_scaled_decode_is_exact():
+    nib = torch.arange(16, dtype=torch.int32).repeat(16)
+    sbyte = torch.tensor([1, 20, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 240, 250, 252, 253],
+                         dtype=torch.int32).repeat_interleave(16)
+    out = torch.empty(256)
+    _fp4_scaled_kernel[(1,)](nib, sbyte, out, N=256)
+    vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    want = (torch.cat([vals, -vals]).repeat(16) * torch.exp2(sbyte.double() - 127)).float()
+    assert torch.equal(out, want)
+
+
 def test_e2m1_decode_to_e4m3_is_exact():
     nib = torch.arange(16, dtype=torch.int32)
     out = torch.empty(16)
