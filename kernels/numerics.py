@@ -96,7 +96,8 @@ def e2m1_scaled_f32(nibble, scale_byte):
     """FP4 e2m1 nibbles times their UE8M0 scale 2^(scale_byte-127), as float32, exactly (integer ops only).
 
     code >= 2 is 2^((code>>1)-1) * (1 + (code&1)/2): exponent field (code>>1)+126, mantissa bit 22 = code&1;
-    code 1 is 0.5 (exponent field 126); the scale adds scale_byte-127 to the exponent field."""
+    code 1 is 0.5 (exponent field 126); the scale adds scale_byte-127 to the exponent field. Valid for scale bytes
+    2..252 (results stay normal and finite); the quantizer produces 2^ceil(log2(amax/6)) with amax >= 1e-4."""
     code = nibble & 7
     efield = tl.where(code >= 2, (code >> 1) + 126, 126) + scale_byte - 127
     bits = (efield << 23) | ((code & tl.where(code >= 2, 1, 0)) << 22) | ((nibble & 8) << 28)

@@ -76,7 +76,7 @@ def _fp4_scaled_kernel(nib_ptr, sbyte_ptr, out_ptr, N: tl.constexpr):
 
 def test_e2m1_scaled_decode_is_exact():
     nib = torch.arange(16, dtype=torch.int32).repeat(16)
-    sbyte = torch.tensor([1, 20, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 240, 250, 252, 253],
+    sbyte = torch.tensor([2, 20, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 240, 250, 251, 252],
                          dtype=torch.int32).repeat_interleave(16)
     out = torch.empty(256)
     _fp4_scaled_kernel[(1,)](nib, sbyte, out, N=256)
