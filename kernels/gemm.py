@@ -15,10 +15,6 @@ measurements in ``results/tune_h200.json``):
   the operands are widened with the scales folded in and every dot chains on one accumulator (bf16 tensor cores,
   fp32 accumulate; the interpreter uses fp32 operands since its bf16 dot is broken). Products stay exact.
 
-``K_UNROLL`` 64-wide steps are unrolled per loop iteration so that their independent weight loads (32 bytes per
-weight row each) are in flight together: with one step per iteration a program keeps only ~2 KB of weights in flight,
-which caps the GEMMs at a fraction of HBM bandwidth at decode sizes.
-
 Both kernels are persistent: ``tile = program_id; tile += num_programs`` over ``(pool block, N tile)`` pairs up to the
 number of used pool blocks, computed on the device from ``expert_recv_count`` (no host sync, no empty programs).
 
@@ -113,7 +109,7 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
-                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, K_UNROLL: tl.constexpr):
+                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
@@ -134,17 +130,15 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
         w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_outer in range(0, H, 64 * K_UNROLL):
-            for u in tl.static_range(K_UNROLL):
-                k0 = k_outer + 64 * u
-                a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
-                if SCALED_OPERANDS:
-                    a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
-                    acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
-                    acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
-                else:
-                    acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, w, w_sf, gate_rows, k0, H, 2 * I)
-                    acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, w, w_sf, gate_rows + 8, k0, H, 2 * I)
+        for k0 in range(0, H, 64):
+            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+            if SCALED_OPERANDS:
+                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+                acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
+                acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
+            else:
+                acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, w, w_sf, gate_rows, k0, H, 2 * I)
+                acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, w, w_sf, gate_rows + 8, k0, H, 2 * I)
         # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
         gate = round_to_bf16(acc_g)
         up = round_to_bf16(acc_u)
@@ -173,7 +167,7 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
                       R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                       SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, SCALED_OPERANDS: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, K_UNROLL: tl.constexpr):
+                      DOT_DTYPE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N hidden columns, written as bf16 into combine[slot][token] of the
     row's source rank (padding rows skipped)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
@@ -191,15 +185,13 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
         w = w2 + expert.to(tl.int64) * H * (I // 2)
         w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_outer in range(0, I, 64 * K_UNROLL):
-            for u in tl.static_range(K_UNROLL):
-                k0 = k_outer + 64 * u
-                a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
-                if SCALED_OPERANDS:
-                    a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
-                    acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
-                else:
-                    acc = _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, I, H)
+        for k0 in range(0, I, 64):
+            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
+            if SCALED_OPERANDS:
+                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+                acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
+            else:
+                acc = _weight_step(acc, a0, a1, sa0, sa1, w, w_sf, n_rows, k0, I, H)
         src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
         token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
         slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)

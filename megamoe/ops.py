@@ -39,23 +39,17 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
 #: Chosen from results/tune_h200.json (block_m 128): L1 with 4 warps was 20% faster than 8; L2 keeps 8 (4 doubled it).
 GEMM_CONFIG = {
-    "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
-           "k_unroll": 1},
-    "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
-           "k_unroll": 1},
+    "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
+    "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
 }
 
 
-def _dot_meta(cfg: dict, k: int) -> dict:
-    """Kernel constexprs of the K loop (see ``megamoe.kernels.gemm``): scale mode -- bf16 operands on GPU, fp32 when
-    interpreting (the interpreter's bf16 dot multiplies bit patterns) -- and the unroll, the largest power of two
-    <= ``k_unroll`` dividing the K/64 steps."""
+def _dot_meta(cfg: dict) -> dict:
+    """Kernel constexprs for the scale mode (see ``megamoe.kernels.gemm``): bf16 operands on GPU, fp32 when
+    interpreting (the interpreter's bf16 dot multiplies bit patterns)."""
     import triton.language as tl
 
-    unroll = max(1, cfg["k_unroll"])
-    while (k // 64) % unroll:
-        unroll //= 2
-    return {"SCALED_OPERANDS": cfg["scaled_operands"], "K_UNROLL": unroll,
+    return {"SCALED_OPERANDS": cfg["scaled_operands"],
             "DOT_DTYPE": tl.float32 if interpreting() else tl.bfloat16}
 
 
@@ -197,7 +191,7 @@ def _l1(c: _RankCall) -> None:
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
                    OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
         H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n, HAS_CLAMP=c.clamp is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg, L.hidden), **_schedule_meta(L))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
 
 
 def _l2(c: _RankCall) -> None:
@@ -212,7 +206,7 @@ def _l2(c: _RankCall) -> None:
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf",
                    OFF_META="token_src_metadata", OFF_COMBINE="combine"),
         T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg, L.intermediate_hidden), **_schedule_meta(L))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
 
 
 def _combine(c: _RankCall) -> None:
