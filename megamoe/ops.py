@@ -37,7 +37,10 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 
 #: Launch configuration of the GEMM steps on CUDA (``python -m megamoe.bench --suite tune`` sweeps it).
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
-#: Chosen from results/tune_h200.json (block_m 128): L1 with 4 warps was 20% faster than 8; L2 keeps 8 (4 doubled it).
+#: From results/tune_h200.json (block_m 128, FP8 mode): L1 with 4 warps is ~20% faster than with 8. The scaled-operand
+#: mode measured within ~5% of the FP8 mode (the K loop is bound by neither MMA); FP8 stays the default. Unrolling
+#: the K loop by 2-4 steps (tried at 9e5ac3d, reverted) ran 1.8-10x slower: the pipeliner's shared memory grows with
+#: every unrolled load.
 GEMM_CONFIG = {
     "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
     "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
