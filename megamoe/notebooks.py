@@ -112,32 +112,50 @@ def run(names: list[str] | None = None, world_size: int | None = None, backend: 
     params = {"world_size": world_size, "backend": backend}
     print(f"executing {len(paths)} notebook(s) in place with {params}", flush=True)
     rows, failed = [], []
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     for i, path in enumerate(paths, 1):
-        print(f"[{i}/{len(paths)}] {path.stem} ...", end=" ", flush=True)
+        head = f"[{i}/{len(paths)}] {path.stem} ..."
         t0 = time.perf_counter()
         try:
             execute(path, parameters=params, timeout_s=timeout_s)
             ok = True
-            print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"{head} {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as e:  # report, keep going with the other notebooks
             ok = False
             failed.append(path.stem)
-            print(f"FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {str(e).strip()[:2000]}",
-                  flush=True)
-        rows.append({"notebook": path.stem, "seconds": round(time.perf_counter() - t0, 2), "ok": ok})
+            print(f"{head} FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: "
+                  f"{str(e).strip()[:2000]}", flush=True)
+        rows.append({"notebook": path.stem, "seconds": round(time.perf_counter() - t0, 2), "ok": ok,
+                     "run_at": stamp})
+    out_dir = Path(results_dir) if results_dir else REPO_ROOT / "results"
+    out = out_dir / f"notebook_times_{device_tag()}.json"
+    rows = _merge_rows(out, rows, params)
     record = {"kind": "notebook_times",
               "provenance": provenance("python -m megamoe.notebooks run " + " ".join(sys.argv[2:])),
               "config": {**params, "title": "notebook execution time", "x": "notebook", "y": "seconds"},
               "rows": rows}
     if failed:
         record["failed"] = failed
-    out_dir = Path(results_dir) if results_dir else REPO_ROOT / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"notebook_times_{device_tag()}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
-    total = sum(r["seconds"] for r in rows)
+    total = sum(r["seconds"] for r in rows if r.get("run_at") == stamp)
     print(f"total {total:.1f} s; wrote {out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     return record
+
+
+def _merge_rows(path: Path, rows: list[dict], params: dict) -> list[dict]:
+    """``rows`` plus the rows of an earlier record at ``path`` for notebooks not run now (same parameters only),
+    in notebook order: a partial run (``--names``) updates its notebooks and keeps the others' times."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows
+    cfg = old.get("config", {})
+    if any(cfg.get(k) != v for k, v in params.items()):
+        return rows
+    fresh = {r["notebook"] for r in rows}
+    kept = [r for r in old.get("rows", []) if r.get("notebook") not in fresh]
+    return sorted(kept + rows, key=lambda r: r["notebook"])
 
 
 def _outputs_text(cell) -> str:

@@ -1,0 +1,104 @@
+"""The notebooks: every one executes on CPU ranks without error, and the committed files are in order.
+
+Execution: papermill runs each notebook into a temporary directory (the committed files are never touched) with
+``world_size=2`` on CPU ranks, and one of them again with ``world_size=4``; figures go to a temporary directory
+through ``MEGAMOE_FIGURES_DIR``. The static checks read the committed notebooks: outputs present, no error outputs,
+a ``parameters`` cell, a provenance line, no kernel code (see ``megamoe.notebooks.check_notebook``).
+"""
+import nbformat
+import pytest
+
+from megamoe import notebooks as nbs
+
+NOTEBOOKS = nbs.notebook_paths()
+NAMES = [p.stem for p in NOTEBOOKS]
+EXPECTED = ["00_overview", "01_symmetric_memory", "02_symbuffer_map", "03_pool_sizing", "04_dispatch_pull",
+            "05_gemm_swiglu", "06_combine", "07_end_to_end"]
+#: The notebook also executed with four CPU ranks (one process per rank: launch, shm mapping, barriers, e2e).
+FOUR_RANKS = "06_combine"
+
+
+def test_the_eight_notebooks_exist():
+    assert NAMES == EXPECTED
+
+
+@pytest.fixture
+def figures_tmp(tmp_path, monkeypatch):
+    """Figures written while a notebook runs go to a temporary folder (the kernel inherits the environment)."""
+    out = tmp_path / "figures"
+    monkeypatch.setenv("MEGAMOE_FIGURES_DIR", str(out))
+    return out
+
+
+def _execute(name: str, tmp_path, world_size: int) -> nbformat.NotebookNode:
+    src = nbs.NOTEBOOK_DIR / f"{name}.ipynb"
+    before = src.read_bytes()
+    out = tmp_path / f"{name}_ws{world_size}.ipynb"
+    nbs.execute(src, out, parameters={"world_size": world_size, "backend": "cpu"}, cwd=tmp_path, timeout_s=600)
+    assert src.read_bytes() == before, "executing must not modify the committed notebook"
+    return nbformat.read(out, as_version=4)
+
+
+def _errors(nb) -> list[str]:
+    return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_executes_on_two_cpu_ranks(name, tmp_path, figures_tmp):
+    nb = _execute(name, tmp_path, world_size=2)
+    assert not _errors(nb)
+    assert any(nbs.PROVENANCE_RE.search(nbs._outputs_text(c)) for c in nb.cells if c.cell_type == "code")
+    injected = [c for c in nb.cells if "injected-parameters" in c.get("metadata", {}).get("tags", [])]
+    assert injected and "world_size = 2" in injected[0].source
+    if any(".show_figure(" in c.source for c in nb.cells if c.cell_type == "code"):
+        assert list(figures_tmp.glob("*.png")) and list(figures_tmp.glob("*.svg"))
+
+
+@pytest.mark.slow
+def test_one_notebook_executes_on_four_cpu_ranks(tmp_path, figures_tmp):
+    nb = _execute(FOUR_RANKS, tmp_path, world_size=4)
+    assert not _errors(nb)
+    text = "".join(nbs._outputs_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "all 4 ranks" in text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_committed_notebook_is_executed_clean_and_has_provenance(path):
+    assert nbs.check_notebook(path) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_committed_notebook_structure(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1
+    for key in ("backend", "world_size", "hidden", "intermediate", "num_experts", "num_tokens", "num_topk"):
+        assert f"{key} =" in params[0].source, key
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    for c in code:
+        assert "@triton.jit" not in c.source and "triton.language" not in c.source
+    # megamoe is imported before anything that imports triton
+    first_import = next(c for c in code if "import" in c.source)
+    assert first_import.source.lstrip().startswith("import megamoe")
+
+
+def test_check_flags_problems(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("@triton.jit\ndef k(x):\n    pass")
+    cell.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])]
+    nb.cells = [cell]
+    path = tmp_path / "00_bad.ipynb"
+    nbformat.write(nb, path)
+    problems = " | ".join(nbs.check_notebook(path))
+    for expected in ("parameters", "error output", "kernel code", "provenance", "never executed"):
+        assert expected in problems, problems
+
+
+def test_notebook_names_resolve():
+    assert [p.stem for p in nbs.notebook_paths(["03", "05_gemm_swiglu.ipynb"])] == ["03_pool_sizing",
+                                                                                  "05_gemm_swiglu"]
+    with pytest.raises(ValueError, match="no notebook"):
+        nbs.notebook_paths(["99"])
