@@ -28,8 +28,8 @@ test-gpu:  ## the GPU suite: kernels at real sizes, notebooks with world_size = 
 notebooks:  ## re-execute every notebook in place (outputs kept); CPU ranks when there is no GPU
 	$(VPY) -m megamoe.notebooks run
 
-figures:  ## regenerate figures/ (PNG + SVG) from the package and results/*.json
-	$(VPY) -m megamoe.figures
+figures:  ## regenerate figures/ (PNG + SVG): executes the notebooks into a temp dir (they are the figures' source)
+	$(VPY) -m megamoe.notebooks figures
 
 bench:  ## GPU benchmarks -> results/*.json
 	$(VPY) -m megamoe.bench

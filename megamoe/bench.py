@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from megamoe.env import REPO_ROOT, provenance
-from megamoe.ops import _bind, _pipeline, fp8_fp4_mega_moe
-from megamoe.programs import MoECase, _prepare
+from megamoe.ops import bind_calls, pipeline_steps, fp8_fp4_mega_moe
+from megamoe.programs import MoECase, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
 
@@ -69,7 +69,7 @@ def bench_ceilings() -> dict:
 
 def _step_times_us(calls, dispatch: str, iters: int = 20) -> dict[str, float]:
     """Median time of every pipeline step (all ranks of ``calls`` in lock-step), via events between launches."""
-    steps = _pipeline(dispatch)
+    steps = pipeline_steps(dispatch)
     samples: dict[str, list[float]] = {name: [] for name, _ in steps}
     for _ in range(iters):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
@@ -90,7 +90,7 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
     for n in num_tokens:
         case.num_tokens = n
         problem = case.problem(device="cuda")
-        prepared = [_prepare(sb, problem, r) for r, sb in enumerate(sym_buffers)]
+        prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sym_buffers)]
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
         single = len(sym_buffers) == 1
         args = (ys[0], l1s[0], l2s[0], sym_buffers[0]) if single else (ys, l1s, l2s, sym_buffers)
@@ -101,7 +101,7 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
         bitwise = all(torch.equal(ys[r].view(torch.int16), refs[r].view(torch.int16)) for r in range(len(ys)))
         recv = [int(v) for s in stats for v in s.tolist()]
         ms = _median_ms(lambda: fp8_fp4_mega_moe(*args, dispatch=case.dispatch, check=False))
-        calls = _bind(*args, None, "swiglu", None, case.dispatch, False)
+        calls = bind_calls(*args, None, "swiglu", None, case.dispatch, False)
         steps = _step_times_us(calls, case.dispatch)
         pairs = sum(recv)
         flops = layer_flops(pairs, case.hidden, case.intermediate)
@@ -162,14 +162,14 @@ def bench_tune(quick: bool) -> dict:
         for n in ((8, 512) if quick else (8, 512, 2048)):
             case.num_tokens = n
             problem = case.problem(device="cuda")
-            y, l1, l2, stats = _prepare(sbs[0], problem, 0)
+            y, l1, l2, stats = prepare_rank(sbs[0], problem, 0)
             for v in variants:
                 for step in ("l1", "l2"):
                     if v.get("l1_only") and step == "l2" or v.get("l2_only") and step == "l1":
                         continue
                     ops.GEMM_CONFIG[step] = {**base[step], **{k: x for k, x in v.items() if not k.endswith("_only")}}
                 fp8_fp4_mega_moe(y, l1, l2, sbs[0])
-                calls = _bind(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
+                calls = bind_calls(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
                 steps = _step_times_us(calls, "pull", iters=10)
                 row = {"block_m": block_m, "num_tokens": n, "variant": {k: x for k, x in v.items()},
                        "l1_us": steps["l1"], "l2_us": steps["l2"], "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}

@@ -85,4 +85,4 @@ def describe_environment() -> str:
     """One line: backend, device and versions (printed by ``make setup`` and by the notebooks)."""
     p = provenance()
     return (f"backend={default_backend()} device={p['device']} torch={p['torch']} triton={p['triton']} "
-            f"commit={p['git_commit'][:12]}")
+            f"commit={p['git_commit'][:12]}{'-dirty' if p['git_commit'].endswith('-dirty') else ''}")

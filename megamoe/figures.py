@@ -1,7 +1,7 @@
-"""Figures for the notebooks and for ``make figures`` (``python -m megamoe.figures``).
+"""Figure functions called by the notebooks (``make figures`` re-executes the notebooks, the one source of figures/).
 
 Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
-global figure state), so the same call works in a notebook (the Figure displays itself) and headless.
+global figure state), so the same call works headless and in a notebook (which shows the saved PNG).
 :func:`save_figure` writes ``<name>.png`` (150 dpi) and ``<name>.svg`` to ``figures/`` (``$MEGAMOE_FIGURES_DIR``
 overrides it).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -433,7 +433,7 @@ def bench_xy(data: dict) -> Figure | None:
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_timing, "pull_push": bench_layer_timing,
-    "ceilings": bench_ceilings, "tune": bench_tune,
+    "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth,
 }
 
 
@@ -472,43 +472,5 @@ def plot_results(name: str) -> Figure | None:
 
 
 # ---------------------------------------------------------------------------------------------------- make figures
-def static_figures() -> dict[str, Callable[[], Figure]]:
-    """Name -> builder of every figure that needs no GPU."""
-    from megamoe.sim import simulate_routing
-
-    def heatmap():
-        pro = SHAPES["V4-Pro"]
-        return traffic_heatmap(simulate_routing(8, 8192, pro["num_experts"], 6, hidden=pro["hidden"],
-                                                intermediate_hidden=pro["intermediate_hidden"], routing="zipf",
-                                                zipf_alpha=1.0, seed=0))
-
-    return {
-        "pool_size_sweep": pool_size_sweep,
-        "layout_breakdown_v4_flash": lambda: layout_breakdown(_layout("V4-Flash")),
-        "layout_breakdown_v4_pro": lambda: layout_breakdown(_layout("V4-Pro")),
-        "occupancy_vs_bound": lambda: occupancy_vs_bound(occupancy_sweep()),
-        "traffic_heatmap_ep8_zipf": heatmap,
-    }
-
-
-def main() -> list[Path]:
-    """Regenerate every GPU-free figure, then one ``bench_<name>`` figure per ``results/*.json``."""
-    written: list[Path] = []
-    print(f"figures -> {figures_dir()}")
-    for name, build in static_figures().items():
-        t0 = time.perf_counter()
-        written += save_figure(build(), name)
-        print(f"  {name} ({time.perf_counter() - t0:.1f} s)")
-    result_files = sorted(results_dir().glob("*.json"))
-    if not result_files:
-        print(f"  no {results_dir()}/*.json: no benchmark figures (run `make bench` on a GPU)")
-    for path in result_files:
-        fig = plot_results(path.stem)
-        if fig is not None:
-            written += save_figure(fig, f"bench_{path.stem}")
-            print(f"  bench_{path.stem}")
-    return written
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit("figures are made by the notebooks: run `make figures` (python -m megamoe.notebooks figures)")

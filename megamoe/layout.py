@@ -21,10 +21,11 @@ Deviations from DeepGEMM, all in the workspace (documented per segment):
   because a token's top-k experts are distinct (checked on the host).
 
 The ring-buffer variant (upstream's later design) would shrink the two pools from ``P`` rows to
-``num_ring_tokens`` rows: the pool only has to hold the experts of one *wave* in flight, e.g. at EP8 with 8192
-tokens/rank the L1 pool drops from 393,408 to ~R*T*topk-per-wave rows, because consumed ring blocks are recycled
-through the l1/l2 full/empty counters. We size the whole worst case (no reuse) so that the staged kernels can run
-every step to completion before the next; see ``notebooks/03_pool_sizing.ipynb``.
+``num_ring_tokens`` rows: the pool then holds only the experts of one *wave* in flight, and consumed ring blocks are
+recycled through l1/l2 full/empty counters. It helps when a wave holds fewer experts than top-k (at EP8, 8192
+tokens/rank, top-6, 48 local experts the worst case is 402,432 rows, the seed's 393,408 being one block short). We
+size the whole worst case (no reuse) so that the staged kernels can run every step to completion before the next;
+see ``notebooks/03_pool_sizing.ipynb``.
 """
 from __future__ import annotations
 

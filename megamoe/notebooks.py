@@ -97,6 +97,27 @@ def execute(path: Path, output: Path | None = None, parameters: dict | None = No
     return time.perf_counter() - t0
 
 
+def figures(names: list[str] | None = None, world_size: int | None = None, backend: str = "auto",
+            timeout_s: float = CELL_TIMEOUT_S) -> list[str]:
+    """Regenerate ``figures/`` (``make figures``): execute the notebooks into a temporary folder, leaving the
+    committed notebooks untouched. The notebooks are the one source of every figure. Returns the failed names."""
+    import tempfile
+
+    paths = notebook_paths(names)
+    params = {"world_size": default_world_size() if world_size is None else world_size, "backend": backend}
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, path in enumerate(paths, 1):
+            t0 = time.perf_counter()
+            try:
+                execute(path, output=Path(tmp) / path.name, parameters=params, timeout_s=timeout_s)
+                print(f"[{i}/{len(paths)}] {path.stem} ... {time.perf_counter() - t0:.1f} s", flush=True)
+            except Exception as e:
+                failed.append(path.stem)
+                print(f"[{i}/{len(paths)}] {path.stem} FAILED: {type(e).__name__}: {str(e).strip()[:2000]}", flush=True)
+    return failed
+
+
 def run(names: list[str] | None = None, world_size: int | None = None, backend: str = "auto",
         timeout_s: float = CELL_TIMEOUT_S, results_dir: Path | None = None) -> dict:
     """Re-execute notebooks in place (outputs kept), print progress, write ``notebook_times_<device>.json``.
@@ -224,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     p_check = sub.add_parser("check", help="verify committed notebooks (outputs, no errors, provenance)")
     p_check.add_argument("--names", nargs="*")
     sub.add_parser("list", help="list the notebooks")
+    p_fig = sub.add_parser("figures", help="regenerate figures/ by executing the notebooks into a temp dir")
+    p_fig.add_argument("--names", nargs="*")
+    p_fig.add_argument("--world-size", type=int, default=None)
+    p_fig.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "local"])
     args = parser.parse_args(argv)
     if args.command == "list":
         for path in notebook_paths():
@@ -231,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":
         return 1 if any(check(args.names).values()) else 0
+    if args.command == "figures":
+        return 1 if figures(args.names, args.world_size, args.backend) else 0
     record = run(args.names, args.world_size, args.backend, args.timeout)
     return 1 if record.get("failed") else 0
 

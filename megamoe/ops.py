@@ -96,9 +96,9 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
             :class:`megamoe.kernels.symm.BarrierTimeout` if a barrier timed out. Both read device memory (host syncs);
             benchmarks pass ``check=False``. Shapes and dtypes are always validated.
     """
-    calls = _bind(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
+    calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                   activation_clamp, dispatch, check)
-    for _, step in _pipeline(dispatch):
+    for _, step in pipeline_steps(dispatch):
         for call in calls:
             step(call)
     if check:
@@ -107,7 +107,7 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
 
 
 # ---------------------------------------------------------------------------------------------------- the steps
-def _pipeline(dispatch: str) -> list[tuple[str, Callable[[_RankCall], None]]]:
+def pipeline_steps(dispatch: str) -> list[tuple[str, Callable[[_RankCall], None]]]:
     """The ordered (name, step) list of one call; each step is one launch for one rank."""
     def arrive(c):
         barrier_arrive(c.sb)
@@ -249,7 +249,10 @@ def _as_list(value, name: str, count: int, is_list: bool) -> list:
     return list(value)
 
 
-def _bind(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch, check) -> list[_RankCall]:
+def bind_calls(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch, check) -> list[_RankCall]:
+    """Validate the arguments of :func:`fp8_fp4_mega_moe` (same meaning, positional) and return one bound call per
+    rank. Stepping through a call by hand -- as the benchmarks' per-step timing and the notebooks do -- is
+    ``for name, step in pipeline_steps(dispatch): for c in calls: step(c)``."""
     is_list = isinstance(sym_buffer, (list, tuple))
     buffers = list(sym_buffer) if is_list else [sym_buffer]
     if not buffers or not all(isinstance(b, SymmBuffer) for b in buffers):
@@ -388,4 +391,5 @@ def load_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, x_sf: torch.Tensor, top
     sym_buffer.topk_weights[:n].copy_(topk_weights.to(dev))
 
 
-__all__: Sequence[str] = ["fp8_fp4_mega_moe", "MegaMoE", "load_inputs", "TAG_AFTER_DISPATCH_PUSH"]
+__all__: Sequence[str] = ["fp8_fp4_mega_moe", "MegaMoE", "load_inputs", "bind_calls", "pipeline_steps",
+                          "TAG_AFTER_DISPATCH_PUSH", "GEMM_CONFIG"]

@@ -58,7 +58,9 @@ def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
     return torch.bincount(idx, minlength=El).to(torch.int32)
 
 
-def _prepare(sb: SymmBuffer, problem: Problem, rank: int):
+def prepare_rank(sb: SymmBuffer, problem: Problem, rank: int):
+    """Load ``rank``'s inputs into ``sb`` and return ``(y, l1, l2, stats)``: a NaN-poisoned bf16 output [n, H], the
+    rank's transformed weights and a zeroed int32 [El] stats tensor, all on the buffer's device."""
     dev = sb.buffer.device
     load_inputs(sb, problem.x[rank], problem.x_sf[rank], problem.topk_idx[rank], problem.topk_weights[rank])
     l1, l2 = problem.weights_for_rank(rank)
@@ -87,7 +89,7 @@ def run_case_local(case: MoECase, device=None) -> list[dict]:
     try:
         dev = sbs[0].buffer.device
         problem = case.problem(device=dev)
-        prepared = [_prepare(sb, problem, r) for r, sb in enumerate(sbs)]
+        prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
         seconds = []
         for _ in range(case.num_calls):
@@ -115,7 +117,7 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
     try:
         dev = sb.buffer.device
         problem = case.problem(device=dev)
-        y, l1, l2, stats = _prepare(sb, problem, rank)
+        y, l1, l2, stats = prepare_rank(sb, problem, rank)
         seconds = []
         for _ in range(case.num_calls):
             y.fill_(float("nan"))

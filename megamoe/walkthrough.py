@@ -12,7 +12,7 @@ Sections:
 * **01/02 symmetric memory** -- write on one rank and read on another, ``map(ptr, r)`` arithmetic, remote read/write
   through the Triton kernels' ``sym_map``, the barrier protocol and a timeout, the CuPy/CUDA ``SymBuffer``.
 * **04-06 the staged pipeline** -- :class:`StagedRun` advances every rank of a ``local`` group one pipeline step
-  at a time (``megamoe.ops._pipeline``) and reads the workspace and pools between steps: counts, source indices,
+  at a time (``megamoe.ops.pipeline_steps``) and reads the workspace and pools between steps: counts, source indices,
   the pool map (expert, source rank, padding per row), per-step comparison with the reference's intermediates.
 * **05 number formats** -- value tables of FP8 e4m3 / FP4 e2m1 / UE8M0, quantisation errors, the weight
   transform on tiny tensors, the per-32 block-scaled dot.
@@ -457,8 +457,8 @@ def cupy_local_read_write(world_size: int, shape: dict) -> list[dict]:
 
 # ==================================================================================================== 04-06: staged pipeline
 def stage_names(dispatch: str = "pull") -> list[str]:
-    """The names of the steps of one call (``megamoe.ops._pipeline``), in order."""
-    return [name for name, _ in ops._pipeline(dispatch)]
+    """The names of the steps of one call (``megamoe.ops.pipeline_steps``), in order."""
+    return [name for name, _ in ops.pipeline_steps(dispatch)]
 
 
 @dataclass
@@ -516,9 +516,9 @@ class StagedRun:
                                     case.intermediate, block_m=case.block_m, device=device)
         self.device = self.sbs[0].buffer.device
         self.problem = case.problem(device=self.device)
-        prepared = [programs._prepare(sb, self.problem, r) for r, sb in enumerate(self.sbs)]
+        prepared = [programs.prepare_rank(sb, self.problem, r) for r, sb in enumerate(self.sbs)]
         self.ys, self.l1s, self.l2s, self.stats = (list(t) for t in zip(*prepared))
-        self._steps = ops._pipeline(case.dispatch)
+        self._steps = ops.pipeline_steps(case.dispatch)
         self.steps = [name for name, _ in self._steps]
         self.num_calls = 0
         self._ref = None
@@ -529,7 +529,7 @@ class StagedRun:
         """Start a new call: outputs set to NaN, next step = the first one."""
         for y in self.ys:
             y.fill_(float("nan"))
-        self._calls = ops._bind(self.ys, self.l1s, self.l2s, self.sbs, self.stats, "swiglu",
+        self._calls = ops.bind_calls(self.ys, self.l1s, self.l2s, self.sbs, self.stats, "swiglu",
                                 self.case.activation_clamp, self.case.dispatch, True)
         self.position = 0
         self.num_calls += 1
@@ -802,7 +802,7 @@ def _pull_push(calls_for, repeats: int) -> dict:
     out = {}
     for dispatch in ("pull", "push"):
         calls = calls_for(dispatch)
-        steps = ops._pipeline(dispatch)
+        steps = ops.pipeline_steps(dispatch)
         for _, step in steps:  # warm-up (compiles on GPU) and the output to compare
             for c in calls:
                 step(c)
@@ -817,8 +817,8 @@ def pull_push_rank(rank: int, world_size: int, case: MoECase, repeats: int = 20)
                     block_m=case.block_m)
     try:
         problem = case.problem(device=sb.buffer.device)
-        y, l1, l2, _ = programs._prepare(sb, problem, rank)
-        out = _pull_push(lambda d: ops._bind(y, l1, l2, sb, None, "swiglu", case.activation_clamp, d, False),
+        y, l1, l2, _ = programs.prepare_rank(sb, problem, rank)
+        out = _pull_push(lambda d: ops.bind_calls(y, l1, l2, sb, None, "swiglu", case.activation_clamp, d, False),
                         repeats)
         out["y_equal"] = bool(torch.equal(out["y_pull"][0].view(torch.int16), out["y_push"][0].view(torch.int16)))
         ref = problem.reference(activation_clamp=case.activation_clamp)[rank].cpu()
@@ -836,8 +836,8 @@ def pull_push_local(case: MoECase, repeats: int = 20) -> dict:
                            case.intermediate, block_m=case.block_m)
     try:
         problem = case.problem(device=sbs[0].buffer.device)
-        ys, l1s, l2s, _ = (list(t) for t in zip(*[programs._prepare(sb, problem, r) for r, sb in enumerate(sbs)]))
-        out = _pull_push(lambda d: ops._bind(ys, l1s, l2s, sbs, None, "swiglu", case.activation_clamp, d, False),
+        ys, l1s, l2s, _ = (list(t) for t in zip(*[programs.prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]))
+        out = _pull_push(lambda d: ops.bind_calls(ys, l1s, l2s, sbs, None, "swiglu", case.activation_clamp, d, False),
                         repeats)
         out["y_equal"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                              for a, b in zip(out["y_pull"], out["y_push"]))
@@ -1275,7 +1275,7 @@ _STEP_TEXT = {
 
 
 def pipeline_figure(dispatch: str = "pull"):
-    """Top: the staged pipeline of one call (one launch per step, names from ``megamoe.ops._pipeline``) with the
+    """Top: the staged pipeline of one call (one launch per step, names from ``megamoe.ops.pipeline_steps``) with the
     cross-rank barriers. Bottom: a schematic of the same work in a fused persistent kernel, where the launch
     boundaries inside each barrier interval become per-block arrival counters and the roles overlap."""
     from matplotlib.patches import Rectangle

@@ -37,31 +37,6 @@ def dirs(tmp_path, monkeypatch):
     return out, res
 
 
-def test_main_writes_every_figure(dirs, capsys):
-    out, res = dirs
-    for name, data in RESULTS.items():
-        (res / f"{name}.json").write_text(json.dumps(data))
-    t0 = time.perf_counter()
-    written = figures.main()
-    assert time.perf_counter() - t0 < 30
-    names = list(figures.static_figures()) + [f"bench_{n}" for n in RESULTS]
-    for name in names:
-        for ext in ("png", "svg"):
-            path = out / f"{name}.{ext}"
-            assert path.exists() and path.stat().st_size > 1000, path
-    assert sorted(p.name for p in written) == sorted(f"{n}.{e}" for n in names for e in ("png", "svg"))
-    out_text = capsys.readouterr().out
-    assert "bench_pull_bandwidth" in out_text and "generic" not in out_text   # every kind had its own plotter
-
-
-def test_main_without_results_skips_bench_figures(dirs, capsys, monkeypatch):
-    out, _ = dirs
-    monkeypatch.setattr(figures, "static_figures", lambda: {"pool_size_sweep": figures.pool_size_sweep})
-    written = figures.main()
-    assert [p.name for p in written] == ["pool_size_sweep.png", "pool_size_sweep.svg"]
-    assert "no benchmark figures" in capsys.readouterr().out
-
-
 def test_plot_results_missing_file_and_unplottable_rows(dirs, capsys):
     _, res = dirs
     assert figures.plot_results("does_not_exist") is None
