@@ -41,7 +41,7 @@ from megamoe.env import REPO_ROOT, cuda_available
 from megamoe.kernels import symm as ks
 from megamoe.launch import launch
 from megamoe.programs import MoECase
-from megamoe.quant import (FP4_E2M1_VALUES, dequant_fp4, dequant_fp8, e2m1_decode, pack_nibbles,
+from megamoe.quant import (dequant_fp4, dequant_fp8, e2m1_decode, pack_nibbles,
                            per_token_cast_to_fp4, per_token_cast_to_fp8, transform_weights_for_mega_moe,
                            unpack_nibbles, unpack_ue8m0, untransform_weights_for_mega_moe)
 from megamoe.reference import reference_mega_moe
@@ -604,7 +604,7 @@ class StagedRun:
 
     def expected_src_pairs(self, rank: int, local_expert: int) -> list[list[int]]:
         """Reference for :meth:`src_indices`: per source rank, the sorted ``token*k + slot`` routed to that expert."""
-        El, k = self.layout.num_experts_per_rank, self.case.num_topk
+        El = self.layout.num_experts_per_rank
         e = rank * El + local_expert
         return [sorted((idx.cpu().flatten() == e).nonzero().flatten().tolist()) for idx in self.problem.topk_idx]
 
@@ -679,7 +679,7 @@ class StagedRun:
         against the reference's ``l2_in`` of the same (token, slot); per rank: rows, bit-exact rows, max error."""
         _, inter, offsets = self.reference()
         L = self.layout
-        I, El = L.intermediate_hidden, L.num_experts_per_rank
+        El = L.num_experts_per_rank
         out = []
         for sb in self.sbs:
             pm = self.pool_map(sb.rank)

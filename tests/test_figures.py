@@ -1,6 +1,5 @@
 """megamoe.figures: `python -m megamoe.figures` writes every figure (PNG + SVG) into $MEGAMOE_FIGURES_DIR."""
 import json
-import time
 
 import pytest
 

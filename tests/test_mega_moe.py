@@ -4,11 +4,9 @@ Tolerance: `megamoe.testing.assert_moe_close` (derivation in its docstring). In 
 reference bit for bit on these sizes, which the `bitwise` fraction reported in failures makes visible.
 """
 import pytest
-import torch
 
 from megamoe.launch import launch
 from megamoe.programs import MoECase, run_case_local, run_case_rank
-from megamoe.testing import assert_moe_close
 
 
 def _check(reports):
