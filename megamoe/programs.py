@@ -82,6 +82,20 @@ def _report(case: MoECase, problem: Problem, rank: int, y: torch.Tensor, ref: to
     return out
 
 
+def _timed_calls(case: MoECase, ys: list[torch.Tensor], call) -> list[float]:
+    """Run ``call`` ``case.num_calls`` times on NaN-poisoned outputs; wall seconds per call (device synchronized)."""
+    seconds = []
+    for _ in range(case.num_calls):
+        for y in ys:
+            y.fill_(float("nan"))
+        t0 = time.perf_counter()
+        call()
+        if ys[0].device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
 def run_case_local(case: MoECase, device=None) -> list[dict]:
     """All ``case.num_ranks`` ranks in this process (``local`` backend, lock-step); one stats dict per rank."""
     sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
@@ -91,16 +105,9 @@ def run_case_local(case: MoECase, device=None) -> list[dict]:
         problem = case.problem(device=dev)
         prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
-        seconds = []
-        for _ in range(case.num_calls):
-            for y in ys:
-                y.fill_(float("nan"))
-            t0 = time.perf_counter()
-            fp8_fp4_mega_moe(ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp,
-                             cumulative_local_expert_recv_stats=stats, dispatch=case.dispatch)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - t0)
+        seconds = _timed_calls(case, ys, lambda: fp8_fp4_mega_moe(
+            ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
+            dispatch=case.dispatch))
         refs = problem.reference(activation_clamp=case.activation_clamp)
         return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds) for r in range(case.num_ranks)]
     finally:
@@ -118,15 +125,9 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         dev = sb.buffer.device
         problem = case.problem(device=dev)
         y, l1, l2, stats = prepare_rank(sb, problem, rank)
-        seconds = []
-        for _ in range(case.num_calls):
-            y.fill_(float("nan"))
-            t0 = time.perf_counter()
-            fp8_fp4_mega_moe(y, l1, l2, sb, activation_clamp=case.activation_clamp,
-                             cumulative_local_expert_recv_stats=stats, dispatch=case.dispatch)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - t0)
+        seconds = _timed_calls(case, [y], lambda: fp8_fp4_mega_moe(
+            y, l1, l2, sb, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
+            dispatch=case.dispatch))
         ref = problem.reference(activation_clamp=case.activation_clamp)[rank]
         return _report(case, problem, rank, y, ref, stats, seconds)
     finally:
