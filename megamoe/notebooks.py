@@ -52,11 +52,16 @@ def notebook_paths(names: list[str] | None = None, directory: Path = NOTEBOOK_DI
     return chosen
 
 
+#: Ranks for the notebooks on a single GPU: local ranks in one process, so the multi-rank pictures stay interesting.
+LOCAL_RANKS_ON_ONE_GPU = 4
+
+
 def default_world_size() -> int:
-    """The number of GPUs when CUDA is present, else 2 (CPU ranks)."""
+    """The number of GPUs when there are several, 4 local ranks on one GPU, else 2 (CPU ranks)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus if gpus > 1 else LOCAL_RANKS_ON_ONE_GPU if gpus == 1 else 2
 
 
 def device_tag() -> str:
