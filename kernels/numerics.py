@@ -102,3 +102,36 @@ def e2m1_scaled_f32(nibble, scale_byte):
     efield = tl.where(code >= 2, (code >> 1) + 126, 126) + scale_byte - 127
     bits = (efield << 23) | ((code & tl.where(code >= 2, 1, 0)) << 22) | ((nibble & 8) << 28)
     return tl.where(code == 0, 0, bits).to(tl.float32, bitcast=True)
+
+
+# Per byte lane: the 3 magnitude bits of a nibble -> e4m3 magnitude byte through a PRMT lookup table
+# (LUT bytes 0..7 = 0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C), then the sign bit 3 -> bit 7.
+# The four lanes' magnitudes are first gathered into the low 16 bits of the selector (one nibble per lane).
+_PRMT_DECODE = """
+    and.b32 v, {src}, 0x0F0F0F0F;
+    and.b32 m, v, 0x07070707;
+    shr.b32 sel, m, 4;
+    or.b32 sel, sel, m;
+    and.b32 sel, sel, 0x00FF00FF;
+    shr.b32 t, sel, 8;
+    or.b32 sel, sel, t;
+    prmt.b32 {dst}, lut0, lut1, sel;
+    and.b32 t, v, 0x08080808;
+    shl.b32 t, t, 4;
+    or.b32 {dst}, {dst}, t;
+"""
+
+
+_PRMT_ASM = tl.constexpr(
+    "{\n.reg .b32 v, m, sel, t, lut0, lut1, src;\nmov.b32 lut0, 0x3C383000;\nmov.b32 lut1, 0x4C484440;\n"
+    + _PRMT_DECODE.format(src="$2", dst="$0") + "shr.b32 src, $2, 4;\n" + _PRMT_DECODE.format(src="src", dst="$1")
+    + "}")
+
+
+@triton.jit
+def e2m1x2_to_e4m3_prmt(packed):
+    """GPU-only fast path of :func:`e2m1_to_e4m3` for both nibbles of uint8 ``packed``: 4 bytes per 32-bit register,
+    ~11 instructions per 4 values instead of ~10 per value. Returns (low nibbles, high nibbles) as FP8 e4m3."""
+    lo, hi = tl.inline_asm_elementwise(asm=_PRMT_ASM, constraints="=r,=r,r", args=[packed],
+                                       dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)

@@ -151,12 +151,11 @@ def bench_tune(quick: bool) -> dict:
 
     rows = []
     base = {k: dict(v) for k, v in ops.GEMM_CONFIG.items()}
-    fp8 = {"scaled_operands": False}
-    scaled = {"scaled_operands": True}
-    variants = [fp8, {**fp8, "num_warps": 8, "l1_only": True}, scaled, {**scaled, "num_warps": 4},
-                {**scaled, "num_warps": 8}, {**scaled, "num_stages": 4}, {**scaled, "BLOCK_N": 128, "l1_only": True},
-                {**scaled, "programs_per_sm": 1}]
-    for block_m in (64, 128):
+    new = {"scaled_operands": False, "prmt_decode": True, "prefetch_w": True}
+    variants = [new, {**new, "prefetch_w": False}, {**new, "prmt_decode": False},
+                {**new, "prmt_decode": False, "prefetch_w": False}, {**new, "num_warps": 8, "l1_only": True},
+                {"scaled_operands": True, "prefetch_w": False}]
+    for block_m in ((128,) if quick else (64, 128)):
         case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=block_m)
         sbs = SymmBuffer.local(1, 48, 2048, 6, 7168, 3072, block_m=block_m, device="cuda")
         for n in ((8, 512) if quick else (8, 512, 2048)):

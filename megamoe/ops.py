@@ -42,17 +42,20 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 #: the K loop by 2-4 steps (tried at 9e5ac3d, reverted) ran 1.8-10x slower: the pipeliner's shared memory grows with
 #: every unrolled load.
 GEMM_CONFIG = {
-    "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
-    "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False},
+    "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
+           "prmt_decode": True, "prefetch_w": True},
+    "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
+           "prmt_decode": True, "prefetch_w": True},
 }
 
 
 def _dot_meta(cfg: dict) -> dict:
     """Kernel constexprs for the scale mode (see ``megamoe.kernels.gemm``): bf16 operands on GPU, fp32 when
-    interpreting (the interpreter's bf16 dot multiplies bit patterns)."""
+    interpreting (the interpreter's bf16 dot multiplies bit patterns); the PRMT FP4 decode (inline PTX) on GPU only."""
     import triton.language as tl
 
-    return {"SCALED_OPERANDS": cfg["scaled_operands"],
+    return {"SCALED_OPERANDS": cfg["scaled_operands"], "PRMT_DECODE": cfg["prmt_decode"] and not interpreting(),
+            "PREFETCH_W": cfg["prefetch_w"],
             "DOT_DTYPE": tl.float32 if interpreting() else tl.bfloat16}
 
 
