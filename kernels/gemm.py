@@ -15,10 +15,9 @@ measurements in ``results/tune_h200.json``):
   the operands are widened with the scales folded in and every dot chains on one accumulator (bf16 tensor cores,
   fp32 accumulate; the interpreter uses fp32 operands since its bf16 dot is broken). Products stay exact.
 
-FP8 mode details: the weight bytes go through registers (decode) rather than straight into an MMA, so Triton's
-software pipeliner does not prefetch them; ``PREFETCH_W`` double-buffers them in registers (the next step's loads are
-issued before this step's math). ``PRMT_DECODE`` decodes four FP4 values per PRMT byte-permute lookup (inline PTX,
-GPU only; the interpreter runs the arithmetic :func:`~megamoe.kernels.numerics.e2m1_to_e4m3`).
+FP8 mode decode: ``PRMT_DECODE`` turns four FP4 values into FP8 with one PRMT byte-permute lookup (inline PTX, GPU
+only; the interpreter runs the arithmetic :func:`~megamoe.kernels.numerics.e2m1_to_e4m3`), ~27% faster GEMMs on an
+H200 (``results/tune_h200.json``).
 
 Both kernels are persistent: ``tile = program_id; tile += num_programs`` over ``(pool block, N tile)`` pairs up to the
 number of used pool blocks, computed on the device from ``expert_recv_count`` (no host sync, no empty programs).
@@ -122,8 +121,7 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
-                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr,
-                     PREFETCH_W: tl.constexpr):
+                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
@@ -144,25 +142,17 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
         w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        pg, sg = _load_w(w, w_sf, gate_rows, 0, H, 2 * I)
-        pu, su = _load_w(w, w_sf, gate_rows + 8, 0, H, 2 * I)
         for k0 in range(0, H, 64):
-            if PREFETCH_W:  # issue the next step's weight loads before this step's math (register double buffer)
-                pg_next, sg_next = _load_w(w, w_sf, gate_rows, (k0 + 64) % H, H, 2 * I)
-                pu_next, su_next = _load_w(w, w_sf, gate_rows + 8, (k0 + 64) % H, H, 2 * I)
-            else:
-                pg, sg = _load_w(w, w_sf, gate_rows, k0, H, 2 * I)
-                pu, su = _load_w(w, w_sf, gate_rows + 8, k0, H, 2 * I)
             a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
             if SCALED_OPERANDS:
                 a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
                 acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
                 acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
             else:
+                pg, sg = _load_w(w, w_sf, gate_rows, k0, H, 2 * I)
+                pu, su = _load_w(w, w_sf, gate_rows + 8, k0, H, 2 * I)
                 acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, pg, sg, k0, PRMT_DECODE)
                 acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, pu, su, k0, PRMT_DECODE)
-            if PREFETCH_W:
-                pg, sg, pu, su = pg_next, sg_next, pu_next, su_next
         # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
         gate = round_to_bf16(acc_g)
         up = round_to_bf16(acc_u)
@@ -191,7 +181,7 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
                       R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                       SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, SCALED_OPERANDS: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr, PREFETCH_W: tl.constexpr):
+                      DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
     """One tile = BLOCK_M pool rows x BLOCK_N hidden columns, written as bf16 into combine[slot][token] of the
     row's source rank (padding rows skipped)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
@@ -209,20 +199,14 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
         w = w2 + expert.to(tl.int64) * H * (I // 2)
         w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        pw, sw = _load_w(w, w_sf, n_rows, 0, I, H)
         for k0 in range(0, I, 64):
-            if PREFETCH_W:
-                pw_next, sw_next = _load_w(w, w_sf, n_rows, (k0 + 64) % I, I, H)
-            else:
-                pw, sw = _load_w(w, w_sf, n_rows, k0, I, H)
             a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
             if SCALED_OPERANDS:
                 a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
                 acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
             else:
+                pw, sw = _load_w(w, w_sf, n_rows, k0, I, H)
                 acc = _weight_step(acc, a0, a1, sa0, sa1, pw, sw, k0, PRMT_DECODE)
-            if PREFETCH_W:
-                pw, sw = pw_next, sw_next
         src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
         token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
         slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)

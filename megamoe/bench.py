@@ -151,10 +151,9 @@ def bench_tune(quick: bool) -> dict:
 
     rows = []
     base = {k: dict(v) for k, v in ops.GEMM_CONFIG.items()}
-    new = {"scaled_operands": False, "prmt_decode": True, "prefetch_w": True}
-    variants = [new, {**new, "prefetch_w": False}, {**new, "prmt_decode": False},
-                {**new, "prmt_decode": False, "prefetch_w": False}, {**new, "num_warps": 8, "l1_only": True},
-                {"scaled_operands": True, "prefetch_w": False}]
+    fp8 = {"scaled_operands": False, "prmt_decode": True}
+    variants = [fp8, {**fp8, "prmt_decode": False}, {**fp8, "num_warps": 8, "l1_only": True},
+                {"scaled_operands": True}]
     for block_m in ((128,) if quick else (64, 128)):
         case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=block_m)
         sbs = SymmBuffer.local(1, 48, 2048, 6, 7168, 3072, block_m=block_m, device="cuda")

@@ -37,15 +37,17 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 
 #: Launch configuration of the GEMM steps on CUDA (``python -m megamoe.bench --suite tune`` sweeps it).
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
-#: From results/tune_h200.json (block_m 128, FP8 mode): L1 with 4 warps is ~20% faster than with 8. The scaled-operand
-#: mode measured within ~5% of the FP8 mode (the K loop is bound by neither MMA); FP8 stays the default. Unrolling
-#: the K loop by 2-4 steps (tried at 9e5ac3d, reverted) ran 1.8-10x slower: the pipeliner's shared memory grows with
-#: every unrolled load.
+#: Measured on an H200 (block_m 128, results/tune_h200.json at 1d14d2f and earlier sweeps noted here):
+#: * PRMT FP4 decode: L1 -25..27%, L2 -29..30% vs the arithmetic decode -- on by default.
+#: * L1 with 4 warps: ~40% faster than with 8 (with PRMT).
+#: * scaled-operand (bf16) mode: within ~5% of the FP8 mode with arithmetic decode; FP8 stays the default.
+#: * tried and removed: register double-buffering of the weight loads (1d14d2f: ~3x slower, it defeated the
+#:   pipelining of the activation loads) and unrolling the K loop 2-4x (9e5ac3d: 1.8-10x slower, shared memory).
 GEMM_CONFIG = {
     "l1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
-           "prmt_decode": True, "prefetch_w": True},
+           "prmt_decode": True},
     "l2": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "scaled_operands": False,
-           "prmt_decode": True, "prefetch_w": True},
+           "prmt_decode": True},
 }
 
 
@@ -55,7 +57,6 @@ def _dot_meta(cfg: dict) -> dict:
     import triton.language as tl
 
     return {"SCALED_OPERANDS": cfg["scaled_operands"], "PRMT_DECODE": cfg["prmt_decode"] and not interpreting(),
-            "PREFETCH_W": cfg["prefetch_w"],
             "DOT_DTYPE": tl.float32 if interpreting() else tl.bfloat16}
 
 
