@@ -39,7 +39,7 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
 #: Measured on an H200 (block_m 128, results/tune_h200.json at 1d14d2f and earlier sweeps noted here):
 #: * PRMT FP4 decode: L1 -25..27%, L2 -29..30% vs the arithmetic decode -- on by default.
-#: * L1 with 4 warps: ~40% faster than with 8 (with PRMT).
+#: * L1 with 4 warps: ~20% faster than with 8 (arithmetic decode, sweep at f1a2c28).
 #: * scaled-operand (bf16) mode: within ~5% of the FP8 mode with arithmetic decode; FP8 stays the default.
 #: * tried and removed: register double-buffering of the weight loads (1d14d2f: ~3x slower, it defeated the
 #:   pipelining of the activation loads) and unrolling the K loop 2-4x (9e5ac3d: 1.8-10x slower, shared memory).
