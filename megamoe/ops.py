@@ -186,34 +186,33 @@ def _num_programs(max_tiles: int, device: torch.device, programs_per_sm: int) ->
     return max(1, min(max_tiles, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
-def _l1(c: _RankCall) -> None:
-    L = c.sb.layout
-    cfg = GEMM_CONFIG["l1"]
-    block_n = cfg["BLOCK_N"]
-    w, sf = c.l1
-    grid = (_num_programs(L.num_max_pool_blocks * (L.intermediate_hidden // block_n), c.sb.buffer.device,
+def _gemm_launch(c: _RankCall, step: str, n_total: int) -> tuple[tuple[int], dict]:
+    """Persistent grid and the launch keywords shared by the GEMM steps (``step`` = "l1"/"l2", N extent
+    ``n_total``): tile sizes, warps, stages, scale/decode mode and the pool-schedule constexprs."""
+    L, cfg = c.sb.layout, GEMM_CONFIG[step]
+    grid = (_num_programs(L.num_max_pool_blocks * (n_total // cfg["BLOCK_N"]), c.sb.buffer.device,
                           cfg["programs_per_sm"]),)
+    meta = dict(H=L.hidden, I=L.intermediate_hidden, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
+    return grid, meta
+
+
+def _l1(c: _RankCall) -> None:
+    grid, meta = _gemm_launch(c, "l1", c.sb.layout.intermediate_hidden)
     kg.l1_swiglu_kernel[grid](
-        c.sb.buffer, w, sf, float(c.clamp) if c.clamp is not None else 0.0,
+        c.sb.buffer, *c.l1, float(c.clamp) if c.clamp is not None else 0.0,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
                    OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
-        H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n, HAS_CLAMP=c.clamp is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
+        HAS_CLAMP=c.clamp is not None, **meta)
 
 
 def _l2(c: _RankCall) -> None:
-    L = c.sb.layout
-    cfg = GEMM_CONFIG["l2"]
-    block_n = cfg["BLOCK_N"]
-    w, sf = c.l2
-    grid = (_num_programs(L.num_max_pool_blocks * (L.hidden // block_n), c.sb.buffer.device,
-                          cfg["programs_per_sm"]),)
+    grid, meta = _gemm_launch(c, "l2", c.sb.layout.hidden)
     kg.l2_combine_kernel[grid](
-        c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank, w, sf,
+        c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank, *c.l2,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf",
                    OFF_META="token_src_metadata", OFF_COMBINE="combine"),
-        T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden, BLOCK_N=block_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
+        T=c.sb.layout.num_max_tokens_per_rank, **meta)
 
 
 def _combine(c: _RankCall) -> None:
