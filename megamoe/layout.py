@@ -42,6 +42,9 @@ SEGMENT_ALIGNMENT = 128
 MAX_RANKS = 72
 #: DeepGEMM asserts topk <= 32.
 MAX_TOPK = 32
+#: The smallest M tile of the kernels: the pool padding granularity (``block_m``) is a power of two at least this
+#: large, and the fused kernel's per-pool-block arrival counters are sized for blocks this small.
+MIN_BLOCK_M = 16
 
 
 def _align(x: int, a: int) -> int:
@@ -149,7 +152,7 @@ class Layout:
 
     def _build(self) -> None:
         R, E, El, T, k = self.num_ranks, self.num_experts, self.num_experts_per_rank, self.num_max_tokens_per_rank, self.num_topk
-        H, I, P, Pb, SP = self.hidden, self.intermediate_hidden, self.num_max_pool_tokens, self.num_max_pool_blocks, self.num_padded_sf_pool_tokens
+        H, I, P, SP = self.hidden, self.intermediate_hidden, self.num_max_pool_tokens, self.num_padded_sf_pool_tokens
         self._cursor = 0
         ws = "workspace"
         self._add("grid_sync", ws, torch.int32, (8,),
@@ -165,10 +168,12 @@ class Layout:
                   "[src rank][local expert]: pairs each source rank sends to each local expert (written remotely)")
         self._add("expert_recv_count_sum", ws, torch.int64, (El,),
                   "per local expert: sum over source ranks (remote atomic adds); feeds the recv stats")
-        self._add("l1_arrival_count", ws, torch.int32, (Pb,),
-                  "per pool block: tokens landed (fine-grained pull->L1 sync of the fused kernel; unused when staged)")
-        self._add("l2_arrival_mask", ws, torch.int64, (Pb,),
-                  "per pool block: bit mask of finished L1 N-blocks (fused kernel only; unused when staged)")
+        Pf = P // MIN_BLOCK_M  # the fused kernel may pick any block of MIN_BLOCK_M..block_m rows
+        self._add("l1_arrival_count", ws, torch.int32, (Pf,),
+                  "per pool block of the fused kernel: rows landed by the pull (L1 waits on it; unused when staged)")
+        self._add("l2_arrival_mask", ws, torch.int64, (Pf,),
+                  "per pool block of the fused kernel: bit n = L1 N-block n (128 columns) done (L2 K-block n "
+                  "waits on it; unused when staged)")
         self._add("src_token_topk_idx", ws, torch.int32, (El, R, T),
                   "[local expert][src rank][i]: token*k + slot of the i-th pair that rank sends (written remotely)")
         self._add("token_src_metadata", ws, torch.int32, (P, 3),

@@ -76,9 +76,31 @@ class _RankCall:
         return self.y.shape[0]
 
 
+IMPLS = ("auto", "fused", "staged")
+
+
+def resolve_impl(impl: str, sym_buffers: list, dispatch: str) -> str:
+    """``"auto"`` -> ``"fused"`` on a Hopper (or newer) GPU with pull dispatch, else ``"staged"``; ``"fused"`` where
+    it cannot run raises ValueError saying why."""
+    from megamoe.fused import unsupported_reason
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if impl == "staged":
+        return impl
+    reason = unsupported_reason(sym_buffers, sym_buffers[0].buffer.device)
+    if reason is None and dispatch != "pull":
+        reason = f"dispatch={dispatch!r}: the fused kernel pulls (push is the staged baseline)"
+    if impl == "fused":
+        if reason:
+            raise ValueError(f"impl='fused' cannot run here: {reason}")
+        return impl
+    return "fused" if reason is None and not interpreting() else "staged"
+
+
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str = "swiglu",
                      activation_clamp: float | None = None, cumulative_local_expert_recv_stats=None,
-                     dispatch: str = "pull", check: bool = True) -> None:
+                     dispatch: str = "pull", check: bool = True, impl: str = "auto") -> None:
     """Run one Mega MoE layer forward.
 
     Before the call each rank copies its inputs into its buffer: ``sym_buffer.x[:n]`` (FP8 e4m3 [n, H]),
@@ -99,12 +121,21 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         check: validate expert ids in ``topk_idx`` before any kernel runs and raise
             :class:`megamoe.kernels.symm.BarrierTimeout` if a barrier timed out. Both read device memory (host syncs);
             benchmarks pass ``check=False``. Shapes and dtypes are always validated.
+        impl: ``"staged"`` (the portable pipeline, one launch per step, the seeds' exact per-32 numerics:
+            ``megamoe.reference`` with ``numerics="exact"``), ``"fused"`` (one persistent launch per call, Hopper,
+            ``numerics="hopper"``: per-32 scales folded into the 8-bit operands, see ``megamoe.kernels.fused``) or
+            ``"auto"`` (fused on a Hopper GPU with pull dispatch, else staged).
     """
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                   activation_clamp, dispatch, check)
-    for _, step in pipeline_steps(dispatch):
-        for call in calls:
-            step(call)
+    if resolve_impl(impl, [c.sb for c in calls], dispatch) == "fused":
+        from megamoe.fused import run_fused
+
+        run_fused(calls)
+    else:
+        for _, step in pipeline_steps(dispatch):
+            for call in calls:
+                step(call)
     if check:
         for call in calls:
             check_barrier_state(call.sb)
@@ -394,5 +425,6 @@ def load_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, x_sf: torch.Tensor, top
     sym_buffer.topk_weights[:n].copy_(topk_weights.to(dev))
 
 
-__all__: Sequence[str] = ["fp8_fp4_mega_moe", "MegaMoE", "load_inputs", "bind_calls", "pipeline_steps",
+__all__: Sequence[str] = ["fp8_fp4_mega_moe", "MegaMoE", "load_inputs", "bind_calls", "pipeline_steps", "IMPLS",
+                          "resolve_impl",
                           "TAG_AFTER_DISPATCH_PUSH", "GEMM_CONFIG"]

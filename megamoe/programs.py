@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megamoe.ops import fp8_fp4_mega_moe, load_inputs
+from megamoe.ops import fp8_fp4_mega_moe, load_inputs, resolve_impl
 from megamoe.quant import transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
 from megamoe.testing import Problem, check_stats, default_accumulation, make_problem, moe_error_stats
@@ -33,6 +33,7 @@ class MoECase:
     block_m: int = 32
     activation_clamp: float | None = None
     dispatch: str = "pull"
+    impl: str = "auto"
     num_calls: int = 1
     num_max_tokens_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
@@ -70,9 +71,15 @@ def prepare_rank(sb: SymmBuffer, problem: Problem, rank: int):
     return y, l1, l2, stats
 
 
+def numerics_of(case: MoECase, sym_buffers: list[SymmBuffer]) -> str:
+    """The reference numerics the implementation that runs ``case`` on these buffers follows."""
+    return "hopper" if resolve_impl(case.impl, sym_buffers, case.dispatch) == "fused" else "exact"
+
+
 def _report(case: MoECase, problem: Problem, rank: int, y: torch.Tensor, ref: torch.Tensor, stats: torch.Tensor,
-            seconds: list[float]) -> dict:
+            seconds: list[float], numerics: str = "exact") -> dict:
     out = moe_error_stats(y.cpu(), ref.cpu())
+    out["numerics"] = numerics
     accumulation = default_accumulation(y.device)
     out.update(accumulation=accumulation, failures=check_stats(out, accumulation))
     expected = expected_recv_counts(problem, rank) * case.num_calls
@@ -107,9 +114,10 @@ def run_case_local(case: MoECase, device=None) -> list[dict]:
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
         seconds = _timed_calls(case, ys, lambda: fp8_fp4_mega_moe(
             ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch))
-        refs = problem.reference(activation_clamp=case.activation_clamp)
-        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds) for r in range(case.num_ranks)]
+            dispatch=case.dispatch, impl=case.impl))
+        numerics = numerics_of(case, sbs)
+        refs = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)
+        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, numerics) for r in range(case.num_ranks)]
     finally:
         for sb in sbs:
             sb.destroy()
@@ -127,9 +135,10 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         y, l1, l2, stats = prepare_rank(sb, problem, rank)
         seconds = _timed_calls(case, [y], lambda: fp8_fp4_mega_moe(
             y, l1, l2, sb, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch))
-        ref = problem.reference(activation_clamp=case.activation_clamp)[rank]
-        return _report(case, problem, rank, y, ref, stats, seconds)
+            dispatch=case.dispatch, impl=case.impl))
+        numerics = numerics_of(case, [sb])
+        ref = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)[rank]
+        return _report(case, problem, rank, y, ref, stats, seconds, numerics)
     finally:
         sb.destroy()
 

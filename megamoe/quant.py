@@ -252,6 +252,53 @@ def dequant_fp4(w_packed: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Hopper numerics: per-32 scales folded into the 8-bit operands (the fused kernel's model)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def ue8m0_bytes(sf: torch.Tensor) -> torch.Tensor:
+    """Packed UE8M0 int32 ``[..., g/4]`` -> the exponent bytes as int32 ``[..., g]`` (group order)."""
+    if sf.dtype != torch.int32:
+        raise TypeError(f"sf: expected torch.int32, got {sf.dtype}")
+    shifts = torch.arange(SF_PACK, device=sf.device, dtype=torch.int64) * 8
+    return ((sf.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF).flatten(-2).to(torch.int32)
+
+
+def fold_scales(values: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold per-32 power-of-two scales into 8-bit values relative to each row's largest scale.
+
+    ``values``: float32 ``[..., n, k]``, each exactly an FP8 e4m3 or FP4 e2m1 value (before scaling); ``sf``: the
+    packed UE8M0 scales ``[..., n, k/128]`` of ``values``. Returns ``(folded, row_byte)``: ``folded``
+    float8_e4m3fn ``[..., n, k]`` = ``e4m3(values * 2^(s_g - s_row))`` (round-to-nearest-even) and ``row_byte``
+    int32 ``[..., n]`` = ``s_row``, the row's largest scale byte, so that ``folded * 2^(s_row - 127)``
+    approximates ``values * scales``. Exact except where a product falls below e4m3's normal range 2^-6, where it
+    rounds to the nearest subnormal (absolute error <= 2^-10 * 2^(s_row - 127)). This is the operand form of
+    the fused Hopper kernel (``megamoe.kernels.fused``): one scale per row instead of a promotion per 32.
+    """
+    bytes_ = ue8m0_bytes(sf)
+    row = bytes_.amax(dim=-1)
+    shift = (bytes_ - row.unsqueeze(-1)).clamp(min=-126).repeat_interleave(SF_GRAN_K, dim=-1)
+    folded = (values * torch.pow(2.0, shift.float())).to(torch.float8_e4m3fn)
+    return folded, row
+
+
+def fold_to_row_scale_dequant(values: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """``fold_scales`` then dequantised: float32 ``[..., n, k]`` = ``folded * 2^(s_row - 127)`` (exact)."""
+    folded, row = fold_scales(values, sf)
+    return folded.float() * torch.pow(2.0, (row - 127).float()).unsqueeze(-1)
+
+
+def per_128_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` float32 ``[m, k]`` to FP8 e4m3 with one UE8M0 scale per 128 elements (amax floored at 1e-4,
+    ``scale = ceil_to_ue8m0(amax / 448)``, RNE). Scales are returned in the per-32 packed form with all four bytes
+    of a word equal, so :func:`dequant_fp8` reads them unchanged: ``(x_fp8 [m, k], sf int32 [m, k/128])``."""
+    groups = x.float().unflatten(-1, (-1, SF_GRAN_K * SF_PACK))
+    scales = ceil_to_ue8m0(groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX)
+    x_fp8 = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return x_fp8, pack_ue8m0(scales.repeat_interleave(SF_PACK, dim=-1))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Expert weights: validation and the kernel layout
 # ----------------------------------------------------------------------------------------------------------
 

@@ -26,7 +26,13 @@ from typing import Iterator
 
 import torch
 
-from megamoe.quant import QuantWeights, check_moe_weights, dequant_fp4, dequant_fp8, per_token_cast_to_fp8
+from megamoe.quant import (QuantWeights, check_moe_weights, dequant_fp4, dequant_fp8, e2m1_decode,
+                           fold_to_row_scale_dequant, per_128_cast_to_fp8, per_token_cast_to_fp8, unpack_nibbles)
+
+#: ``"exact"``: the seeds' semantics (per-32 scales applied exactly; the staged kernels). ``"hopper"``: the fused
+#: Hopper kernel's numerics -- per-32 scales folded into the 8-bit operands relative to each token's / weight
+#: row's largest scale (:func:`megamoe.quant.fold_scales`) and the L2 input quantised per 128, not per 32.
+NUMERICS = ("exact", "hopper")
 
 
 @contextlib.contextmanager
@@ -102,9 +108,24 @@ class _ExpertOutput:
     out: torch.Tensor  # bf16 [m, H]
 
 
-def _expert_weights(weights: QuantWeights, e: int) -> torch.Tensor:
-    """Expert ``e`` of FP4 weights ``(int8 [E, n, k/2], int32 [E, n, k/128])`` as float32 ``[n, k]``."""
+def _expert_weights(weights: QuantWeights, e: int, numerics: str = "exact") -> torch.Tensor:
+    """Expert ``e`` of FP4 weights ``(int8 [E, n, k/2], int32 [E, n, k/128])`` as float32 ``[n, k]``; with
+    ``numerics="hopper"`` each row's per-32 scales are folded relative to its largest (see ``NUMERICS``)."""
+    if numerics == "hopper":
+        return fold_to_row_scale_dequant(e2m1_decode(unpack_nibbles(weights[0][e])), weights[1][e])
     return dequant_fp4(weights[0][e], weights[1][e])
+
+
+def _tokens(x: torch.Tensor, x_sf: torch.Tensor, numerics: str) -> torch.Tensor:
+    """Dequantised tokens float32 ``[n, H]`` (folded per token with ``numerics="hopper"``)."""
+    if numerics == "hopper":
+        return fold_to_row_scale_dequant(x.float(), x_sf)
+    return dequant_fp8(x, x_sf)
+
+
+def _check_numerics(numerics: str) -> None:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: must be one of {NUMERICS}, got {numerics!r}")
 
 
 def swiglu(h: torch.Tensor, activation_clamp: float | None) -> torch.Tensor:
@@ -126,12 +147,13 @@ def _expert_forward(
     w1: torch.Tensor,
     w2: torch.Tensor,
     activation_clamp: float | None,
+    numerics: str = "exact",
 ) -> _ExpertOutput:
     """One expert on ``m`` rows: ``a`` float32 ``[m, H]``, top-k ``weights`` float32 ``[m]``, dequantised
-    ``w1 [2I, H]`` and ``w2 [H, I]``."""
+    ``w1 [2I, H]`` and ``w2 [H, I]``; the L2 input is quantised per 32 (``"exact"``) or per 128 (``"hopper"``)."""
     l1_out = (a @ w1.T).to(torch.bfloat16)
     act = swiglu(l1_out, activation_clamp) * weights.unsqueeze(1)
-    l2_in, l2_in_sf = per_token_cast_to_fp8(act)
+    l2_in, l2_in_sf = (per_128_cast_to_fp8 if numerics == "hopper" else per_token_cast_to_fp8)(act)
     out = (dequant_fp8(l2_in, l2_in_sf) @ w2.T).to(torch.bfloat16)
     return _ExpertOutput(l1_out, l2_in, l2_in_sf, out)
 
@@ -164,6 +186,7 @@ def reference_mega_moe(
     *,
     activation_clamp: float | None = None,
     return_intermediates: bool = False,
+    numerics: str = "exact",
 ) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """The whole MoE layer on one rank holding all ``E`` experts (see the module docstring for the maths).
 
@@ -175,6 +198,7 @@ def reference_mega_moe(
         l1_weights: ``(int8 [E, 2I, H/2], int32 [E, 2I, H/128])``, rows gate then up, untransformed.
         l2_weights: ``(int8 [E, H, I/2], int32 [E, H, I/128])``, untransformed.
         activation_clamp: optional ``c > 0``: ``gate <= c`` and ``|up| <= c`` before SwiGLU.
+        numerics: ``"exact"`` or ``"hopper"`` (see :data:`NUMERICS`).
         return_intermediates: also return a dict with
 
             * ``expert_recv_count`` int64 ``[E]``: (token, slot) pairs each expert receives;
@@ -190,10 +214,11 @@ def reference_mega_moe(
     num_experts, hidden, _ = check_moe_weights(l1_weights, l2_weights)
     _check_tokens(x, x_sf, topk_idx, topk_weights, hidden=hidden, num_experts=num_experts)
     _check_clamp(activation_clamp)
+    _check_numerics(numerics)
     if x.device != l1_weights[0].device:
         raise ValueError(f"x: on {x.device} but the weights are on {l1_weights[0].device}")
 
-    a = dequant_fp8(x, x_sf)
+    a = _tokens(x, x_sf, numerics)
     buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
     rows_per_expert, outputs = [], []
     with _ieee_fp32_matmul():
@@ -202,7 +227,8 @@ def reference_mega_moe(
             token, slot = rows.unbind(1)
             out = _expert_forward(
                 a[token], topk_weights[token, slot],
-                _expert_weights(l1_weights, e), _expert_weights(l2_weights, e), activation_clamp,
+                _expert_weights(l1_weights, e, numerics), _expert_weights(l2_weights, e, numerics),
+                activation_clamp, numerics,
             )
             buffer[slot, token] = out.out
             rows_per_expert.append(rows)
@@ -230,6 +256,7 @@ def reference_mega_moe_ep(
     num_ranks: int,
     *,
     activation_clamp: float | None = None,
+    numerics: str = "exact",
 ) -> list[torch.Tensor]:
     """The layer in expert-parallel form over ``num_ranks`` ranks, simulated in one process.
 
@@ -239,7 +266,7 @@ def reference_mega_moe_ep(
     (token, slot) pairs routed to them from every rank (source rank, then token, then slot order) and writes
     each output row into the source rank's bf16 combine buffer ``[k, n_src, H]``; every rank then reduces
     its own buffer. Returns the per-rank ``y`` (bf16 ``[n_r, H]``), bitwise equal to
-    :func:`reference_mega_moe` on the concatenated tokens.
+    :func:`reference_mega_moe` on the concatenated tokens. ``numerics``: see :data:`NUMERICS`.
     """
     num_experts, hidden, _ = check_moe_weights(l1_weights, l2_weights)
     if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
@@ -261,9 +288,10 @@ def reference_mega_moe_ep(
                 f"topk_idxs[{r}]: num_topk {topk_idxs[r].shape[1]} differs from rank 0's {topk_idxs[0].shape[1]}"
             )
     _check_clamp(activation_clamp)
+    _check_numerics(numerics)
 
     num_local = num_experts // num_ranks
-    a = [dequant_fp8(x, sf) for x, sf in zip(xs, x_sfs)]
+    a = [_tokens(x, sf, numerics) for x, sf in zip(xs, x_sfs)]
     buffers = [torch.zeros((idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
                for x, idx in zip(xs, topk_idxs)]
     with _ieee_fp32_matmul():
@@ -278,7 +306,8 @@ def reference_mega_moe_ep(
                 out = _expert_forward(
                     torch.cat([a_src[token] for a_src, (token, _) in zip(a, rows)]),
                     torch.cat([w[token, slot] for w, (token, slot) in zip(topk_weights_list, rows)]),
-                    _expert_weights(local_l1, local_e), _expert_weights(local_l2, local_e), activation_clamp,
+                    _expert_weights(local_l1, local_e, numerics), _expert_weights(local_l2, local_e, numerics),
+                    activation_clamp, numerics,
                 )
                 for buffer, (token, slot), part in zip(buffers, rows, out.out.split(counts)):
                     buffer[slot, token] = part

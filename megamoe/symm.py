@@ -22,15 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megamoe.env import cuda_available, kernel_device
-from megamoe.layout import Layout
+from megamoe.layout import MIN_BLOCK_M, Layout
 
 #: The views DeepGEMM's SymmBuffer exposes as attributes.
 VIEW_NAMES = ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf")
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "megamoe-"
 BACKENDS = ("cuda", "cpu", "local")
-#: The kernels' smallest M tile: the pool padding granularity must be a power of two at least this large.
-MIN_BLOCK_M = 16
 
 
 def shm_path(rank: int) -> str:

@@ -63,11 +63,12 @@ class Problem:
         l2 = (self.l2_weights[0][experts], self.l2_weights[1][experts])
         return l1, l2
 
-    def reference(self, activation_clamp: float | None = None) -> list[torch.Tensor]:
-        """Reference ``y`` per rank (bf16 ``[n_r, H]``), from :func:`megamoe.reference.reference_mega_moe_ep`."""
+    def reference(self, activation_clamp: float | None = None, numerics: str = "exact") -> list[torch.Tensor]:
+        """Reference ``y`` per rank (bf16 ``[n_r, H]``), from :func:`megamoe.reference.reference_mega_moe_ep`
+        (``numerics``: ``"exact"`` for the staged kernels, ``"hopper"`` for the fused one)."""
         return reference_mega_moe_ep(
             self.x, self.x_sf, self.topk_idx, self.topk_weights, self.l1_weights, self.l2_weights,
-            self.num_ranks, activation_clamp=activation_clamp,
+            self.num_ranks, activation_clamp=activation_clamp, numerics=numerics,
         )
 
 

@@ -1,0 +1,592 @@
+"""The fused Mega MoE kernel: one persistent launch per call (Hopper fast path; also runs under the interpreter).
+
+One program per SM (``G`` programs per rank; with the ``local`` backend one launch holds every local rank's
+programs, program ``pid`` serving local rank ``pid // G``). Every program walks the same phases::
+
+    count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
+    grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
+    task loop: [pull tasks | L1 tiles | L2 tiles], task t on program t % G, in increasing t
+    grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce (tokens strided) + cleanup
+    grid sync -> program 0: barrier tag 3
+
+**Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
+spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
+an L2 tile's K-block ``kb`` spins until bit ``kb`` of ``l2_arrival_mask[b]`` is set (the L1 tile that produced
+those 128 intermediate columns ORs it in, release). Every program takes its tasks in increasing order and all
+programs are resident (one per SM), so the smallest unfinished task can always run: GEMMs start while the pull
+is still running, L2 while L1 is still running -- the seed's per-block arrival mechanism.
+
+**Numerics ("hopper", modelled exactly by** ``megamoe.reference`` **with** ``numerics="hopper"``\\ **).** The
+exact per-32 promotion (one fp32 multiply-add of the accumulator after every K=32 MMA) is what made the staged
+GEMMs slow. Here per-32 power-of-two scales are folded into the 8-bit operands relative to a larger block:
+
+* L1 activations, once per row in the pull: ``x' = e4m3(x * 2^(s_g - s_max))`` with ``s_max`` the token's
+  largest scale exponent; the row's pool scale words then hold ``s_max`` in all four bytes.
+* weights, in the decode (FP4 -> FP8 in registers): ``w' = e4m3(e2m1 * 2^(s_g - s_row))`` with ``s_row`` the
+  weight row's largest exponent over K; ``2^s_row`` is applied in the epilogue.
+* L2 activations: the L1 epilogue quantises per 128 columns (one UE8M0 scale per 128, stored as four equal
+  bytes), so the L2 GEMM promotes once per 128 K (as DeepGEMM's SM90 kernel does), not per 32.
+
+Each fold is exact unless a value drops below e4m3's normal range (2^-6), where it is rounded to the nearest
+subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max, i.e. < 2^-18 of the row's largest magnitude.
+L1 needs no promotion at all: one MMA chain over K (``PROMOTE_EVERY`` K-steps of 128 bound the length of a
+chain before it is added into the fp32 accumulator, for the tensor cores' limited in-MMA accumulation).
+
+**Swap-AB.** Weights are the MMA's M operand (128 rows per tile), tokens the N operand (``BLOCK_M`` of 16-128),
+so a pool block of few tokens still fills the tensor core's M dimension.
+"""
+import triton
+import triton.language as tl
+
+from megamoe.kernels.numerics import (bf16_bits_to_f32, ceil_ue8m0, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt,
+                                      f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16)
+from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
+from megamoe.kernels.symm import _globaltimer_ns, sym_map
+
+#: Entries of one local rank's row in the argument table (int64), see ``megamoe.fused``.
+ARG_NAMES = ("buffer", "y", "w1", "w1_sf", "w2", "w2_sf", "stats", "num_tokens", "timeline")
+NUM_ARGS = tl.constexpr(len(ARG_NAMES))
+#: Timeline event kinds, in the order of ``EVENT_NAMES``.
+EVENT_NAMES = ("count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3")
+EV_COUNT, EV_BARRIER1, EV_PULL, EV_L1, EV_L2, EV_BARRIER2, EV_COMBINE, EV_BARRIER3 = (
+    tl.constexpr(i) for i in range(len(EVENT_NAMES)))
+#: Failure tag recorded when an intra-rank dependency wait (arrival count or mask) runs out of time.
+TAG_INTERNAL_WAIT = tl.constexpr(9)
+
+
+# ---------------------------------------------------------------------------------------------------- sync
+@triton.jit
+def _now(TIMED: tl.constexpr):
+    if TIMED:
+        return _globaltimer_ns()
+    else:
+        return tl.zeros([], tl.int64)
+
+
+@triton.jit
+def _grid_sync(ctr, cta, G, state, timeout_ns, TIMED: tl.constexpr):
+    """All ``G`` programs of this rank meet here. Self-resetting (DeepGEMM's scheme): program 0 adds
+    ``2^31 - (G - 1)``, the others 1, so bit 31 of ``ctr`` flips once all arrived and the low bits return to 0.
+    Bounded on the GPU (a program that never arrives is a bug: record TAG_INTERNAL_WAIT rather than hang)."""
+    first = tl.full([], 2147483648, tl.int64) - (G - 1)
+    inc = tl.where(cta == 0, first, 1).to(tl.int32)  # truncation wraps 2^31 to -2^31 for G == 1
+    old = tl.atomic_add(ctr, inc, sem="acq_rel", scope="gpu")
+    cur = old + inc
+    t0 = _now(TIMED)
+    alive = True
+    while ((cur ^ old) >= 0) & (G > 1) & alive:
+        cur = tl.atomic_add(ctr, 0, sem="acquire", scope="gpu")
+        if TIMED:
+            alive = (_now(TIMED) - t0) <= timeout_ns
+    if ((cur ^ old) >= 0) & (G > 1):
+        tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@triton.jit
+def _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch, tag, R: tl.constexpr,
+                        BLOCK_R: tl.constexpr, timeout_ns, max_polls, TIMED: tl.constexpr):
+    """Program 0 only: arrive with ``epoch`` at every rank (release, sys) and wait until every rank's signal here
+    reached it. The wait gives up when no missing rank's progress counter moved for ``timeout_ns`` (GPU;
+    ``max_polls`` polls under the interpreter) and records ``[tag, lowest missing rank]`` in ``state``.
+    Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32)."""
+    failed = tl.load(state + 1, volatile=True)
+    if failed == 0:
+        tl.store(state, epoch)
+        peers = tl.arange(0, BLOCK_R)
+        valid = peers < R
+        remote = sym_map(signal + me, buffer_ptrs, me, tl.where(valid, peers, me))
+        tl.atomic_xchg(remote, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=valid, sem="release", scope="sys")
+        seen = tl.atomic_add(signal + peers, 0, mask=valid, sem="acquire", scope="sys")
+        missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+        prog_ptr = sym_map(progress, buffer_ptrs, me, tl.where(valid, peers, me))
+        last = tl.load(prog_ptr, mask=valid, other=0, volatile=True)
+        t0 = _now(TIMED)
+        polls = 0
+        alive = True
+        while (missing > 0) & alive:
+            seen = tl.atomic_add(signal + peers, 0, mask=valid, sem="acquire", scope="sys")
+            missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+            cur = tl.load(prog_ptr, mask=valid, other=0, volatile=True)
+            moved = tl.sum((valid & (seen < epoch) & (cur != last)).to(tl.int32)) > 0
+            last = cur
+            polls += 1
+            if moved:
+                t0 = _now(TIMED)
+                polls = 0
+            if TIMED:
+                alive = (_now(TIMED) - t0) <= timeout_ns
+            else:
+                alive = polls < max_polls
+        if missing > 0:
+            lowest = tl.min(tl.where(valid & (seen < epoch), peers, BLOCK_R))
+            tl.store(state + 2, lowest)
+            tl.store(state + 1, tag)
+
+
+@triton.jit
+def _wait_at_least(ptr, target, state, timeout_ns, max_polls, TIMED: tl.constexpr):
+    """Spin until ``*ptr >= target`` (acquire, gpu). A bounded wait: on expiry record TAG_INTERNAL_WAIT."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    if v < target:
+        t0 = _now(TIMED)
+        polls = 0
+        alive = True
+        while (v < target) & alive:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+            if TIMED:
+                alive = (_now(TIMED) - t0) <= timeout_ns
+            else:
+                alive = polls < max_polls
+        if v < target:
+            tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@triton.jit
+def _wait_mask_bit(ptr, mask, bit, state, timeout_ns, max_polls, TIMED: tl.constexpr):
+    """Return ``mask`` refreshed until bit ``bit`` is set (acquire, gpu); bounded like :func:`_wait_at_least`."""
+    if ((mask >> bit) & 1) == 0:
+        t0 = _now(TIMED)
+        polls = 0
+        alive = True
+        while (((mask >> bit) & 1) == 0) & alive:
+            mask = tl.atomic_or(ptr, tl.zeros([], tl.int64), sem="acquire", scope="gpu")
+            polls += 1
+            if TIMED:
+                alive = (_now(TIMED) - t0) <= timeout_ns
+            else:
+                alive = polls < max_polls
+        if ((mask >> bit) & 1) == 0:
+            tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+    return mask
+
+
+@triton.jit
+def _event(timeline, cta, n_ev, kind, t0, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr):
+    """Append (kind, start, end) to this program's timeline row (dropped past MAX_EVENTS)."""
+    if TIMELINE:
+        if n_ev < MAX_EVENTS:
+            p = timeline + (cta * MAX_EVENTS + n_ev) * 3
+            tl.store(p, tl.zeros([], tl.int64) + kind)
+            tl.store(p + 1, t0)
+            tl.store(p + 2, _globaltimer_ns())
+        n_ev += 1
+    return n_ev
+
+
+# ---------------------------------------------------------------------------------------------------- numerics
+@triton.jit
+def _pow2_f32(e):
+    """2^e as float32 for int32 ``e`` <= 127 (exact; exponents below -126 give 2^-126, whose products with
+    FP8/FP4 values all round to 0 in e4m3)."""
+    return ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fold_e4m3(v, scale, HW_CVT: tl.constexpr):
+    """``e4m3(v * scale)`` with round-to-nearest-even: ``v`` FP8 e4m3 tile, ``scale`` a power of two <= 1
+    broadcastable to it (float32). GPU: through fp16 (exact for every value that can survive into e4m3) and the
+    hardware's ``cvt.rn.satfinite``; interpreter: float32 and the integer rounding of ``f32_to_e4m3_bits``."""
+    if HW_CVT:
+        return (v.to(tl.float16) * scale.to(tl.float16)).to(tl.float8e4nv)
+    else:
+        return f32_to_e4m3_bits(v.to(tl.float32) * scale).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _row_exponent_max(w_sf, rows, N: tl.constexpr, KW: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Largest UE8M0 byte of each weight row over all K: ``w_sf`` int32 MN-major ``[KW][N]``, ``rows`` [BN]."""
+    kw = tl.arange(0, BLOCK_KW)
+    words = tl.load(w_sf + kw[None, :] * N + rows[:, None], mask=kw[None, :] < KW, other=0)
+    m = tl.maximum(tl.maximum(words & 0xFF, (words >> 8) & 0xFF), tl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
+    return tl.max(m, axis=1)
+
+
+@triton.jit
+def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr, PRMT_DECODE: tl.constexpr,
+                  HW_CVT: tl.constexpr):
+    """Folded FP8 weights of 64-chunk ``c`` (0/1) of the 128-wide K step at ``k0``: two ``[BN, 32]`` tiles
+    (elements ``k0+64c .. +31`` and ``k0+64c+32 .. +63``, see ``transform_weights_for_mega_moe``)."""
+    packed = tl.load(w + rows[:, None].to(tl.int64) * (K // 2) + (k0 + 64 * c) // 2 + tl.arange(0, 32)[None, :])
+    if PRMT_DECODE:
+        lo, hi = e2m1x2_to_e4m3_prmt(packed)
+    else:
+        lo = e2m1_to_e4m3(packed.to(tl.int32) & 0xF)
+        hi = e2m1_to_e4m3(packed.to(tl.int32) >> 4)
+    s_lo = _pow2_f32(((w_sf_word >> (16 * c)) & 0xFF) - rmax)
+    s_hi = _pow2_f32(((w_sf_word >> (16 * c + 8)) & 0xFF) - rmax)
+    return _fold_e4m3(lo, s_lo[:, None], HW_CVT), _fold_e4m3(hi, s_hi[:, None], HW_CVT)
+
+
+@triton.jit
+def _load_a4(acts, rows, mask_m, k0, K: tl.constexpr):
+    """Four FP8 activation tiles ``[BM, 32]`` of the K step at ``k0`` (groups 0..3)."""
+    base = acts + rows[:, None].to(tl.int64) * K + k0 + tl.arange(0, 32)[None, :]
+    a0 = tl.load(base, mask=mask_m[:, None], other=0.0)
+    a1 = tl.load(base + 32, mask=mask_m[:, None], other=0.0)
+    a2 = tl.load(base + 64, mask=mask_m[:, None], other=0.0)
+    a3 = tl.load(base + 96, mask=mask_m[:, None], other=0.0)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _mma_step(acc, w, w_sf, rmax, rows, a0, a1, a2, a3, k0, K: tl.constexpr, N: tl.constexpr,
+              PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr):
+    """acc [BN, BM] += W'[rows, k0:k0+128] . A[:, k0:k0+128]^T as four chained K=32 FP8 MMAs (no promotion)."""
+    word = tl.load(w_sf + (k0 // 128) * N + rows)
+    b0, b1 = _decode_chunk(w, word, rmax, rows, k0, 0, K, PRMT_DECODE, HW_CVT)
+    acc = tl.dot(b0, tl.trans(a0), acc)
+    acc = tl.dot(b1, tl.trans(a1), acc)
+    b2, b3 = _decode_chunk(w, word, rmax, rows, k0, 1, K, PRMT_DECODE, HW_CVT)
+    acc = tl.dot(b2, tl.trans(a2), acc)
+    acc = tl.dot(b3, tl.trans(a3), acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------- tasks
+@triton.jit
+def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum, arrival,
+               OFF_SRC_IDX: tl.constexpr, OFF_X: tl.constexpr, OFF_X_SF: tl.constexpr, OFF_TOPK_W: tl.constexpr,
+               OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_META: tl.constexpr,
+               R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+               SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr):
+    """Pull task ``t``: up to BLOCK_J pairs of one (local expert, source rank) -- task order is expert-major, then
+    source, then chunk of BLOCK_J pairs -- from the source's input buffer into the local L1 pool at the
+    interleaved, expert-major rows of ``megamoe.kernels.pool``, folding each row's per-32 scales into its largest
+    (module docstring); then adds the landed rows to ``arrival`` (int32 per pool block of BM rows, release)."""
+    BRE: tl.constexpr = BLOCK_E * BLOCK_R
+    f = tl.sum((cum_flat <= t).to(tl.int32), axis=0)          # flat (expert, source) index of task t
+    chunk = t - (pick(cum_flat, f, BRE) - pick(chunks_flat, f, BRE))
+    local_e = f // BLOCK_R
+    source = f % BLOCK_R
+    r = tl.arange(0, BLOCK_R)
+    counts = tl.load(recv + r * El + local_e, mask=r < R, other=0).to(tl.int32)
+    count = pick(counts, source, BLOCK_R)
+    first_row = pick(cum - blocks, local_e, BLOCK_E) * BM
+
+    j = chunk * BLOCK_J + tl.arange(0, BLOCK_J)
+    mj = j < count
+    row = first_row + interleaved_position(counts, source, j, BLOCK_R)
+    pair = tl.load((buf + OFF_SRC_IDX).to(tl.pointer_type(tl.int32)) + (local_e * R + source) * T + j, mask=mj,
+                   other=0)
+    token = pair // K
+    slot = pair % K
+    x = sym_map(buf + OFF_X, buffer_ptrs, me, source).to(tl.pointer_type(tl.float8e4nv))
+    x_sf = sym_map(buf + OFF_X_SF, buffer_ptrs, me, source)  # bytes: UE8M0 of group g of a token at g
+    topk_w = sym_map((buf + OFF_TOPK_W).to(tl.pointer_type(tl.float32)), buffer_ptrs, me, source)
+    # s_max: the token's largest scale exponent
+    g = tl.arange(0, BLOCK_W)
+    sfb = tl.load(x_sf + token[:, None] * (H // 32) + g[None, :], mask=mj[:, None] & (g[None, :] < H // 32), other=0)
+    smax = tl.max(sfb.to(tl.int32), axis=1)
+    l1 = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    G_H: tl.constexpr = BLOCK_H // 32
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        v = tl.load(x + token[:, None].to(tl.int64) * H + h[None, :], mask=mj[:, None], other=0.0)
+        gb = tl.load(x_sf + token[:, None] * (H // 32) + h0 // 32 + tl.arange(0, G_H)[None, :], mask=mj[:, None],
+                     other=0).to(tl.int32)
+        scale = _pow2_f32(gb - smax[:, None])                                   # [BLOCK_J, BLOCK_H / 32]
+        folded = _fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, 32]), scale[:, :, None], HW_CVT)
+        tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], tl.reshape(folded, [BLOCK_J, BLOCK_H]),
+                 mask=mj[:, None])
+    w = tl.arange(0, BLOCK_W)
+    mw = mj[:, None] & (w[None, :] < H // 128)
+    sf_row = (row // LAYOUT_BM) * LAYOUT_SF_BM + row % LAYOUT_BM
+    tl.store((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + w[None, :].to(tl.int64) * SP + sf_row[:, None],
+             (smax * 0x01010101)[:, None] + tl.zeros([BLOCK_J, BLOCK_W], tl.int32), mask=mw)
+    tl.store((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + row, tl.load(topk_w + pair, mask=mj), mask=mj)
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    tl.store(meta + row * 3, tl.full([BLOCK_J], 0, tl.int32) + source, mask=mj)
+    tl.store(meta + row * 3 + 1, token, mask=mj)
+    tl.store(meta + row * 3 + 2, slot, mask=mj)
+    tl.debug_barrier()
+    tl.atomic_add(arrival + row // BM, tl.full([BLOCK_J], 1, tl.int32), mask=mj, sem="release", scope="gpu")
+
+
+@triton.jit
+def _l1_tile(tile, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, state, timeout_ns, max_polls,
+             OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+             OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
+             LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr,
+             HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
+             HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW1_PAD: tl.constexpr):
+    """L1 tile: pool block ``tile // (I/128)`` x 128 intermediate columns (256 interleaved gate/up weight rows);
+    SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool; then sets bit ``n-tile`` of ``l2_mask[block]``."""
+    N1: tl.constexpr = I // 128
+    b = tile // N1
+    nt = tile % N1
+    expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+    _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
+    m = tl.arange(0, BM)
+    rows = row0 + m
+    mask_m = m < valid
+    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    c = nt * 128 + tl.arange(0, 128)
+    gate_rows = (c // 8) * 16 + c % 8
+    up_rows = gate_rows + 8
+    w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
+    w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
+    rmax_g = _row_exponent_max(w_sf, gate_rows, 2 * I, H // 128, KW1_PAD)
+    rmax_u = _row_exponent_max(w_sf, up_rows, 2 * I, H // 128, KW1_PAD)
+    acc_g = tl.zeros([128, BM], dtype=tl.float32)
+    acc_u = tl.zeros([128, BM], dtype=tl.float32)
+    for k1 in range(0, H, 128 * PROMOTE_EVERY):
+        part_g = tl.zeros([128, BM], dtype=tl.float32)
+        part_u = tl.zeros([128, BM], dtype=tl.float32)
+        for k0 in range(k1, k1 + 128 * PROMOTE_EVERY, 128):
+            if k0 < H:
+                a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, H)
+                part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE,
+                                   HW_CVT)
+                part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE,
+                                   HW_CVT)
+        acc_g += part_g
+        acc_u += part_u
+    # epilogue: weight-row and token scales, bf16 round (as the reference), clamp, SwiGLU, top-k weight
+    sa = _pow2_f32((tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101) & 0xFF) - 127)
+    gate = round_to_bf16(tl.trans(acc_g * _pow2_f32(rmax_g - 127)[:, None]) * sa[:, None])
+    up = round_to_bf16(tl.trans(acc_u * _pow2_f32(rmax_u - 127)[:, None]) * sa[:, None])
+    if HAS_CLAMP:
+        gate = tl.minimum(gate, clamp)
+        up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = act * tl.load((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + rows, mask=mask_m, other=0.0)[:, None]
+    # FP8 requant per 128 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
+    amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
+    _, sbyte = ceil_ue8m0(amax / 448.0)
+    inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
+    q = f32_to_e4m3_bits(act * inv[:, None])
+    out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
+    tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
+    tl.store((buf + OFF_L2_SF).to(tl.pointer_type(tl.int32)) + nt * SP + sf_rows, sbyte * 0x01010101, mask=mask_m)
+    tl.debug_barrier()
+    tl.atomic_or(l2_mask + b, tl.full([], 1, tl.int64) << nt, sem="release", scope="gpu")
+
+
+@triton.jit
+def _l2_tile(tile, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state, timeout_ns, max_polls,
+             OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
+             T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr,
+             LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, PRMT_DECODE: tl.constexpr,
+             HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW2_PAD: tl.constexpr):
+    """L2 tile: pool block ``tile // (H/128)`` x 128 hidden columns; K-block ``kb`` waits for bit ``kb`` of the
+    block's L2 arrival mask; promotion once per 128 K; bf16 rows into the source rank's ``combine[slot][token]``."""
+    N2: tl.constexpr = H // 128
+    b = tile // N2
+    nt = tile % N2
+    expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+    m = tl.arange(0, BM)
+    rows = row0 + m
+    mask_m = m < valid
+    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
+    n_rows = nt * 128 + tl.arange(0, 128)
+    w = w2 + expert.to(tl.int64) * H * (I // 2)
+    w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
+    rmax = _row_exponent_max(w_sf, n_rows, H, I // 128, KW2_PAD)
+    mask = tl.atomic_or(l2_mask + b, tl.zeros([], tl.int64), sem="acquire", scope="gpu")
+    acc = tl.zeros([128, BM], dtype=tl.float32)
+    for k0 in range(0, I, 128):
+        mask = _wait_mask_bit(l2_mask + b, mask, k0 // 128, state, timeout_ns, max_polls, TIMED)
+        a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, I)
+        sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=127) & 0xFF) - 127)
+        part = _mma_step(tl.zeros([128, BM], dtype=tl.float32), w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H,
+                         PRMT_DECODE, HW_CVT)
+        acc += part * sa[None, :]
+    out = tl.trans(acc * _pow2_f32(rmax - 127)[:, None])
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+    tl.store(dst, f32_to_bf16_bits(out).to(tl.int16), mask=mask_m[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def fused_mega_moe_kernel(
+        args, buffer_ptrs, rank0, G, clamp, timeout_ns, max_polls,
+        OFF_GRID: tl.constexpr, OFF_SIGNAL: tl.constexpr, OFF_STATE: tl.constexpr, OFF_SEND: tl.constexpr,
+        OFF_RECV: tl.constexpr, OFF_RECV_SUM: tl.constexpr, OFF_ARRIVAL: tl.constexpr, OFF_L2_MASK: tl.constexpr,
+        OFF_SRC_IDX: tl.constexpr, OFF_META: tl.constexpr, OFF_X: tl.constexpr, OFF_X_SF: tl.constexpr,
+        OFF_TOPK_IDX: tl.constexpr, OFF_TOPK_W: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr,
+        OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_COMBINE: tl.constexpr,
+        R: tl.constexpr, E: tl.constexpr, El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+        I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr,
+        BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, COUNT_BLOCK: tl.constexpr, COMBINE_T: tl.constexpr,
+        COMBINE_H: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_STATS: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+        PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
+        MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr):
+    """One call of the layer for every local rank; see the module docstring. ``args``: int64 ``[local ranks,
+    NUM_ARGS]`` (buffer, y, weights, stats, token count, timeline addresses); ``G`` programs per local rank."""
+    pid = tl.program_id(0)
+    lr = pid // G
+    cta = pid % G
+    me = rank0 + lr
+    tab = args + lr * NUM_ARGS
+    buf = tl.load(tab + 0).to(tl.pointer_type(tl.uint8))
+    y = tl.load(tab + 1).to(tl.pointer_type(tl.int16))
+    w1 = tl.load(tab + 2).to(tl.pointer_type(tl.uint8))
+    w1_sf = tl.load(tab + 3).to(tl.pointer_type(tl.int32))
+    w2 = tl.load(tab + 4).to(tl.pointer_type(tl.uint8))
+    w2_sf = tl.load(tab + 5).to(tl.pointer_type(tl.int32))
+    stats = tl.load(tab + 6).to(tl.pointer_type(tl.int32))
+    num_tokens = tl.load(tab + 7).to(tl.int32)
+    timeline = tl.load(tab + 8).to(tl.pointer_type(tl.int64))
+    grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
+    progress = grid_ctr + 1
+    signal = (buf + OFF_SIGNAL).to(tl.pointer_type(tl.int32))
+    state = (buf + OFF_STATE).to(tl.pointer_type(tl.int32))
+    send = (buf + OFF_SEND).to(tl.pointer_type(tl.int64))
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    recv_sum = (buf + OFF_RECV_SUM).to(tl.pointer_type(tl.int64))
+    arrival = (buf + OFF_ARRIVAL).to(tl.pointer_type(tl.int32))
+    l2_mask = (buf + OFF_L2_MASK).to(tl.pointer_type(tl.int64))
+    epoch0 = tl.load(state, volatile=True)
+    n_ev = 0
+
+    # ---- count + publish source indices (as kernels/dispatch.py, strided over this rank's programs)
+    t0 = _now(TIMED)
+    topk_idx = (buf + OFF_TOPK_IDX).to(tl.pointer_type(tl.int64))
+    src_idx = (buf + OFF_SRC_IDX).to(tl.pointer_type(tl.int32))
+    p0 = cta * COUNT_BLOCK
+    while p0 < num_tokens * K:  # (while, not range: the interpreter's range needs Python ints)
+        offs = p0 + tl.arange(0, COUNT_BLOCK)
+        inb = offs < num_tokens * K
+        expert = tl.load(topk_idx + offs, mask=inb, other=-1)
+        ok = inb & (expert >= 0)
+        expert = tl.where(ok, expert, 0)
+        slot = tl.atomic_add(send + expert, tl.full([COUNT_BLOCK], 1, tl.int64), mask=ok, sem="relaxed")
+        owner = tl.where(ok, expert // El, me).to(tl.int32)
+        dst = src_idx + ((expert % El) * R + me) * T + tl.where(ok, slot, 0)
+        tl.store(sym_map(dst, buffer_ptrs, me, owner), offs.to(tl.int32), mask=ok)
+        p0 += G * COUNT_BLOCK
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    # ---- publish counts: send_count[e] -> owner's recv_count[me][e % El] and recv_count_sum[e % El]
+    e0 = cta * 128
+    while e0 < E:
+        e = e0 + tl.arange(0, 128)
+        inb = e < E
+        cnt = tl.load(send + e, mask=inb, other=0, volatile=True)
+        owner = tl.where(inb, e // El, me)
+        le = tl.where(inb, e % El, 0)
+        tl.store(sym_map(recv + me * El + le, buffer_ptrs, me, owner), cnt, mask=inb)
+        tl.atomic_add(sym_map(recv_sum + le, buffer_ptrs, me, owner), cnt, mask=inb, sem="relaxed", scope="sys")
+        e0 += G * 128
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    n_ev = _event(timeline, cta, n_ev, EV_COUNT, t0, TIMELINE, MAX_EVENTS)
+    t0 = _now(TIMED)
+    if cta == 0:
+        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    n_ev = _event(timeline, cta, n_ev, EV_BARRIER1, t0, TIMELINE, MAX_EVENTS)
+
+    # ---- the task loop
+    if tl.load(state + 1, volatile=True) == 0:
+        n, blocks, cum = expert_blocks(recv, R, El, BM, BLOCK_R, BLOCK_E)
+        BRE: tl.constexpr = BLOCK_E * BLOCK_R
+        f = tl.arange(0, BRE)  # flat (expert, source) index: expert-major
+        fe = f // BLOCK_R
+        fr = f % BLOCK_R
+        counts_flat = tl.load(recv + fr * El + fe, mask=(fe < El) & (fr < R), other=0).to(tl.int32)
+        chunks_flat = (counts_flat + BLOCK_J - 1) // BLOCK_J
+        cum_flat = tl.cumsum(chunks_flat, axis=0)
+        num_pull = tl.max(cum_flat, axis=0)
+        num_blocks = tl.max(cum, axis=0)
+        num_l1 = num_blocks * (I // 128)
+        num_l2 = num_blocks * (H // 128)
+        t = cta
+        while t < num_pull + num_l1 + num_l2:
+            t0 = _now(TIMED)
+            if t < num_pull:
+                _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum, arrival,
+                           OFF_SRC_IDX, OFF_X, OFF_X_SF, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_META,
+                           R, El, T, K, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H,
+                           BLOCK_W, HW_CVT)
+                n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
+            elif t < num_pull + num_l1:
+                _l1_tile(t - num_pull, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, state, timeout_ns,
+                         max_polls, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, LAYOUT_BM,
+                         LAYOUT_SF_BM, BM, BLOCK_E, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, KW1_PAD)
+                n_ev = _event(timeline, cta, n_ev, EV_L1, t0, TIMELINE, MAX_EVENTS)
+            else:
+                _l2_tile(t - num_pull - num_l1, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state,
+                         timeout_ns, max_polls, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, LAYOUT_BM,
+                         LAYOUT_SF_BM, BM, BLOCK_E, PRMT_DECODE, HW_CVT, TIMED, KW2_PAD)
+                n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
+            tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
+            t += G
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    t0 = _now(TIMED)
+    if cta == 0:
+        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    n_ev = _event(timeline, cta, n_ev, EV_BARRIER2, t0, TIMELINE, MAX_EVENTS)
+
+    # ---- combine reduce into y, then clean the workspace (+ recv stats)
+    t0 = _now(TIMED)
+    ok_all = tl.load(state + 1, volatile=True) == 0
+    if ok_all:
+        combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+        tt = cta * COMBINE_T
+        while tt < num_tokens:
+            tok = tt + tl.arange(0, COMBINE_T)
+            mt = tok < num_tokens
+            for h0 in range(0, H, COMBINE_H):
+                h = h0 + tl.arange(0, COMBINE_H)
+                acc = tl.zeros([COMBINE_T, COMBINE_H], dtype=tl.float32)
+                for j in tl.static_range(K):
+                    v = tl.load(topk_idx + tok * K + j, mask=mt, other=-1) >= 0
+                    src = combine + ((j * T + tok).to(tl.int64) * H)[:, None] + h[None, :]
+                    acc += bf16_bits_to_f32(tl.load(src, mask=v[:, None], other=0))
+                tl.store(y + (tok.to(tl.int64) * H)[:, None] + h[None, :], f32_to_bf16_bits(acc).to(tl.int16),
+                         mask=mt[:, None])
+            tt += G * COMBINE_T
+        n, blocks, cum = expert_blocks(recv, R, El, BM, BLOCK_R, BLOCK_E)
+        num_blocks = tl.max(cum, axis=0)
+        i0 = cta * 128
+        while i0 < num_blocks:
+            i = i0 + tl.arange(0, 128)
+            tl.store(arrival + i, tl.zeros([128], tl.int32), mask=i < num_blocks)
+            tl.store(l2_mask + i, tl.zeros([128], tl.int64), mask=i < num_blocks)
+            i0 += G * 128
+        if cta == 0:
+            for i0 in range(0, El, 128):
+                i = i0 + tl.arange(0, 128)
+                mi = i < El
+                if HAS_STATS:
+                    s = tl.load(stats + i, mask=mi, other=0)
+                    tl.store(stats + i, s + tl.load(recv_sum + i, mask=mi, other=0).to(tl.int32), mask=mi)
+                tl.store(recv_sum + i, tl.zeros([128], tl.int64), mask=mi)
+        _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)  # every program read recv above before it is zeroed
+        i0 = cta * 128
+        while i0 < E:
+            i = i0 + tl.arange(0, 128)
+            tl.store(send + i, tl.zeros([128], tl.int64), mask=i < E)
+            i0 += G * 128
+        i0 = cta * 128
+        while i0 < R * El:
+            i = i0 + tl.arange(0, 128)
+            tl.store(recv + i, tl.zeros([128], tl.int64), mask=i < R * El)
+            i0 += G * 128
+    else:
+        _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    n_ev = _event(timeline, cta, n_ev, EV_COMBINE, t0, TIMELINE, MAX_EVENTS)
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    t0 = _now(TIMED)
+    if cta == 0:
+        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
+    n_ev = _event(timeline, cta, n_ev, EV_BARRIER3, t0, TIMELINE, MAX_EVENTS)

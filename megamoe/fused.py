@@ -1,0 +1,161 @@
+"""Host side of the fused kernel (``megamoe.kernels.fused``): its configuration, computed from the shapes of each
+call, its argument table, the launch and the optional intra-kernel timeline.
+
+``fp8_fp4_mega_moe(..., impl="fused")`` lands here after the same validation as the staged path. One call is
+**one launch**: with the ``local`` backend the grid holds every local rank's programs (``programs_per_rank``
+each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-kernel.
+
+Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
+
+* ``block_m`` (tokens per pool block = the MMA's N): the smallest power of two >= the expected tokens per local
+  expert ``n * R * k / E`` (DeepGEMM's key), clamped to [16, min(128, layout.block_m)]; the pool is sized for
+  ``layout.block_m`` (the largest it may pick), so every choice fits.
+* programs per rank: every SM once (GPU; divided among local ranks), 1 under the interpreter (its programs run
+  one after another, so a grid sync between programs could never complete).
+* ``promote_every``: K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from megamoe.env import interpreting
+from megamoe.kernels import fused as kf
+
+#: Intra-kernel timeline events, as recorded per program: ``(kind, start ns, end ns)``, kind indexing this tuple.
+TIMELINE_KINDS = kf.EVENT_NAMES
+#: Events kept per program when a timeline is requested.
+TIMELINE_MAX_EVENTS = 512
+#: Pairs per pull task.
+PULL_BLOCK_PAIRS = 16
+#: Polls of a barrier wait without progress before it fails, per second of ``barrier_timeout_s`` (interpreter).
+INTERPRETER_POLLS_PER_S = 2000
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch configuration of one fused call (see the module docstring)."""
+
+    block_m: int
+    programs_per_rank: int
+    promote_every: int = 8
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def expected_tokens_per_expert(layout, num_tokens: int) -> float:
+    """DeepGEMM's block-config key: ``num_tokens * R * k / E`` (this rank's count stands for every rank's)."""
+    return num_tokens * layout.num_ranks * layout.num_topk / layout.num_experts
+
+
+def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device) -> FusedConfig:
+    """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
+    expected = expected_tokens_per_expert(layout, num_tokens)
+    block_m = max(16, min(128, layout.block_m, triton.next_power_of_2(max(1, int(expected + 0.999)))))
+    if interpreting() or device.type != "cuda":
+        programs = 1
+    else:
+        programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count // num_local_ranks)
+    return FusedConfig(block_m=block_m, programs_per_rank=programs)
+
+
+def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
+    """Why the fused kernel cannot run these buffers here (None = it can)."""
+    L = sym_buffers[0].layout
+    if L.intermediate_hidden // 128 > 64:
+        return f"intermediate_hidden={L.intermediate_hidden} > 8192 (one L2 arrival-mask bit per 128 columns)"
+    if interpreting():
+        if len(sym_buffers) > 1:
+            return ("the interpreter runs a launch's programs one after another, so local ranks cannot meet in one "
+                    "launch: use one process per rank (backend 'cpu') or impl='staged'")
+        return None
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (9, 0):
+        return f"compute capability {major}.{minor} < 9.0 (the fused kernel targets Hopper)"
+    return None
+
+
+def _largest_pow2_tile(n: int, cap: int) -> int:
+    t = cap
+    while n % t:
+        t //= 2
+    return t
+
+
+def _offsets(L) -> dict[str, int]:
+    names = dict(OFF_GRID="grid_sync", OFF_SIGNAL="barrier_signal", OFF_STATE="barrier_state",
+                 OFF_SEND="expert_send_count", OFF_RECV="expert_recv_count", OFF_RECV_SUM="expert_recv_count_sum",
+                 OFF_ARRIVAL="l1_arrival_count", OFF_L2_MASK="l2_arrival_mask", OFF_SRC_IDX="src_token_topk_idx",
+                 OFF_META="token_src_metadata", OFF_X="x", OFF_X_SF="x_sf", OFF_TOPK_IDX="topk_idx",
+                 OFF_TOPK_W="topk_weights", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf", OFF_L1_W="l1_topk_weights",
+                 OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf", OFF_COMBINE="combine")
+    return {k: L.offset(v) for k, v in names.items()}
+
+
+def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeline: bool) -> dict:
+    """The constexpr keywords of ``fused_mega_moe_kernel`` for layout ``L`` and ``cfg``."""
+    gpu = not interpreting()
+    return dict(
+        **_offsets(L), R=L.num_ranks, E=L.num_experts, El=L.num_experts_per_rank, T=L.num_max_tokens_per_rank,
+        K=L.num_topk, H=L.hidden, I=L.intermediate_hidden, SP=L.num_padded_sf_pool_tokens, LAYOUT_BM=L.block_m,
+        LAYOUT_SF_BM=L.sf_block_m, BM=cfg.block_m, BLOCK_R=max(2, triton.next_power_of_2(L.num_ranks)),
+        BLOCK_E=max(2, triton.next_power_of_2(L.num_experts_per_rank)), BLOCK_J=PULL_BLOCK_PAIRS,
+        BLOCK_H=_largest_pow2_tile(L.hidden, 1024), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
+        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 1024), HAS_CLAMP=has_clamp,
+        HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
+        TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS,
+        KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _arg_table(calls, timelines) -> torch.Tensor:
+    """int64 ``[local ranks, NUM_ARGS]`` of addresses (``kf.ARG_NAMES`` order), cached on the first buffer so a
+    repeated call (and a CUDA-graph capture after a warm-up call) allocates nothing."""
+    rows = []
+    for c, tl_ in zip(calls, timelines):
+        base = c.sb.buffer.data_ptr()
+        rows.append([base, c.y.data_ptr(), c.l1[0].data_ptr(), c.l1[1].data_ptr(), c.l2[0].data_ptr(),
+                     c.l2[1].data_ptr(), c.stats.data_ptr() if c.stats is not None else base, c.n,
+                     tl_.data_ptr() if tl_ is not None else base])
+    key = tuple(map(tuple, rows))
+    cache = calls[0].sb.__dict__.setdefault("_fused_arg_tables", {})
+    table = cache.get(key)
+    if table is None:
+        if len(cache) > 64:
+            cache.clear()
+        table = torch.tensor(rows, dtype=torch.int64, device=calls[0].sb.buffer.device)
+        cache[key] = table
+    return table
+
+
+def run_fused(calls, *, timeline: bool = False, config: FusedConfig | None = None):
+    """Launch the fused kernel once for every rank of ``calls`` (``megamoe.ops`` bound calls, already validated).
+
+    Returns None, or with ``timeline=True`` (GPU) one int64 tensor ``[programs_per_rank, TIMELINE_MAX_EVENTS, 3]``
+    per rank of ``(kind, start ns, end ns)`` rows (kind -1 = unused; kinds index :data:`TIMELINE_KINDS`)."""
+    sb0 = calls[0].sb
+    L, dev = sb0.layout, sb0.buffer.device
+    cfg = config or fused_config(L, calls[0].n, len(calls), dev)
+    timelines = [None] * len(calls)
+    if timeline and not interpreting():
+        timelines = [torch.full((cfg.programs_per_rank, TIMELINE_MAX_EVENTS, 3), -1, dtype=torch.int64, device=dev)
+                     for _ in calls]
+    table = _arg_table(calls, timelines)
+    clamp = calls[0].clamp
+    timeout_s = sb0.barrier_timeout_s
+    meta = kernel_meta(L, cfg, has_clamp=clamp is not None, has_stats=calls[0].stats is not None,
+                       timeline=timeline)
+    rank0 = 0 if sb0.backend == "local" else sb0.rank
+    grid = (len(calls) * cfg.programs_per_rank,)
+    kf.fused_mega_moe_kernel[grid](
+        table, sb0.buffer_ptrs, rank0, cfg.programs_per_rank, float(clamp) if clamp is not None else 0.0,
+        int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)), **meta)
+    return timelines if timeline else None
+
+
+__all__ = ["FusedConfig", "fused_config", "run_fused", "unsupported_reason", "expected_tokens_per_expert",
+           "TIMELINE_KINDS", "kernel_meta"]
