@@ -25,7 +25,7 @@ import torch
 
 from megamoe.env import REPO_ROOT, provenance
 from megamoe.ops import bind_calls, pipeline_steps, fp8_fp4_mega_moe
-from megamoe.programs import MoECase, prepare_rank
+from megamoe.programs import MoECase, expected_recv_counts, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
 
@@ -85,7 +85,8 @@ def _step_times_us(calls, dispatch: str, iters: int = 20) -> dict[str, float]:
 
 
 def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[SymmBuffer]) -> list[dict]:
-    """Time ``case`` for each tokens/rank in ``num_tokens`` on pre-allocated (local) buffers."""
+    """Time ``case`` (staged pipeline, per-step times) for each tokens/rank in ``num_tokens`` on pre-allocated
+    (local) buffers; the pull/push suite's rows."""
     rows = []
     for n in num_tokens:
         case.num_tokens = n
@@ -95,18 +96,18 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
         single = len(sym_buffers) == 1
         args = (ys[0], l1s[0], l2s[0], sym_buffers[0]) if single else (ys, l1s, l2s, sym_buffers)
         fp8_fp4_mega_moe(*args, cumulative_local_expert_recv_stats=stats[0] if single else stats,
-                         dispatch=case.dispatch)
+                         dispatch=case.dispatch, impl="staged")
         refs = problem.reference()
         err = max(moe_error_stats(ys[r].cpu(), refs[r].cpu())["rel_fro"] for r in range(len(ys)))
         bitwise = all(torch.equal(ys[r].view(torch.int16), refs[r].view(torch.int16)) for r in range(len(ys)))
         recv = [int(v) for s in stats for v in s.tolist()]
-        ms = _median_ms(lambda: fp8_fp4_mega_moe(*args, dispatch=case.dispatch, check=False))
+        ms = _median_ms(lambda: fp8_fp4_mega_moe(*args, dispatch=case.dispatch, check=False, impl="staged"))
         calls = bind_calls(*args, None, "swiglu", None, case.dispatch, False)
         steps = _step_times_us(calls, case.dispatch)
         pairs = sum(recv)
         flops = layer_flops(pairs, case.hidden, case.intermediate)
-        rows.append({"num_tokens_per_rank": n, "num_ranks": case.num_ranks, "dispatch": case.dispatch,
-                     "num_pairs": pairs, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+        rows.append({"impl": "staged", "num_tokens_per_rank": n, "num_ranks": case.num_ranks,
+                     "dispatch": case.dispatch, "num_pairs": pairs, "us": ms * 1e3, "tflops": flops / ms / 1e9,
                      "weight_bytes_touched": touched_weight_bytes(recv, case.hidden, case.intermediate),
                      "flops": flops, "rel_fro_vs_reference": err, "bitwise_equal_reference": bitwise,
                      "steps_us": steps})
@@ -116,16 +117,95 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
     return rows
 
 
+def torch_grouped_mm_peer(recv_counts: list[int], hidden: int, intermediate: int):
+    """The in-run yardstick: ``torch._scaled_grouped_mm`` FP8 (row-wise scales) for L1 (N = 2I) then L2 (N = H) over
+    the rows each local expert received, GEMMs only (no dispatch, SwiGLU or combine). Reads every local expert's
+    FP8 weights whether or not it received rows. Returns a zero-argument callable."""
+    E = len(recv_counts)
+    counts = torch.tensor(recv_counts, dtype=torch.int64)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    m = max(int(counts.sum()), 1)
+    fp8 = torch.float8_e4m3fn
+    a1 = (torch.randn(m, hidden, device="cuda") * 0.5).to(fp8)
+    w1 = (torch.randn(E, 2 * intermediate, hidden, device="cuda") * 0.5).to(fp8)
+    a2 = (torch.randn(m, intermediate, device="cuda") * 0.5).to(fp8)
+    w2 = (torch.randn(E, hidden, intermediate, device="cuda") * 0.5).to(fp8)
+    sa1, sa2 = torch.ones(m, device="cuda"), torch.ones(m, device="cuda")
+    sw1, sw2 = torch.ones(E, 2 * intermediate, device="cuda"), torch.ones(E, hidden, device="cuda")
+
+    def run():
+        torch._scaled_grouped_mm(a1, w1.transpose(-2, -1), sa1, sw1, offs=offs, out_dtype=torch.bfloat16)
+        torch._scaled_grouped_mm(a2, w2.transpose(-2, -1), sa2, sw2, offs=offs, out_dtype=torch.bfloat16)
+    return run
+
+
+LAYER_TOKENS = (8, 32, 128, 512, 2048, 8192)
+LAYER_ROUTINGS = ("uniform", "skewed")
+
+
 def bench_layer(quick: bool) -> dict:
+    """Fused, staged and the torch grouped-mm peer side by side, same inputs, same run (one EP8 rank's 48 V4-Pro
+    experts at world size 1); per row: µs, TFLOP/s, FP4 weight GB/s, % of this run's roofline, error vs the
+    implementation's reference numerics."""
     case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
-    tokens = [8, 512] if quick else [8, 128, 512, 2048, 8192]
-    sbs = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
-                           block_m=case.block_m, device="cuda")
-    rows = bench_layer_case(case, tokens, sbs)
-    for sb in sbs:
-        sb.destroy()
+    tokens = [8, 512] if quick else list(LAYER_TOKENS)
+    ceil = {r["what"]: r for r in bench_ceilings()["rows"]}
+    fp8_tflops, copy_tbs = ceil["fp8_scaled_mm_8192"]["tflops"], ceil["copy_1GiB"]["tb_per_s"]
+    sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda")[0]
+    rows = []
+    for routing in (("uniform",) if quick else LAYER_ROUTINGS):
+        case.routing = routing
+        for n in tokens:
+            case.num_tokens = n
+            problem = case.problem(device="cuda")
+            y, l1, l2, stats = prepare_rank(sb, problem, 0)
+            recv = expected_recv_counts(problem, 0).tolist()
+            pairs = sum(recv)
+            flops = layer_flops(pairs, case.hidden, case.intermediate)
+            wbytes = touched_weight_bytes(recv, case.hidden, case.intermediate)
+            roof_us = max(wbytes / copy_tbs / 1e6, flops / fp8_tflops / 1e6)
+            base = {"num_tokens_per_rank": n, "routing": routing, "num_pairs": pairs, "flops": flops,
+                    "weight_bytes_touched": wbytes, "roofline_us": roof_us}
+            for impl in ("fused", "staged"):
+                y.fill_(float("nan"))
+                fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl)
+                ref = problem.reference(numerics="hopper" if impl == "fused" else "exact")[0]
+                err = moe_error_stats(y, ref)
+                ms = _median_ms(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, check=False))
+                rows.append({**base, "impl": impl, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                             "fp4_weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
+                             "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"],
+                             "numerics": "hopper" if impl == "fused" else "exact"})
+            ms = _median_ms(torch_grouped_mm_peer(recv, case.hidden, case.intermediate))
+            rows.append({**base, "impl": "torch_grouped_mm", "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                         "roofline_pct": 100 * roof_us / (ms * 1e3), "note": "FP8 weights, GEMMs only"})
+            by = {r["impl"]: r for r in rows[-3:]}
+            print(f"  {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:7.0f}  "
+                  + "  ".join(f"{k}={v['us']:8.0f}us" for k, v in by.items())
+                  + f"  fused/staged={by['fused']['us'] / by['staged']['us']:.3f}"
+                  f"  fused/torch={by['fused']['us'] / by['torch_grouped_mm']['us']:.3f}"
+                  f"  err fused={by['fused']['rel_fro_vs_reference']:.1e} staged={by['staged']['rel_fro_vs_reference']:.1e}",
+                  flush=True)
+    sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "hidden": 7168, "intermediate": 3072,
-                       "num_experts": 48, "num_topk": 6, "block_m": 128, "routing": "uniform"}, "rows": rows}
+                       "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
+                       "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
+                       "timing": "median of triton.testing.do_bench (L2 flushed), one call per sample"},
+            "rows": rows}
+
+
+def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm90") -> None:
+    """Add the rows of a peer kit's JSON (e.g. ../shared/peers/deepgemm_sm90: ``rows`` of ``T``, ``us``) to a layer
+    result as ``impl`` rows, so every implementation of one device run sits in one file."""
+    layer, peer = json.loads(layer_json.read_text()), json.loads(peer_json.read_text())
+    routing = peer.get("config", {}).get("routing", "uniform")
+    for r in peer["rows"]:
+        layer["rows"].append({"impl": impl, "num_tokens_per_rank": r["T"], "routing": routing, "us": r["us"],
+                              "num_pairs": r.get("pairs"), "tflops": r.get("tflops"), "rel_fro_vs_reference": r.get("rel_err"),
+                              "note": "FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format)"})
+    layer.setdefault("peers", {})[impl] = {"provenance": peer.get("provenance"), "config": peer.get("config")}
+    layer_json.write_text(json.dumps(layer, indent=1))
 
 
 def bench_pull_push(quick: bool, num_ranks: int = 4) -> dict:
@@ -205,7 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--merge-peer", type=Path, nargs=2, metavar=("LAYER_JSON", "PEER_JSON"),
+                        help="add a peer kit's rows (DeepGEMM SM90) to a layer result and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.merge_peer:
+        merge_peer_rows(*args.merge_peer)
+        return
     if not torch.cuda.is_available():
         sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])

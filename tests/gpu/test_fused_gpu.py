@@ -1,0 +1,102 @@
+"""The fused kernel on a GPU: against its numerics model (``numerics="hopper"``) at small and real sizes, on one rank
+and on 4 local ranks in one launch, skew and masks, repeated calls, CUDA-graph capture and replay, the timeline,
+and a rank that never arrives (named by the timeout)."""
+import pytest
+import torch
+
+from megamoe.fused import TIMELINE_KINDS, run_fused
+from megamoe.kernels.symm import BarrierTimeout, check_barrier_state
+from megamoe.ops import bind_calls, fp8_fp4_mega_moe
+from megamoe.programs import MoECase, prepare_rank, run_case_local
+from megamoe.symm import SymmBuffer
+from megamoe.testing import assert_moe_close
+
+REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m=128)
+
+pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
+
+
+def _check(reports, label):
+    for r in reports:
+        print(f"{label} rank {r['rank']}: n={r['num_tokens']} numerics={r['numerics']} rel_fro={r['rel_fro']:.3e} "
+              f"max_row={r['max_row_rel']:.2e} bitwise={r['bitwise_equal']} recv={sum(r['recv_stats'])}")
+        assert r["numerics"] == "hopper", r
+        assert not r["failures"], r
+        assert r["recv_stats_ok"], r
+
+
+@pytest.mark.parametrize("case", [
+    MoECase(num_ranks=1, num_topk=1, num_experts=4, num_tokens=37),
+    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[45, 0], masked_ratio=0.3),
+    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[33, 7, 0, 12], block_m=16, activation_clamp=0.25),
+    MoECase(num_ranks=2, num_topk=2, num_tokens=48, routing="one_expert", num_calls=3),
+    MoECase(num_ranks=2, num_topk=3, num_tokens=[29, 13], hidden=384, intermediate=640, routing="skewed"),
+], ids=["r1k1", "r2k6-mask-zero", "r4-bm16-clamp", "worst-pool-3calls", "r2-h384-i640-skew"])
+def test_fused_small_cases(case):
+    case.impl = "fused"
+    _check(run_case_local(case, device="cuda"), "fused small")
+
+
+def test_fused_real_size_one_rank():
+    case = MoECase(num_ranks=1, num_tokens=1024, masked_ratio=0.1, num_calls=2, seed=1, impl="fused", **REAL)
+    _check(run_case_local(case, device="cuda"), "fused real r1")
+
+
+def test_fused_real_size_four_local_ranks_skewed():
+    case = MoECase(num_ranks=4, num_tokens=[512, 0, 256, 77], masked_ratio=0.1, num_calls=2, seed=2,
+                   routing="skewed", impl="fused", **REAL)
+    _check(run_case_local(case, device="cuda"), "fused real local4 skew")
+
+
+def _one_rank(n=64, **kw):
+    case = MoECase(num_ranks=1, num_tokens=n, hidden=1024, intermediate=512, num_experts=16, num_topk=4, **kw)
+    sb = SymmBuffer.local(1, case.num_experts, n, case.num_topk, case.hidden, case.intermediate, block_m=64,
+                          device="cuda")[0]
+    problem = case.problem(device="cuda")
+    return case, sb, problem, prepare_rank(sb, problem, 0)
+
+
+def test_fused_cuda_graph_capture_and_replay():
+    case, sb, problem, (y, l1, l2, stats) = _one_rank()
+    ref = problem.reference(numerics="hopper")[0]
+    fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # warm-up: compiles, caches the argument table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(y, ref, accumulation="fp8_mma")
+    check_barrier_state(sb)
+    sb.destroy()
+
+
+def test_fused_timeline_has_every_phase():
+    case, sb, problem, (y, l1, l2, stats) = _one_rank()
+    calls = bind_calls(y, l1, l2, sb, None, "swiglu", None, "pull", True)
+    (events,) = run_fused(calls, timeline=True)
+    torch.cuda.synchronize()
+    kinds = set(events[..., 0][events[..., 0] >= 0].tolist())
+    assert {TIMELINE_KINDS.index(k) for k in ("count", "barrier1", "pull", "l1", "l2", "combine")} <= kinds, kinds
+    valid = events[events[..., 0] >= 0]
+    assert bool((valid[:, 2] >= valid[:, 1]).all())
+    assert_moe_close(y, problem.reference(numerics="hopper")[0], accumulation="fp8_mma")
+    sb.destroy()
+
+
+def test_fused_rank_that_never_arrives_is_named():
+    """Two local ranks, but only rank 0's programs are launched: barrier 1 must time out naming rank 1."""
+    case = MoECase(num_ranks=2, num_tokens=16)
+    sbs = SymmBuffer.local(2, case.num_experts, 16, case.num_topk, case.hidden, case.intermediate, block_m=32,
+                           device="cuda", barrier_timeout_s=1.0)
+    problem = case.problem(device="cuda")
+    prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
+    ys, l1s, l2s, _ = (list(t) for t in zip(*prepared))
+    calls = bind_calls(ys, l1s, l2s, sbs, None, "swiglu", None, "pull", True)
+    run_fused(calls[:1])
+    with pytest.raises(BarrierTimeout) as info:
+        check_barrier_state(sbs[0])
+    assert info.value.tag == 1 and info.value.missing_rank == 1
+    for sb in sbs:
+        sb.destroy()
