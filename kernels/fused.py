@@ -11,8 +11,8 @@ programs, program ``pid`` serving local rank ``pid // G``). Every program walks 
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
 spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
-an L2 tile's K-block ``kb`` spins until bit ``kb`` of ``l2_arrival_mask[b]`` is set (the L1 tile that produced
-those 128 intermediate columns ORs it in, release). Every program takes its tasks in increasing order and all
+an L2 tile spins until every bit of ``l2_arrival_mask[b]`` is set (the L1 tile that produced 128 intermediate
+columns ORs in its bit, release). Every program takes its tasks in increasing order and all
 programs are resident (one per SM), so the smallest unfinished task can always run: GEMMs start while the pull
 is still running, L2 while L1 is still running -- the seed's per-block arrival mechanism.
 
@@ -25,12 +25,14 @@ GEMMs slow. Here per-32 power-of-two scales are folded into the 8-bit operands r
 * weights, in the decode (FP4 -> FP8 in registers): ``w' = e4m3(e2m1 * 2^(s_g - s_row))`` with ``s_row`` the
   weight row's largest exponent over K; ``2^s_row`` is applied in the epilogue.
 * L2 activations: the L1 epilogue quantises per 128 columns (one UE8M0 scale per 128, stored as four equal
-  bytes), so the L2 GEMM promotes once per 128 K (as DeepGEMM's SM90 kernel does), not per 32.
+  bytes); the L2 tile folds them relative to the token's largest, like the L1 input.
 
 Each fold is exact unless a value drops below e4m3's normal range (2^-6), where it is rounded to the nearest
 subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max, i.e. < 2^-18 of the row's largest magnitude.
-L1 needs no promotion at all: one MMA chain over K (``PROMOTE_EVERY`` K-steps of 128 bound the length of a
-chain before it is added into the fp32 accumulator, for the tensor cores' limited in-MMA accumulation).
+So neither GEMM needs a scale multiply inside its K loop: one MMA chain over K. Only the tensor cores' limited
+in-MMA accumulation (~14 bits, DeepSeek-V3 report) is bounded by adding the chain into an fp32 accumulator every
+``PROMOTE_EVERY`` K-steps of 128 -- which changes no rounding of the model (``megamoe.reference``), only how
+close the GPU comes to it.
 
 **Swap-AB.** Weights are the MMA's M operand (128 rows per tile), tokens the N operand (``BLOCK_M`` of 16-128),
 so a pool block of few tokens still fills the tensor core's M dimension.
@@ -143,22 +145,24 @@ def _wait_at_least(ptr, target, state, timeout_ns, max_polls, TIMED: tl.constexp
 
 
 @triton.jit
-def _wait_mask_bit(ptr, mask, bit, state, timeout_ns, max_polls, TIMED: tl.constexpr):
-    """Return ``mask`` refreshed until bit ``bit`` is set (acquire, gpu); bounded like :func:`_wait_at_least`."""
-    if ((mask >> bit) & 1) == 0:
+def _wait_mask_full(ptr, num_bits: tl.constexpr, state, timeout_ns, max_polls, TIMED: tl.constexpr):
+    """Spin until the low ``num_bits`` bits of the int64 at ``ptr`` are all set (acquire, gpu); bounded like
+    :func:`_wait_at_least`."""
+    full = (tl.full([], 1, tl.int64) << num_bits) - 1
+    mask = tl.atomic_or(ptr, tl.zeros([], tl.int64), sem="acquire", scope="gpu")
+    if (mask & full) != full:
         t0 = _now(TIMED)
         polls = 0
         alive = True
-        while (((mask >> bit) & 1) == 0) & alive:
+        while ((mask & full) != full) & alive:
             mask = tl.atomic_or(ptr, tl.zeros([], tl.int64), sem="acquire", scope="gpu")
             polls += 1
             if TIMED:
                 alive = (_now(TIMED) - t0) <= timeout_ns
             else:
                 alive = polls < max_polls
-        if ((mask >> bit) & 1) == 0:
+        if (mask & full) != full:
             tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
-    return mask
 
 
 @triton.jit
@@ -333,18 +337,19 @@ def _l1_tile(tile, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, stat
     rmax_u = _row_exponent_max(w_sf, up_rows, 2 * I, H // 128, KW1_PAD)
     acc_g = tl.zeros([128, BM], dtype=tl.float32)
     acc_u = tl.zeros([128, BM], dtype=tl.float32)
-    for k1 in range(0, H, 128 * PROMOTE_EVERY):
-        part_g = tl.zeros([128, BM], dtype=tl.float32)
-        part_u = tl.zeros([128, BM], dtype=tl.float32)
-        for k0 in range(k1, k1 + 128 * PROMOTE_EVERY, 128):
-            if k0 < H:
-                a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, H)
-                part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE,
-                                   HW_CVT)
-                part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE,
-                                   HW_CVT)
-        acc_g += part_g
-        acc_u += part_u
+    part_g = tl.zeros([128, BM], dtype=tl.float32)
+    part_u = tl.zeros([128, BM], dtype=tl.float32)
+    for k0 in range(0, H, 128):
+        a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, H)
+        part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE, HW_CVT)
+        part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE, HW_CVT)
+        if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:  # bound the in-MMA accumulation chain
+            acc_g += part_g
+            acc_u += part_u
+            part_g = tl.zeros([128, BM], dtype=tl.float32)
+            part_u = tl.zeros([128, BM], dtype=tl.float32)
+    acc_g += part_g
+    acc_u += part_u
     # epilogue: weight-row and token scales, bf16 round (as the reference), clamp, SwiGLU, top-k weight
     sa = _pow2_f32((tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101) & 0xFF) - 127)
     gate = round_to_bf16(tl.trans(acc_g * _pow2_f32(rmax_g - 127)[:, None]) * sa[:, None])
@@ -370,10 +375,11 @@ def _l1_tile(tile, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, stat
 def _l2_tile(tile, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state, timeout_ns, max_polls,
              OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
              T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr,
-             LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, PRMT_DECODE: tl.constexpr,
-             HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW2_PAD: tl.constexpr):
-    """L2 tile: pool block ``tile // (H/128)`` x 128 hidden columns; K-block ``kb`` waits for bit ``kb`` of the
-    block's L2 arrival mask; promotion once per 128 K; bf16 rows into the source rank's ``combine[slot][token]``."""
+             LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+             PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW2_PAD: tl.constexpr):
+    """L2 tile: pool block ``tile // (H/128)`` x 128 hidden columns, after all of the block's L1 N-blocks (arrival
+    mask full); the per-128 activation scales folded per token like the L1 input; bf16 rows into the source
+    rank's ``combine[slot][token]``."""
     N2: tl.constexpr = H // 128
     b = tile // N2
     nt = tile % N2
@@ -388,15 +394,30 @@ def _l2_tile(tile, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, sta
     w = w2 + expert.to(tl.int64) * H * (I // 2)
     w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
     rmax = _row_exponent_max(w_sf, n_rows, H, I // 128, KW2_PAD)
-    mask = tl.atomic_or(l2_mask + b, tl.zeros([], tl.int64), sem="acquire", scope="gpu")
+    # Wait for every L1 N-block of this pool block before the K loop. The mask would allow waiting per K-block,
+    # but Triton's software pipeliner issues the activation loads of K-block kb+1 before iteration kb's body
+    # runs, i.e. before a per-K-block wait could order them (seen as wrong results on an H200 with I/128 > 1).
+    _wait_mask_full(l2_mask + b, I // 128, state, timeout_ns, max_polls, TIMED)
+    # the token's largest per-128 exponent over I: fold each K-block's activations relative to it (module docstring)
+    kb = tl.arange(0, KW2_PAD)
+    sf_all = tl.load(acts_sf + kb[None, :] * SP + sf_rows[:, None], mask=mask_m[:, None] & (kb[None, :] < I // 128),
+                     other=0) & 0xFF
+    smax = tl.max(sf_all, axis=1)
     acc = tl.zeros([128, BM], dtype=tl.float32)
+    part = tl.zeros([128, BM], dtype=tl.float32)
     for k0 in range(0, I, 128):
-        mask = _wait_mask_bit(l2_mask + b, mask, k0 // 128, state, timeout_ns, max_polls, TIMED)
         a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, I)
-        sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=127) & 0xFF) - 127)
-        part = _mma_step(tl.zeros([128, BM], dtype=tl.float32), w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H,
-                         PRMT_DECODE, HW_CVT)
-        acc += part * sa[None, :]
+        sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=0) & 0xFF) - smax)[:, None]
+        a0 = _fold_e4m3(a0, sa, HW_CVT)
+        a1 = _fold_e4m3(a1, sa, HW_CVT)
+        a2 = _fold_e4m3(a2, sa, HW_CVT)
+        a3 = _fold_e4m3(a3, sa, HW_CVT)
+        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, PRMT_DECODE, HW_CVT)
+        if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:
+            acc += part
+            part = tl.zeros([128, BM], dtype=tl.float32)
+    acc += part
+    acc = acc * _pow2_f32(smax - 127)[None, :]
     out = tl.trans(acc * _pow2_f32(rmax - 127)[:, None])
     meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
     src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
@@ -521,7 +542,7 @@ def fused_mega_moe_kernel(
             else:
                 _l2_tile(t - num_pull - num_l1, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state,
                          timeout_ns, max_polls, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, LAYOUT_BM,
-                         LAYOUT_SF_BM, BM, BLOCK_E, PRMT_DECODE, HW_CVT, TIMED, KW2_PAD)
+                         LAYOUT_SF_BM, BM, BLOCK_E, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, KW2_PAD)
                 n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
             tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
             t += G

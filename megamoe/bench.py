@@ -195,6 +195,47 @@ def bench_layer(quick: bool) -> dict:
             "rows": rows}
 
 
+def bench_timeline(quick: bool) -> dict:
+    """The fused kernel's intra-kernel timeline (``%globaltimer`` per task) at two token counts, one EP8 rank's 48
+    V4-Pro experts: per program ``(kind, start, end)`` events (ns from the earliest), and per kind the count and the
+    summed / mean duration -- where the time of one launch goes, and how the pull overlaps the GEMMs."""
+    from megamoe.fused import TIMELINE_KINDS, fused_config, run_fused
+
+    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+    tokens = [128] if quick else [128, 2048]
+    sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda")[0]
+    runs = []
+    for n in tokens:
+        case.num_tokens = n
+        problem = case.problem(device="cuda")
+        y, l1, l2, stats = prepare_rank(sb, problem, 0)
+        calls = bind_calls(y, l1, l2, sb, None, "swiglu", None, "pull", False)
+        for _ in range(3):  # warm-up (compile), then keep the last
+            (events,) = run_fused(calls, timeline=True)
+        torch.cuda.synchronize()
+        ev = events.cpu()
+        valid = ev[..., 0] >= 0
+        t_min = int(ev[..., 1][valid].min())
+        per_program = [[[int(k), int(a) - t_min, int(b) - t_min] for k, a, b in prog[prog[:, 0] >= 0].tolist()]
+                       for prog in ev]
+        summary = {}
+        for i, name in enumerate(TIMELINE_KINDS):
+            sel = ev[..., 0] == i
+            d = (ev[..., 2] - ev[..., 1])[sel].double()
+            if d.numel():
+                summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3, "mean_us": float(d.mean()) / 1e3}
+        span_us = (int(ev[..., 2][valid].max()) - t_min) / 1e3
+        cfg = fused_config(sb.layout, n, 1, sb.buffer.device)
+        runs.append({"num_tokens_per_rank": n, "block_m": cfg.block_m, "programs": cfg.programs_per_rank,
+                     "span_us": span_us, "summary": summary, "events": per_program})
+        print(f"  T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
+              + "  ".join(f"{k}: {v['count']} x {v['mean_us']:.1f} us" for k, v in summary.items()), flush=True)
+    sb.destroy()
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "kinds": list(TIMELINE_KINDS),
+                       "clock": "%globaltimer (ns), per program: [kind, start, end]"}, "rows": runs}
+
+
 def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm90") -> None:
     """Add the rows of a peer kit's JSON (e.g. ../shared/peers/deepgemm_sm90: ``rows`` of ``T``, ``us``) to a layer
     result as ``impl`` rows, so every implementation of one device run sits in one file."""
@@ -269,7 +310,8 @@ def bench_tma_pull(quick: bool) -> dict:
     return {"config": res["config"], "rows": rows}
 
 
-SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer, "pull_push": bench_pull_push}
+SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer,
+          "pull_push": bench_pull_push, "timeline": bench_timeline}
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:

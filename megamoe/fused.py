@@ -8,7 +8,7 @@ each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-ker
 Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
 
 * ``block_m`` (tokens per pool block = the MMA's N): the smallest power of two >= the expected tokens per local
-  expert ``n * R * k / E`` (DeepGEMM's key), clamped to [16, min(128, layout.block_m)]; the pool is sized for
+  expert ``n * R * k / E`` (DeepGEMM's key), clamped to [16, min(MAX_BLOCK_M, layout.block_m)]; the pool is sized for
   ``layout.block_m`` (the largest it may pick), so every choice fits.
 * programs per rank: every SM once (GPU; divided among local ranks), 1 under the interpreter (its programs run
   one after another, so a grid sync between programs could never complete).
@@ -28,6 +28,9 @@ from megamoe.kernels import fused as kf
 TIMELINE_KINDS = kf.EVENT_NAMES
 #: Events kept per program when a timeline is requested.
 TIMELINE_MAX_EVENTS = 512
+#: Largest pool block (MMA N) the fused kernel picks: with 8 warps, two [128, 64] fp32 accumulators and their
+#: promotion partials fill the register file (128 spilled at 255 registers, compiled for sm_90a).
+MAX_BLOCK_M = 64
 #: Pairs per pull task.
 PULL_BLOCK_PAIRS = 16
 #: Polls of a barrier wait without progress before it fails, per second of ``barrier_timeout_s`` (interpreter).
@@ -40,7 +43,7 @@ class FusedConfig:
 
     block_m: int
     programs_per_rank: int
-    promote_every: int = 8
+    promote_every: int = 4
     num_warps: int = 8
     num_stages: int = 2
 
@@ -53,7 +56,7 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device) -> FusedConfig:
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
-    block_m = max(16, min(128, layout.block_m, triton.next_power_of_2(max(1, int(expected + 0.999)))))
+    block_m = max(16, min(MAX_BLOCK_M, layout.block_m, triton.next_power_of_2(max(1, int(expected + 0.999)))))
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -104,8 +107,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         K=L.num_topk, H=L.hidden, I=L.intermediate_hidden, SP=L.num_padded_sf_pool_tokens, LAYOUT_BM=L.block_m,
         LAYOUT_SF_BM=L.sf_block_m, BM=cfg.block_m, BLOCK_R=max(2, triton.next_power_of_2(L.num_ranks)),
         BLOCK_E=max(2, triton.next_power_of_2(L.num_experts_per_rank)), BLOCK_J=PULL_BLOCK_PAIRS,
-        BLOCK_H=_largest_pow2_tile(L.hidden, 1024), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
-        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 1024), HAS_CLAMP=has_clamp,
+        BLOCK_H=_largest_pow2_tile(L.hidden, 256), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
+        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS,
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),

@@ -31,7 +31,8 @@ from megamoe.quant import (QuantWeights, check_moe_weights, dequant_fp4, dequant
 
 #: ``"exact"``: the seeds' semantics (per-32 scales applied exactly; the staged kernels). ``"hopper"``: the fused
 #: Hopper kernel's numerics -- per-32 scales folded into the 8-bit operands relative to each token's / weight
-#: row's largest scale (:func:`megamoe.quant.fold_scales`) and the L2 input quantised per 128, not per 32.
+#: row's largest scale (:func:`megamoe.quant.fold_scales`); the L2 input quantised per 128, not per 32, then folded
+#: per token the same way.
 NUMERICS = ("exact", "hopper")
 
 
@@ -154,7 +155,8 @@ def _expert_forward(
     l1_out = (a @ w1.T).to(torch.bfloat16)
     act = swiglu(l1_out, activation_clamp) * weights.unsqueeze(1)
     l2_in, l2_in_sf = (per_128_cast_to_fp8 if numerics == "hopper" else per_token_cast_to_fp8)(act)
-    out = (dequant_fp8(l2_in, l2_in_sf) @ w2.T).to(torch.bfloat16)
+    a2 = fold_to_row_scale_dequant(l2_in.float(), l2_in_sf) if numerics == "hopper" else dequant_fp8(l2_in, l2_in_sf)
+    out = (a2 @ w2.T).to(torch.bfloat16)
     return _ExpertOutput(l1_out, l2_in, l2_in_sf, out)
 
 
