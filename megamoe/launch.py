@@ -317,17 +317,20 @@ def _blame(outcomes: dict[int, _Outcome], n: int) -> LaunchError:
             others.append(f"  rank {r}: still running {BLAME_GRACE_S} s after the first failure (stopped)")
         elif o.kind == "ok":
             others.append(f"  rank {r}: returned a result")
+        elif o.kind == "died" and o.summary() == root.summary():
+            others.append(f"  rank {r}: the same")
         else:
             others.append(f"  rank {r}: {o.summary()}")
     if others:
-        message = message.rstrip("\n") + "\nThe other ranks (their communication errors are consequences):\n" + \
+        message = message.rstrip("\n") + "\nThe other ranks (a communication error is a consequence):\n" + \
             "\n".join(others)
     return LaunchError(message, rank=root.rank, exitcode=root.exitcode, child_traceback=root.traceback,
                        failures={o.rank: o.summary() for o in sorted(failures, key=lambda o: o.rank)})
 
 
 def _main_file() -> str:
-    main = sys.modules.get("__main__")
+    """The launching script's path (in a spawned child the script runs as ``__mp_main__``)."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return repr(path) if path else "(the __main__ module)"
 

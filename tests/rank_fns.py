@@ -34,8 +34,8 @@ def sync(sb: SymmBuffer) -> None:
 
 
 def own_shm_files() -> list[str]:
-    """This process's ``/dev/shm/megamoe-<pid>-*`` files (there should never be any after set-up)."""
-    return glob.glob(f"/dev/shm/megamoe-{os.getpid()}-*")
+    """This process's shm files (``megamoe.symm.shm_files_of``; there should never be any after set-up)."""
+    return megamoe.symm.shm_files_of(os.getpid())
 
 
 # ---------------------------------------------------------------------------------------------------- copy pattern
@@ -202,8 +202,8 @@ def pids_alive(pid_dir) -> list[int]:
 
 
 def pid_shm_files(pid_dir) -> list[str]:
-    """``/dev/shm`` files created by the recorded rank pids."""
-    return [p for pid in _recorded_pids(pid_dir) for p in glob.glob(f"/dev/shm/megamoe-{pid}-*")]
+    """Shm files created by the recorded rank pids."""
+    return [p for pid in _recorded_pids(pid_dir) for p in megamoe.symm.shm_files_of(pid)]
 
 
 def whoami(rank: int, world_size: int, payload, *, scale: int = 1) -> dict:
@@ -273,3 +273,26 @@ def mismatched_buffer(rank: int, world_size: int, field: str, value) -> None:
     if rank == world_size - 1:
         args[field] = value
     SymmBuffer(None, **args)
+
+
+class FailsToUnpickle:
+    """An argument that cannot be unpickled in another process: a rank given one dies while its interpreter is
+    still bootstrapping (before ``launch``'s entry point runs)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __setstate__(self, state):
+        if state["pid"] != os.getpid():
+            raise RuntimeError("FailsToUnpickle: deliberate failure while unpickling in another process")
+        self.__dict__.update(state)
+
+
+def leaked_shm_files() -> list[str]:
+    """Shm files whose creator is dead but which are still linked (leaks; files of live creators are in use)."""
+    leaked = []
+    for path in glob.glob(os.path.join(megamoe.symm.SHM_DIR, megamoe.symm.SHM_PREFIX + "*")):
+        pid = megamoe.symm._shm_creator_pid(path)
+        if pid is not None and not megamoe.symm._pid_alive(pid) and os.path.exists(path):
+            leaked.append(path)
+    return sorted(leaked)
