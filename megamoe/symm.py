@@ -285,14 +285,14 @@ class SymmBuffer:
                     m = own if r == self.rank else _map_file(p, n)
                 except FileNotFoundError as e:
                     raise PeerFailure(f"rank {self.rank}: rank {r}'s shm file {p} was removed before this rank mapped "
-                                      "it: rank {r} failed during SymmBuffer set-up".replace("{r}", str(r))) from e
+                                      f"it: rank {r} failed during SymmBuffer set-up") from e
                 if m is not own:
                     self._maps.append(m)
                 peers.append(torch.frombuffer(m, dtype=torch.uint8))
             dist.barrier(group=self.group)
         finally:
             os.unlink(path)
-            os.close(fd)  # releases the lock (the mapping stays valid)
+            os.close(fd)  # the lock lasts while the file is referenced (by the mapping): it is unlinked by now
         self._adopt(peers[self.rank], peers)
 
     # ------------------------------------------------------------------ access
