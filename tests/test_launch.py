@@ -44,6 +44,7 @@ def test_exception_is_forwarded_with_rank_and_traceback():
     assert mp.active_children() == []
 
 
+@pytest.mark.slow  # + BLAME_GRACE_S: the other ranks never finish
 def test_crashed_rank_reported_with_exit_code_and_others_stopped(tmp_path):
     with pytest.raises(LaunchError, match="rank 1 exited with code 3 without returning a result") as info:
         launch(rank_fns.exit_on, 3, 1, 3, str(tmp_path), backend="cpu", timeout_s=60)
