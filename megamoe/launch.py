@@ -7,37 +7,98 @@ rank. The process group is initialized from a FileStore in a temporary directory
 torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set anyway so
 that code written for torchrun runs unchanged. Scripts started by torchrun call :func:`init_from_env` instead.
 
-Failures come back as :class:`LaunchError` naming the rank: its traceback if it raised, its exit code or signal if
-it died without a result, or a timeout. The other ranks are then terminated (then killed); no child outlives
-``launch``, and ``/dev/shm`` files that a killed child created (``megamoe.symm``) are removed.
+Failures come back as :class:`LaunchError` naming the rank that caused them: its traceback if it raised, its exit
+code or signal if it died without a result, or a timeout. One rank's failure makes its peers fail too (a collective
+they were in loses its peer: gloo's "Connection closed by peer", NCCL errors, store or barrier timeouts), and those
+secondary errors can arrive first. So after the first failure ``launch`` keeps collecting outcomes for up to
+:data:`BLAME_GRACE_S`, classifies each rank's error (:func:`is_communication_error`), and names the earliest failure
+that is *not* a communication error (a raised exception, or a death without a result) as ``LaunchError.rank``, with
+its traceback; the other ranks' outcomes follow in the message and in ``LaunchError.failures``. A rank that dies
+before it starts (the spawned interpreter re-runs the launching script's top-level code: a script without
+``if __name__ == "__main__":`` calls ``launch`` again there) is reported with that fix.
+
+The other ranks are then terminated (then killed); no child outlives ``launch``, and ``/dev/shm`` files that a
+killed child created (``megamoe.symm``) are removed.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 
 #: Seconds a terminated child gets to run its ``finally`` blocks before it is killed.
 TERMINATE_GRACE_S = 5.0
+#: Seconds ``launch`` keeps collecting the other ranks' outcomes after the first failure, so that the root cause
+#: (which may be reported after its peers' secondary communication errors) can be named.
+BLAME_GRACE_S = 3.0
+#: Lower-case fragments of the messages of errors that collectives raise when a peer is gone or late (gloo's TCP
+#: transport, NCCL, the store). An error whose message (or cause's) holds one is secondary: see
+#: :func:`is_communication_error`.
+COMM_ERROR_PATTERNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo/transport",
+                       "timed out waiting", "socket timeout", "nccl error", "ncclremoteerror", "ncclsystemerror",
+                       "ncclinternalerror", "watchdog caught collective operation timeout")
+#: Set in the children's environment: the folder where a child records that it called ``launch`` while it was still
+#: bootstrapping (an unguarded launching script), see :func:`_refuse_launch_while_bootstrapping`.
+LAUNCH_DIR_ENV = "MEGAMOE_LAUNCH_DIR"
+#: The fix for a launching script whose top-level code the spawned ranks re-run.
+MAIN_GUARD_FIX = 'guard the script\'s entry point with `if __name__ == "__main__":`'
 
 
 class LaunchError(RuntimeError):
-    """A rank failed: ``rank`` (None for a timeout of several ranks), ``exitcode`` (None if it raised) and
-    ``child_traceback`` (the rank's formatted traceback, or "")."""
+    """A rank failed: ``rank`` (the root cause; None for a timeout of several ranks), ``exitcode`` (None if it
+    raised), ``child_traceback`` (the rank's formatted traceback, or "") and ``failures`` (every failed rank's
+    one-line outcome, by rank, the root cause's included; other ranks' entries are usually consequences)."""
 
-    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None, child_traceback: str = ""):
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None, child_traceback: str = "",
+                 failures: dict[int, str] | None = None):
         super().__init__(message)
         self.rank, self.exitcode, self.child_traceback = rank, exitcode, child_traceback
+        self.failures = dict(failures or {})
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.exitcode, self.child_traceback, self.failures)
+
+
+class PeerFailure(RuntimeError):
+    """An error that only reports that *another* rank failed (e.g. a peer's shm file vanished during a rendezvous
+    because that peer gave up). :func:`launch` treats it like a communication error: it never names the raising
+    rank as the root cause while some rank failed otherwise."""
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception in its ``__cause__``/``__context__`` chain) is a symptom of another rank's
+    failure rather than a cause: a ``torch.distributed.DistError`` (backend, network, store errors and timeouts),
+    a :class:`ConnectionError`, a :class:`PeerFailure`, megamoe's ``BarrierTimeout``, or an error whose message holds
+    one of :data:`COMM_ERROR_PATTERNS` (gloo raises plain RuntimeErrors such as "Connection closed by peer")."""
+    secondary_types: list[type] = [ConnectionError, PeerFailure]
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and hasattr(dist, "DistError"):
+        secondary_types.append(dist.DistError)
+    kernels_symm = sys.modules.get("megamoe.kernels.symm")  # imported by whoever can raise its BarrierTimeout
+    if kernels_symm is not None and isinstance(getattr(kernels_symm, "BarrierTimeout", None), type):
+        secondary_types.append(kernels_symm.BarrierTimeout)
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, tuple(secondary_types)):
+            return True
+        message = str(e).lower()
+        if any(p in message for p in COMM_ERROR_PATTERNS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 600.0, **kwargs) -> list:
@@ -46,8 +107,13 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
 
     ``backend``: "cpu" (gloo + Triton interpreter), "cuda" (NCCL, needs ``world_size`` GPUs) or "auto" ("cuda"
     when that many GPUs exist, else "cpu"). ``fn`` must be importable by the children: a module-level function
-    of a module other than ``__main__`` (not one defined in a notebook cell or a script body).
+    of a module other than ``__main__`` (not one defined in a notebook cell or a script body), and a launching
+    script must guard its entry point with ``if __name__ == "__main__":`` (the spawned ranks re-run its top-level
+    code).
+
+    Raises :class:`LaunchError` naming the rank that failed first with something other than a communication error.
     """
+    _refuse_launch_while_bootstrapping()
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script), which "
                          "spawned ranks cannot import: move the rank function into a module and import it")
@@ -56,7 +122,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     backend = _resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="megamoe-launch-")
-    env = _child_env(backend, world_size)
+    env = _child_env(backend, world_size) | {LAUNCH_DIR_ENV: store_dir}
     procs, readers = [], []
     try:
         with _environ(env):
@@ -68,7 +134,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                 writer.close()
                 procs.append(p)
                 readers.append(reader)
-        results = _collect(procs, readers, timeout_s)
+        results = _collect(procs, readers, timeout_s, store_dir, fn)
         _stop(procs, grace_s=TERMINATE_GRACE_S)
         return results
     finally:
@@ -136,43 +202,141 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
-def _collect(procs, readers, timeout_s: float) -> list:
-    """Wait for one message per rank; raise LaunchError on the first failure or at the deadline."""
-    results: dict[int, object] = {}
+@dataclass
+class _Outcome:
+    """What one rank came to: ``kind`` "ok" (``result``), "error" (it raised: ``traceback``, ``secondary`` when that
+    was a communication error) or "died" (no result: ``exitcode``, ``started`` False when it died while its
+    interpreter was still bootstrapping). ``time`` is ``time.monotonic()`` (one system-wide clock on Linux) when the
+    rank caught its exception, or when the parent saw it dead."""
+
+    rank: int
+    kind: str
+    time: float
+    result: object = None
+    traceback: str = ""
+    secondary: bool = False
+    exitcode: int | None = None
+    started: bool = True
+    message: str = ""
+
+    def summary(self) -> str:
+        """One line: the exception's last line, or how the rank died."""
+        if self.kind == "error":
+            lines = [ln for ln in self.traceback.strip().splitlines() if ln.strip()]
+            last = lines[-1].strip() if lines else "an exception"
+            return f"raised {last[:300]}" + (" (a communication error)" if self.secondary else "")
+        return self.message.removeprefix(f"rank {self.rank} ")
+
+
+def _collect(procs, readers, timeout_s: float, store_dir: str, fn) -> list:
+    """Wait for one outcome per rank. On the first failure, keep collecting for up to :data:`BLAME_GRACE_S` (or
+    until every rank has an outcome), then raise :func:`_blame`'s LaunchError; at the deadline raise a timeout."""
+    n = len(procs)
+    outcomes: dict[int, _Outcome] = {}
+    started: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    while len(results) < len(procs):
-        pending = [r for r in range(len(procs)) if r not in results]
-        left = deadline - time.monotonic()
+    blame_by = None
+    while len(outcomes) < n:
+        end = deadline if blame_by is None else min(deadline, blame_by)
+        left = end - time.monotonic()
         if left <= 0:
-            raise LaunchError(f"launch timed out after {timeout_s} s; ranks {pending} had not finished")
+            break
+        pending = [r for r in range(n) if r not in outcomes]
         handles = {readers[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
         for h in wait(list(handles), timeout=left):
             rank = handles[h]
-            if rank in results:
+            if rank in outcomes:
                 continue
-            message = _receive(readers[rank], procs[rank])
-            if message is None:
+            outcome = _poll_rank(rank, readers[rank], procs[rank], started, store_dir, fn)
+            if outcome is None:
                 continue
-            status, payload = message
-            if status == "error":
-                raise LaunchError(f"rank {rank} raised:\n{payload}", rank=rank, child_traceback=payload)
-            results[rank] = payload
-    return [results[r] for r in range(len(procs))]
+            outcomes[rank] = outcome
+            if outcome.kind != "ok" and blame_by is None:
+                blame_by = time.monotonic() + BLAME_GRACE_S
+    if any(o.kind != "ok" for o in outcomes.values()):
+        raise _blame(outcomes, n)
+    if len(outcomes) < n:
+        pending = [r for r in range(n) if r not in outcomes]
+        raise LaunchError(f"launch timed out after {timeout_s} s; ranks {pending} had not finished")
+    return [outcomes[r].result for r in range(n)]
 
 
-def _receive(reader, proc):
-    """The rank's ``(status, payload)`` if one is ready; None if it is still running; LaunchError if it died."""
-    if reader.poll():
+def _poll_rank(rank: int, reader, proc, started: set[int], store_dir: str, fn) -> _Outcome | None:
+    """Read what rank ``rank`` sent; its outcome, or None while it is still running."""
+    while reader.poll():
         try:
-            return reader.recv()
-        except EOFError:
-            pass
-    elif proc.exitcode is None:
+            status, payload = reader.recv()
+        except (EOFError, OSError):  # the child closed its end (it exited): only its exit code is left
+            break
+        if status == "started":
+            started.add(rank)
+        elif status == "ok":
+            return _Outcome(rank, "ok", time.monotonic(), result=payload)
+        else:
+            return _Outcome(rank, "error", payload["time"], traceback=payload["traceback"],
+                            secondary=payload["secondary"])
+    if proc.exitcode is None:
         return None
     proc.join()
     code = proc.exitcode
     how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-    raise LaunchError(f"rank {_rank_of(proc)} {how} without returning a result", rank=_rank_of(proc), exitcode=code)
+    if rank in started:
+        message = f"rank {rank} {how} without returning a result"
+    elif os.path.exists(_bootstrap_marker(store_dir, proc.pid)):
+        message = (f"rank {rank} {how} before it started: its interpreter re-ran the top-level code of the launching "
+                   f"script {_main_file()}, which called launch() again (multiprocessing's 'attempt has been made "
+                   f"to start a new process before the current process has finished its bootstrapping phase'). "
+                   f"Fix: {MAIN_GUARD_FIX}")
+    else:
+        message = (f"rank {rank} {how} before it started running {getattr(fn, '__qualname__', fn)!r}: its "
+                   f"interpreter failed while re-importing the launching script {_main_file()} or unpickling the "
+                   f"function and its arguments (the traceback is on the rank's stderr). If the script runs code "
+                   f"at import time, {MAIN_GUARD_FIX}")
+    return _Outcome(rank, "died", time.monotonic(), exitcode=code, started=rank in started, message=message)
+
+
+def _blame(outcomes: dict[int, _Outcome], n: int) -> LaunchError:
+    """The LaunchError for a failed launch: the root cause is the earliest failure that is not a communication
+    error (any failure if all are); every other rank's outcome is listed after its traceback."""
+    failures = [o for o in outcomes.values() if o.kind != "ok"]
+    primary = [o for o in failures if not o.secondary]
+    root = min(primary or failures, key=lambda o: (o.time, o.rank))
+    if root.kind == "error":
+        message = f"rank {root.rank} raised:\n{root.traceback}"
+    else:
+        message = root.message
+    if not primary:
+        message = ("every failed rank reported a communication error (none raised anything else or died); the "
+                   f"earliest was: {message}")
+    others = []
+    for r in range(n):
+        if r == root.rank:
+            continue
+        o = outcomes.get(r)
+        if o is None:
+            others.append(f"  rank {r}: still running {BLAME_GRACE_S} s after the first failure (stopped)")
+        elif o.kind == "ok":
+            others.append(f"  rank {r}: returned a result")
+        elif o.kind == "died" and o.summary() == root.summary():
+            others.append(f"  rank {r}: the same")
+        else:
+            others.append(f"  rank {r}: {o.summary()}")
+    if others:
+        message = message.rstrip("\n") + "\nThe other ranks (a communication error is a consequence):\n" + \
+            "\n".join(others)
+    return LaunchError(message, rank=root.rank, exitcode=root.exitcode, child_traceback=root.traceback,
+                       failures={o.rank: o.summary() for o in sorted(failures, key=lambda o: o.rank)})
+
+
+def _main_file() -> str:
+    """The launching script's path (in a spawned child the script runs as ``__mp_main__``)."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return repr(path) if path else "(the __main__ module)"
+
+
+def _bootstrap_marker(store_dir: str, pid: int) -> str:
+    return os.path.join(store_dir, f"bootstrap-launch-{pid}")
 
 
 def _signal_name(signum: int) -> str:
@@ -201,13 +365,33 @@ def _stop(procs, grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    if not procs:
+        return
+    from megamoe.symm import shm_files_of  # torch is imported by then: only when ranks were started
+
     for p in procs:
-        for path in glob.glob(f"/dev/shm/megamoe-{p.pid}-*"):
+        for path in shm_files_of(p.pid):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
 
 # ---------------------------------------------------------------------------------------------------- child side
+def _refuse_launch_while_bootstrapping() -> None:
+    """Raise a clear error when ``launch`` is called by a spawned child that is still bootstrapping: it is re-running
+    the launching script's top-level code, which has no ``if __name__ == "__main__":`` guard. A rank spawned by
+    ``launch`` also leaves a marker for the parent (see ``_poll_rank``)."""
+    import multiprocessing.process
+
+    if not getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        return
+    store_dir = os.environ.get(LAUNCH_DIR_ENV)
+    if store_dir and os.path.isdir(store_dir):
+        with contextlib.suppress(OSError), open(_bootstrap_marker(store_dir, os.getpid()), "w"):
+            pass
+    raise RuntimeError(f"launch() was called while a spawned rank re-ran the top-level code of the launching script "
+                       f"{_main_file()}; {MAIN_GUARD_FIX}")
+
+
 def _raise_system_exit(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -222,13 +406,17 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, parent_pid: int, args, kwargs,
                 conn) -> None:
-    """Entry point of one rank: init the process group, run ``fn``, send ``("ok", result)`` or ``("error", tb)``."""
+    """Entry point of one rank: send ``("started", pid)``, init the process group, run ``fn``, send ``("ok",
+    result)`` or ``("error", report)`` (see :func:`_failure_report`). An exception of ``fn`` is reported *before*
+    the process group is torn down (which makes the peers fail), so that the root cause is not reported last."""
     signal.signal(signal.SIGTERM, _raise_system_exit)  # so that `finally` blocks (shm unlink) run on terminate
+    _send(conn, ("started", os.getpid()))
     _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 
+    reported = False
     try:
         if backend == "cuda":
             torch.cuda.set_device(rank)
@@ -239,12 +427,30 @@ def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, pa
                                 world_size=world_size, timeout=timedelta(minutes=10))
         try:
             result = fn(rank, world_size, *args, **kwargs)
+        except BaseException as exc:
+            reported = _send(conn, ("error", _failure_report(exc)))
+            raise
         finally:
             dist.destroy_process_group()
         conn.send(("ok", result))
-    except BaseException:
-        with contextlib.suppress(OSError):  # the parent may already have given up on this rank
-            conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:
+        if not reported:
+            _send(conn, ("error", _failure_report(exc)))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to clean up: a late terminate just ends us
         conn.close()
+
+
+def _failure_report(exc: BaseException) -> dict:
+    """What a failed rank sends: when it failed (``time.monotonic()``), its traceback, and whether the error is a
+    communication error (``secondary``). Call it inside the ``except`` block that caught ``exc``."""
+    return {"time": time.monotonic(), "traceback": traceback.format_exc(), "secondary": is_communication_error(exc)}
+
+
+def _send(conn, message) -> bool:
+    """Send ``message`` to the parent; False when the parent has stopped listening."""
+    try:
+        conn.send(message)
+        return True
+    except OSError:
+        return False

@@ -244,6 +244,15 @@ class Layout:
     def print_table(self) -> None:
         print(self.table())
 
+    #: The constructor arguments that define a layout (every rank of a group must agree on them).
+    FINGERPRINT_FIELDS = ("num_ranks", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden",
+                          "intermediate_hidden", "block_m")
+
+    def fingerprint(self) -> dict:
+        """The defining fields (:data:`FINGERPRINT_FIELDS`) plus ``num_bytes``: equal fingerprints mean equal
+        layouts. Ranks exchange it before they allocate (``SymmBuffer``), so that a disagreement names the field."""
+        return {name: getattr(self, name) for name in self.FINGERPRINT_FIELDS} | {"num_bytes": self.num_bytes}
+
     def __repr__(self) -> str:
         return (f"Layout(num_ranks={self.num_ranks}, num_experts={self.num_experts}, "
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, num_topk={self.num_topk}, "

@@ -4,18 +4,26 @@ Three backends, one interface (``buffer``, ``buffer_ptrs``, ``rank``, ``layout``
 
 * ``cuda``: ``torch.distributed._symmetric_memory`` (NVLink peer memory); world size 1 uses a plain allocation.
 * ``cpu``: one process per rank, a gloo group. Each rank creates a POSIX shm file, every rank maps every peer's
-  file, then each rank unlinks its own file at once (the mappings stay valid, so a crash cannot leak ``/dev/shm``).
+  file, then each rank unlinks its own file at once (the mappings stay valid). A rank killed (SIGKILL) inside that
+  window leaves its file behind; ``megamoe.launch`` removes it, and without ``launch`` (torchrun) the next cpu
+  SymmBuffer made on the machine sweeps it (:func:`sweep_stale_shm`).
   Kernels run under Triton's interpreter directly on those host mappings.
 * ``local``: N ranks in one process on one device (:meth:`SymmBuffer.local`), driven in lock-step.
 
 ``buffer_ptrs`` (int64 ``[R]``, on the kernel device) holds each rank's buffer base *as seen from this process*;
 kernels translate addresses with ``megamoe.kernels.symm.sym_map``.
+
+Before allocating, the ranks of a group exchange their layouts' fingerprints (``Layout.fingerprint``): ranks that
+disagree on T, E, H, I, top-k or block_m all raise a ValueError naming the field and every rank's value.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import math
 import mmap
 import os
+import time
 import uuid
 
 import torch
@@ -28,6 +36,9 @@ from megamoe.layout import MIN_BLOCK_M, Layout
 VIEW_NAMES = ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf")
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "megamoe-"
+#: A leftover shm file is swept only if it is at least this old (its creator holds a lock on it from a moment after
+#: creating it until it unlinks it; the age covers that moment, see :func:`sweep_stale_shm`).
+STALE_SHM_MIN_AGE_S = 5.0
 BACKENDS = ("cuda", "cpu", "local")
 
 
@@ -35,6 +46,64 @@ def shm_path(rank: int) -> str:
     """A fresh shm file name for ``rank``: ``/dev/shm/megamoe-<pid>-<uuid>-r<rank>`` (the pid lets a launcher
     sweep what a killed child left behind)."""
     return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}-r{rank}")
+
+
+def shm_files_of(pid: int) -> list[str]:
+    """The shm files that process ``pid`` created and has not unlinked (see :func:`shm_path`)."""
+    return glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}{int(pid)}-*"))
+
+
+def _shm_creator_pid(path: str) -> int | None:
+    """The creator pid in a :func:`shm_path` name, or None for a name of another form."""
+    head = os.path.basename(path).removeprefix(SHM_PREFIX).split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists in this pid namespace (a reused pid counts as alive: nothing is swept)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def sweep_stale_shm(min_age_s: float = STALE_SHM_MIN_AGE_S) -> list[str]:
+    """Remove the shm files that ranks killed while setting up a cpu SymmBuffer left behind; return their paths.
+
+    A file ``SHM_DIR/SHM_PREFIX<pid>-…`` is removed only when all three hold:
+
+    * its creator ``pid`` does not exist (a live process with that pid, even a reused one, keeps the file);
+    * nobody holds the shared ``flock`` its creator keeps on it until unlinking it (locks die with their process,
+      so this also protects a live creator that is invisible here, in another pid namespace sharing ``/dev/shm``);
+    * it is at least ``min_age_s`` old (covers the moment between the creator's ``open`` and its ``flock``).
+
+    Files of other users, or that vanish meanwhile, are skipped. Called by every cpu :class:`SymmBuffer` before it
+    creates its own file, so a crashed torchrun job's leftovers go at the next start.
+    """
+    removed = []
+    now = time.time()
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}*")):
+        pid = _shm_creator_pid(path)
+        if pid is None or _pid_alive(pid):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live process holds the lock
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _check_config(block_m, mma_type, activation, barrier_timeout_s, backend) -> None:
@@ -113,6 +182,10 @@ class SymmBuffer:
         rank, world, auto = _group_info(group)
         layout = Layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m)
         self._init_fields(layout, rank, group, backend or auto, barrier_timeout_s)
+        if world > 1:
+            _check_same_layout(layout, rank, group)
+        if self.backend == "cpu":
+            sweep_stale_shm()
         if self.backend == "cuda":
             self._alloc_cuda()
         elif world == 1:
@@ -187,28 +260,37 @@ class SymmBuffer:
         torch.cuda.synchronize(device)
 
     def _alloc_cpu_shm(self) -> None:
-        """Create, exchange and map the shm files; this rank's file is unlinked before returning (or on error)."""
+        """Create, exchange and map the shm files; this rank's file is unlinked before returning (or on error).
+
+        While the file is linked this rank holds a shared ``flock`` on it, which tells :func:`sweep_stale_shm` on
+        another rank or job that its creator is alive (the lock dies with the process, e.g. on SIGKILL). A peer's
+        file that is gone when this rank maps it means that peer failed: that raises :class:`PeerFailure`."""
+        from megamoe.launch import PeerFailure
+
         n = self.layout.num_bytes
         path = shm_path(self.rank)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            try:
-                os.ftruncate(fd, n)
-                own = mmap.mmap(fd, n)
-            finally:
-                os.close(fd)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, n)
+            own = mmap.mmap(fd, n)
             self._maps.append(own)
             paths = [None] * self.num_ranks
             dist.all_gather_object(paths, path, group=self.group)
             peers = []
             for r, p in enumerate(paths):
-                m = own if r == self.rank else _map_file(p, n)
+                try:
+                    m = own if r == self.rank else _map_file(p, n)
+                except FileNotFoundError as e:
+                    raise PeerFailure(f"rank {self.rank}: rank {r}'s shm file {p} was removed before this rank mapped "
+                                      f"it: rank {r} failed during SymmBuffer set-up") from e
                 if m is not own:
                     self._maps.append(m)
                 peers.append(torch.frombuffer(m, dtype=torch.uint8))
             dist.barrier(group=self.group)
         finally:
             os.unlink(path)
+            os.close(fd)  # the lock lasts while the file is referenced (by the mapping): it is unlinked by now
         self._adopt(peers[self.rank], peers)
 
     # ------------------------------------------------------------------ access
@@ -253,6 +335,21 @@ class SymmBuffer:
     def __repr__(self) -> str:
         state = "destroyed" if self._views is None else f"{self.layout.num_bytes:,} bytes on {self.device}"
         return f"SymmBuffer(rank={self.rank}/{self.num_ranks}, backend={self.backend!r}, {state})"
+
+
+def _check_same_layout(layout: Layout, rank: int, group) -> None:
+    """Exchange ``layout.fingerprint()`` over ``group`` (one ``all_gather_object``, gloo or NCCL) before anything is
+    allocated; raise the same ValueError on every rank when the ranks disagree, naming each differing field and
+    every rank's value."""
+    mine = layout.fingerprint()
+    fingerprints: list = [None] * layout.num_ranks
+    dist.all_gather_object(fingerprints, mine, group=group)
+    differing = [k for k in mine if len({fp[k] for fp in fingerprints}) > 1]
+    if differing:
+        details = "; ".join(f"{k}: " + ", ".join(f"rank {r}={fp[k]}" for r, fp in enumerate(fingerprints))
+                            for k in differing if k != "num_bytes" or len(differing) == 1)
+        raise ValueError(f"rank {rank}: the ranks' SymmBuffer layouts differ (every rank must pass the same "
+                         f"arguments): {details}")
 
 
 def _map_file(path: str, num_bytes: int) -> mmap.mmap:

@@ -21,7 +21,6 @@ Sections:
 """
 from __future__ import annotations
 
-import glob
 import importlib
 import inspect
 import json
@@ -206,15 +205,20 @@ def phased_rank(rank: int, world_size: int, phases: Sequence[Phase], shape: dict
 # ==================================================================================================== 01: symmetric memory
 def own_shm_files() -> list[str]:
     """``/dev/shm`` files this process created (``megamoe-<pid>-*``); empty once a SymmBuffer is set up."""
-    return sorted(glob.glob(f"/dev/shm/megamoe-{os.getpid()}-*"))
+    from megamoe.symm import shm_files_of
+
+    return sorted(shm_files_of(os.getpid()))
 
 
 def shm_mappings() -> list[str]:
     """The megamoe shm segments mapped into this process, from ``/proc/self/maps`` (``path (deleted)`` when the file
     was unlinked; the mapping stays valid)."""
+    from megamoe.symm import SHM_DIR, SHM_PREFIX
+
+    shm_prefix = os.path.join(SHM_DIR, SHM_PREFIX)
     try:
         with open("/proc/self/maps") as f:
-            lines = [ln.split(maxsplit=5) for ln in f if "/dev/shm/megamoe-" in ln]
+            lines = [ln.split(maxsplit=5) for ln in f if shm_prefix in ln]
     except OSError:
         return []
     seen = []

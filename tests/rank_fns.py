@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import time
 
 import torch
@@ -33,8 +34,8 @@ def sync(sb: SymmBuffer) -> None:
 
 
 def own_shm_files() -> list[str]:
-    """This process's ``/dev/shm/megamoe-<pid>-*`` files (there should never be any after set-up)."""
-    return glob.glob(f"/dev/shm/megamoe-{os.getpid()}-*")
+    """This process's shm files (``megamoe.symm.shm_files_of``; there should never be any after set-up)."""
+    return megamoe.symm.shm_files_of(os.getpid())
 
 
 # ---------------------------------------------------------------------------------------------------- copy pattern
@@ -201,8 +202,8 @@ def pids_alive(pid_dir) -> list[int]:
 
 
 def pid_shm_files(pid_dir) -> list[str]:
-    """``/dev/shm`` files created by the recorded rank pids."""
-    return [p for pid in _recorded_pids(pid_dir) for p in glob.glob(f"/dev/shm/megamoe-{pid}-*")]
+    """Shm files created by the recorded rank pids."""
+    return [p for pid in _recorded_pids(pid_dir) for p in megamoe.symm.shm_files_of(pid)]
 
 
 def whoami(rank: int, world_size: int, payload, *, scale: int = 1) -> dict:
@@ -234,3 +235,64 @@ def sleep_on(rank: int, world_size: int, slow_rank: int, pid_dir: str) -> int:
     if rank == slow_rank:
         time.sleep(600)
     return rank
+
+
+# ---------------------------------------------------------------------------------------------------- blame tests
+def fail_during_setup(rank: int, world_size: int, bad_rank: int, how: str, pid_dir: str) -> None:
+    """Every rank builds a SymmBuffer; ``bad_rank`` fails in a way chosen by ``how`` while its peers are (or soon
+    will be) inside a collective of the set-up, so that they fail with secondary communication errors:
+
+    * ``"raise_before"``: raises a ValueError before building the buffer (the peers wait in the rendezvous);
+    * ``"bad_args"``: passes an invalid ``hidden`` (the SymmBuffer's own validation raises);
+    * ``"raise_mapping"``: raises an OSError while mapping its peers' files (its own shm file already exists);
+    * ``"sigkill_mapping"``: SIGKILLs itself while mapping its peers' files (its shm file still linked).
+    """
+    write_pid(pid_dir, rank)
+    kw = {}
+    if rank == bad_rank:
+        if how == "raise_before":
+            raise ValueError(f"deliberate failure on rank {rank} before the SymmBuffer")
+        if how == "bad_args":
+            kw = {"hidden": H + 64}
+        if how in ("raise_mapping", "sigkill_mapping"):
+            def failing_map(path, num_bytes):
+                if how == "sigkill_mapping":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(f"deliberate failure on rank {rank} mapping {path}")
+
+            megamoe.symm._map_file = failing_map
+    sb = SymmBuffer(None, 2 * world_size, T, TOPK, kw.get("hidden", H), I, block_m=BLOCK_M)
+    dist.barrier()  # a rank whose set-up succeeded (it cannot, with a failing peer) would wait here
+    sb.destroy()
+
+
+def mismatched_buffer(rank: int, world_size: int, field: str, value) -> None:
+    """Every rank builds a SymmBuffer of the test layout; ``rank == world_size - 1`` sets ``field`` to ``value``."""
+    args = dict(num_experts=2 * world_size, num_max_tokens_per_rank=T, num_topk=TOPK, hidden=H,
+                intermediate_hidden=I, block_m=BLOCK_M)
+    if rank == world_size - 1:
+        args[field] = value
+    SymmBuffer(None, **args)
+
+
+class FailsToUnpickle:
+    """An argument that cannot be unpickled in another process: a rank given one dies while its interpreter is
+    still bootstrapping (before ``launch``'s entry point runs)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __setstate__(self, state):
+        if state["pid"] != os.getpid():
+            raise RuntimeError("FailsToUnpickle: deliberate failure while unpickling in another process")
+        self.__dict__.update(state)
+
+
+def leaked_shm_files() -> list[str]:
+    """Shm files whose creator is dead but which are still linked (leaks; files of live creators are in use)."""
+    leaked = []
+    for path in glob.glob(os.path.join(megamoe.symm.SHM_DIR, megamoe.symm.SHM_PREFIX + "*")):
+        pid = megamoe.symm._shm_creator_pid(path)
+        if pid is not None and not megamoe.symm._pid_alive(pid) and os.path.exists(path):
+            leaked.append(path)
+    return sorted(leaked)

@@ -3,7 +3,10 @@
 Multi-rank tests spawn one process per rank through ``megamoe.launch`` and run the functions in ``rank_fns``.
 """
 import math
+import os
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -17,7 +20,11 @@ import rank_fns  # noqa: E402
 from megamoe.kernels import symm as ks  # noqa: E402
 from megamoe.launch import LaunchError, launch  # noqa: E402
 from megamoe.layout import Layout  # noqa: E402
-from megamoe.symm import VIEW_NAMES, SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: E402
+import megamoe.symm  # noqa: E402
+from megamoe.symm import (SHM_DIR, SHM_PREFIX, STALE_SHM_MIN_AGE_S, VIEW_NAMES, SymmBuffer,  # noqa: E402
+                          get_symm_buffer_for_mega_moe, shm_files_of, sweep_stale_shm)
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 SHAPE = dict(num_experts=8, num_max_tokens_per_rank=rank_fns.T, num_topk=rank_fns.TOPK, hidden=rank_fns.H,
              intermediate_hidden=rank_fns.I, block_m=rank_fns.BLOCK_M)
@@ -122,6 +129,138 @@ def test_rank_dying_during_setup_leaves_no_segment(tmp_path):
     assert info.value.rank == 1 and info.value.exitcode == 3
     assert rank_fns.pids_alive(tmp_path) == []
     assert rank_fns.pid_shm_files(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------- layout agreement
+@pytest.mark.parametrize("field, value", [("num_max_tokens_per_rank", 32), ("num_experts", 16), ("num_topk", 3),
+                                          ("hidden", 512), ("intermediate_hidden", 384), ("block_m", 32)])
+def test_layout_mismatch_names_the_field_on_every_rank(monkeypatch, field, value):
+    """The fingerprint check, without processes: rank 0 of 2 sees rank 1's fingerprint differ in ``field``."""
+    def fake_all_gather_object(out, obj, group=None):
+        other = Layout(**(dict(num_ranks=2) | SHAPE | {field: value}))
+        out[:] = [obj, other.fingerprint()]
+
+    monkeypatch.setattr(megamoe.symm.dist, "all_gather_object", fake_all_gather_object)
+    mine = Layout(2, **SHAPE)
+    with pytest.raises(ValueError, match=rf"rank 0: the ranks' SymmBuffer layouts differ .*: {field}: "
+                                         rf"rank 0={getattr(mine, field)}, rank 1={value}$"):
+        megamoe.symm._check_same_layout(mine, 0, None)
+    fake = Layout(2, **SHAPE).fingerprint()
+    monkeypatch.setattr(megamoe.symm.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj, fake]))
+    megamoe.symm._check_same_layout(mine, 0, None)  # equal layouts pass
+
+
+@pytest.mark.slow
+def test_mismatched_layouts_fail_on_every_rank_naming_the_field():
+    with pytest.raises(LaunchError) as info:
+        launch(rank_fns.mismatched_buffer, 2, "num_max_tokens_per_rank", 2 * rank_fns.T, backend="cpu",
+               timeout_s=60)
+    e = info.value
+    detail = f"num_max_tokens_per_rank: rank 0={rank_fns.T}, rank 1={2 * rank_fns.T}"
+    assert "layouts differ" in str(e) and detail in e.child_traceback
+    assert sorted(e.failures) == [0, 1] and all(detail in f for f in e.failures.values())
+    assert "mmap length" not in str(e)
+
+
+# ---------------------------------------------------------------------------------------------------- stale shm sweep
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert not megamoe.symm._pid_alive(proc.pid)
+    return proc.pid
+
+
+def _fake_shm(pid, age_s: float, tag: str) -> str:
+    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{pid}-{tag}{os.getpid()}-r0")
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_sweep_removes_only_stale_files_of_dead_creators():
+    import fcntl
+
+    dead = _dead_pid()
+    old = STALE_SHM_MIN_AGE_S + 60
+    stale = _fake_shm(dead, old, "stale")
+    fresh = _fake_shm(dead, 0, "fresh")               # a creator between open() and flock(): too young to judge
+    live = _fake_shm(os.getpid(), old, "live")        # its creator (this process) is alive
+    locked = _fake_shm(dead, old, "locked")           # a live process (here) holds the lock: pid namespace case
+    other = os.path.join(SHM_DIR, f"{SHM_PREFIX}notapid-{os.getpid()}")
+    open(other, "wb").close()
+    lock_fd = os.open(locked, os.O_RDONLY)
+    fcntl.flock(lock_fd, fcntl.LOCK_SH)
+    try:
+        with SymmBuffer(None, **SHAPE) as sb:         # a new cpu buffer sweeps first
+            assert sb.backend == "cpu"
+        assert not os.path.exists(stale)
+        assert all(os.path.exists(p) for p in (fresh, live, locked, other))
+        assert sweep_stale_shm() == []                # nothing else to do
+        assert sweep_stale_shm(min_age_s=0) == [fresh]
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        assert sweep_stale_shm() == [locked]
+        assert os.path.exists(live) and os.path.exists(other)
+    finally:
+        os.close(lock_fd)
+        for p in (stale, fresh, live, locked, other):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+TORCHRUN_STYLE_RANK = """
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    import torch.distributed as dist
+    import rank_fns
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", store=dist.FileStore({store!r}, 2), rank=rank, world_size=2)
+    rank_fns.fail_during_setup(rank, 2, 1, "sigkill_mapping", {pid_dir!r})  # rank 1 SIGKILLs itself mid-set-up
+"""
+
+
+@pytest.mark.slow
+def test_rank_killed_during_setup_without_launch_leaks_until_next_buffer(tmp_path):
+    """torchrun-style ranks (no launch() parent to sweep): rank 1 is SIGKILLed while its shm file is linked; the
+    file survives it, and the next cpu SymmBuffer made on the machine removes it once it is old enough."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(TORCHRUN_STYLE_RANK.format(
+        tests=str(Path(__file__).resolve().parent), store=str(tmp_path / "store"), pid_dir=str(tmp_path))))
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env, stderr=subprocess.PIPE)
+             for r in range(2)]
+    codes = [p.wait(timeout=120) for p in procs]
+    for p in procs:
+        p.stderr.close()
+    assert codes[1] == -9 and codes[0] == 1
+    leaked = rank_fns.pid_shm_files(tmp_path)
+    try:
+        assert len(leaked) == 1 and f"{SHM_PREFIX}{procs[1].pid}-" in leaked[0]  # rank 0 unlinked its own
+        with SymmBuffer(None, **SHAPE):
+            pass
+        assert os.path.exists(leaked[0])                                         # too young to judge yet
+        past = time.time() - STALE_SHM_MIN_AGE_S - 1
+        os.utime(leaked[0], (past, past))
+        with SymmBuffer(None, **SHAPE):
+            pass
+        assert rank_fns.pid_shm_files(tmp_path) == []
+    finally:
+        for p in leaked:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_shm_names_carry_the_creator_pid():
+    path = megamoe.symm.shm_path(3)
+    assert path.startswith(os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-")) and path.endswith("-r3")
+    assert megamoe.symm._shm_creator_pid(path) == os.getpid()
+    open(path, "wb").close()
+    try:
+        assert shm_files_of(os.getpid()) == [path]
+    finally:
+        os.unlink(path)
 
 
 # ---------------------------------------------------------------------------------------------------- local backend
