@@ -40,6 +40,7 @@ so a pool block of few tokens still fills the tensor core's M dimension.
 import triton
 import triton.language as tl
 
+from megamoe.kernels.gemm import l1_tile, l2_tile
 from megamoe.kernels.numerics import (bf16_bits_to_f32, ceil_ue8m0, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt,
                                       f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16)
 from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
@@ -255,7 +256,7 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
                R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr):
+               BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr, FOLDED: tl.constexpr):
     """Pull task ``t``: up to BLOCK_J pairs of one (local expert, source rank) -- task order is expert-major, then
     source, then chunk of BLOCK_J pairs -- from the source's input buffer into the local L1 pool at the
     interleaved, expert-major rows of ``megamoe.kernels.pool``, folding each row's per-32 scales into its largest
@@ -291,15 +292,20 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
         v = tl.load(x + token[:, None].to(tl.int64) * H + h[None, :], mask=mj[:, None], other=0.0)
         gb = tl.load(x_sf + token[:, None] * (H // 32) + h0 // 32 + tl.arange(0, G_H)[None, :], mask=mj[:, None],
                      other=0).to(tl.int32)
-        scale = _pow2_f32(gb - smax[:, None])                                   # [BLOCK_J, BLOCK_H / 32]
-        folded = _fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, 32]), scale[:, :, None], HW_CVT)
-        tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], tl.reshape(folded, [BLOCK_J, BLOCK_H]),
-                 mask=mj[:, None])
+        if FOLDED:
+            scale = _pow2_f32(gb - smax[:, None])                               # [BLOCK_J, BLOCK_H / 32]
+            v = tl.reshape(_fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, 32]), scale[:, :, None], HW_CVT),
+                           [BLOCK_J, BLOCK_H])
+        tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], v, mask=mj[:, None])
     w = tl.arange(0, BLOCK_W)
     mw = mj[:, None] & (w[None, :] < H // 128)
     sf_row = (row // LAYOUT_BM) * LAYOUT_SF_BM + row % LAYOUT_BM
+    if FOLDED:
+        sf_words = (smax * 0x01010101)[:, None] + tl.zeros([BLOCK_J, BLOCK_W], tl.int32)
+    else:
+        sf_words = tl.load(x_sf.to(tl.pointer_type(tl.int32)) + token[:, None] * (H // 128) + w[None, :], mask=mw)
     tl.store((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + w[None, :].to(tl.int64) * SP + sf_row[:, None],
-             (smax * 0x01010101)[:, None] + tl.zeros([BLOCK_J, BLOCK_W], tl.int32), mask=mw)
+             sf_words, mask=mw)
     tl.store((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + row, tl.load(topk_w + pair, mask=mj), mask=mj)
     meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
     tl.store(meta + row * 3, tl.full([BLOCK_J], 0, tl.int32) + source, mask=mj)
@@ -310,23 +316,13 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
 
 
 @triton.jit
-def _l1_tile(tile, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, state, timeout_ns, max_polls,
-             OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
-             OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
-             LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr,
-             HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
-             HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW1_PAD: tl.constexpr):
-    """L1 tile: pool block ``tile // (I/128)`` x 128 intermediate columns (256 interleaved gate/up weight rows);
-    SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool; then sets bit ``n-tile`` of ``l2_mask[block]``."""
-    N1: tl.constexpr = I // 128
-    b = tile // N1
-    nt = tile % N1
-    expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
-    _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
-    m = tl.arange(0, BM)
-    rows = row0 + m
-    mask_m = m < valid
-    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+                    OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+                    OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
+                    HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
+                    HW_CVT: tl.constexpr, KW1_PAD: tl.constexpr):
+    """Hopper-numerics L1 tile (swap-AB): pool ``rows`` of ``expert`` x 128 intermediate columns (256 interleaved
+    gate/up weight rows); SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
     c = nt * 128 + tl.arange(0, 128)
     gate_rows = (c // 8) * 16 + c % 8
@@ -367,37 +363,22 @@ def _l1_tile(tile, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, stat
     out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
     tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
     tl.store((buf + OFF_L2_SF).to(tl.pointer_type(tl.int32)) + nt * SP + sf_rows, sbyte * 0x01010101, mask=mask_m)
-    tl.debug_barrier()
-    tl.atomic_or(l2_mask + b, tl.full([], 1, tl.int64) << nt, sem="release", scope="gpu")
 
 
 @triton.jit
-def _l2_tile(tile, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state, timeout_ns, max_polls,
-             OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
-             T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr,
-             LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
-             PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, KW2_PAD: tl.constexpr):
-    """L2 tile: pool block ``tile // (H/128)`` x 128 hidden columns, after all of the block's L1 N-blocks (arrival
-    mask full); the per-128 activation scales folded per token like the L1 input; bf16 rows into the source
-    rank's ``combine[slot][token]``."""
-    N2: tl.constexpr = H // 128
-    b = tile // N2
-    nt = tile % N2
-    expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
-    m = tl.arange(0, BM)
-    rows = row0 + m
-    mask_m = m < valid
-    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
+                    OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
+                    T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
+                    PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
+                    KW2_PAD: tl.constexpr):
+    """Hopper-numerics L2 tile (swap-AB): pool ``rows`` x 128 hidden columns; the per-128 activation scales folded
+    per token like the L1 input; bf16 rows into the source rank's ``combine[slot][token]``."""
     acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
     n_rows = nt * 128 + tl.arange(0, 128)
     w = w2 + expert.to(tl.int64) * H * (I // 2)
     w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
     rmax = _row_exponent_max(w_sf, n_rows, H, I // 128, KW2_PAD)
-    # Wait for every L1 N-block of this pool block before the K loop. The mask would allow waiting per K-block,
-    # but Triton's software pipeliner issues the activation loads of K-block kb+1 before iteration kb's body
-    # runs, i.e. before a per-K-block wait could order them (seen as wrong results on an H200 with I/128 > 1).
-    _wait_mask_full(l2_mask + b, I // 128, state, timeout_ns, max_polls, TIMED)
     # the token's largest per-128 exponent over I: fold each K-block's activations relative to it (module docstring)
     kb = tl.arange(0, KW2_PAD)
     sf_all = tl.load(acts_sf + kb[None, :] * SP + sf_rows[:, None], mask=mask_m[:, None] & (kb[None, :] < I // 128),
@@ -431,8 +412,18 @@ def _l2_tile(tile, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, sta
 
 # ---------------------------------------------------------------------------------------------------- kernel
 @triton.jit
+def _rank_ptr(base, tab, i: tl.constexpr, dtype: tl.constexpr):
+    """Local rank's pointer = rank 0's tensor argument ``base`` + the byte delta in column ``i`` of its table row.
+    Deltas are multiples of 16 (checked on the host): with the hint, Triton keeps 16-byte vector accesses, which a
+    pointer loaded from memory would lose (its alignment unknown, every access would go byte by byte)."""
+    delta = tl.load(tab + i) // 16 * 16  # exact (a multiple of 16); tells Triton so
+    return (base.to(tl.pointer_type(tl.uint8)) + delta).to(tl.pointer_type(dtype))
+
+
+@triton.jit
 def fused_mega_moe_kernel(
-        args, buffer_ptrs, rank0, G, clamp, timeout_ns, max_polls,
+        buf0, y0, w1_0, w1_sf0, w2_0, w2_sf0, stats0, timeline0, args, buffer_ptrs, rank0, G, clamp, timeout_ns,
+        max_polls,
         OFF_GRID: tl.constexpr, OFF_SIGNAL: tl.constexpr, OFF_STATE: tl.constexpr, OFF_SEND: tl.constexpr,
         OFF_RECV: tl.constexpr, OFF_RECV_SUM: tl.constexpr, OFF_ARRIVAL: tl.constexpr, OFF_L2_MASK: tl.constexpr,
         OFF_SRC_IDX: tl.constexpr, OFF_META: tl.constexpr, OFF_X: tl.constexpr, OFF_X_SF: tl.constexpr,
@@ -444,23 +435,27 @@ def fused_mega_moe_kernel(
         BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, COUNT_BLOCK: tl.constexpr, COMBINE_T: tl.constexpr,
         COMBINE_H: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_STATS: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
-        MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr):
-    """One call of the layer for every local rank; see the module docstring. ``args``: int64 ``[local ranks,
-    NUM_ARGS]`` (buffer, y, weights, stats, token count, timeline addresses); ``G`` programs per local rank."""
+        MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
+        BN1: tl.constexpr, BN2: tl.constexpr):
+    """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
+    tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
+    0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank."""
+    N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
+    N2: tl.constexpr = H // BN2
     pid = tl.program_id(0)
     lr = pid // G
     cta = pid % G
     me = rank0 + lr
     tab = args + lr * NUM_ARGS
-    buf = tl.load(tab + 0).to(tl.pointer_type(tl.uint8))
-    y = tl.load(tab + 1).to(tl.pointer_type(tl.int16))
-    w1 = tl.load(tab + 2).to(tl.pointer_type(tl.uint8))
-    w1_sf = tl.load(tab + 3).to(tl.pointer_type(tl.int32))
-    w2 = tl.load(tab + 4).to(tl.pointer_type(tl.uint8))
-    w2_sf = tl.load(tab + 5).to(tl.pointer_type(tl.int32))
-    stats = tl.load(tab + 6).to(tl.pointer_type(tl.int32))
+    buf = _rank_ptr(buf0, tab, 0, tl.uint8)
+    y = _rank_ptr(y0, tab, 1, tl.int16)
+    w1 = _rank_ptr(w1_0, tab, 2, tl.uint8)
+    w1_sf = _rank_ptr(w1_sf0, tab, 3, tl.int32)
+    w2 = _rank_ptr(w2_0, tab, 4, tl.uint8)
+    w2_sf = _rank_ptr(w2_sf0, tab, 5, tl.int32)
+    stats = _rank_ptr(stats0, tab, 6, tl.int32)
     num_tokens = tl.load(tab + 7).to(tl.int32)
-    timeline = tl.load(tab + 8).to(tl.pointer_type(tl.int64))
+    timeline = _rank_ptr(timeline0, tab, 8, tl.int64)
     grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
     progress = grid_ctr + 1
     signal = (buf + OFF_SIGNAL).to(tl.pointer_type(tl.int32))
@@ -523,8 +518,8 @@ def fused_mega_moe_kernel(
         cum_flat = tl.cumsum(chunks_flat, axis=0)
         num_pull = tl.max(cum_flat, axis=0)
         num_blocks = tl.max(cum, axis=0)
-        num_l1 = num_blocks * (I // 128)
-        num_l2 = num_blocks * (H // 128)
+        num_l1 = num_blocks * N1
+        num_l2 = num_blocks * N2
         t = cta
         while t < num_pull + num_l1 + num_l2:
             t0 = _now(TIMED)
@@ -532,17 +527,44 @@ def fused_mega_moe_kernel(
                 _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum, arrival,
                            OFF_SRC_IDX, OFF_X, OFF_X_SF, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_META,
                            R, El, T, K, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H,
-                           BLOCK_W, HW_CVT)
+                           BLOCK_W, HW_CVT, FOLDED)
                 n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
             elif t < num_pull + num_l1:
-                _l1_tile(t - num_pull, buf, w1, w1_sf, clamp, n, blocks, cum, arrival, l2_mask, state, timeout_ns,
-                         max_polls, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, LAYOUT_BM,
-                         LAYOUT_SF_BM, BM, BLOCK_E, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, KW1_PAD)
+                b = (t - num_pull) // N1
+                nt = (t - num_pull) % N1
+                expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+                _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
+                rows = row0 + tl.arange(0, BM)
+                mask_m = tl.arange(0, BM) < valid
+                sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+                if FOLDED:
+                    _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF,
+                                    OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
+                                    HW_CVT, KW1_PAD)
+                else:
+                    l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W,
+                            OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP, False, tl.float32, PRMT_DECODE)
+                tl.debug_barrier()
+                tl.atomic_or(l2_mask + b, tl.full([], 1, tl.int64) << nt, sem="release", scope="gpu")
                 n_ev = _event(timeline, cta, n_ev, EV_L1, t0, TIMELINE, MAX_EVENTS)
             else:
-                _l2_tile(t - num_pull - num_l1, buf, buffer_ptrs, me, w2, w2_sf, n, blocks, cum, l2_mask, state,
-                         timeout_ns, max_polls, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, LAYOUT_BM,
-                         LAYOUT_SF_BM, BM, BLOCK_E, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, KW2_PAD)
+                b = (t - num_pull - num_l1) // N2
+                nt = (t - num_pull - num_l1) % N2
+                expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+                # Every L1 N-block of the pool block first. The mask would allow waiting per K-block, but
+                # Triton's software pipeliner issues the loads of K-block kb+1 before iteration kb's body runs,
+                # i.e. before a per-K-block wait could order them (wrong results on an H200 with I/128 > 1).
+                _wait_mask_full(l2_mask + b, N1, state, timeout_ns, max_polls, TIMED)
+                rows = row0 + tl.arange(0, BM)
+                mask_m = tl.arange(0, BM) < valid
+                sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+                if FOLDED:
+                    _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2,
+                                    OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY, PRMT_DECODE,
+                                    HW_CVT, KW2_PAD)
+                else:
+                    l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
+                            OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)
                 n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
             tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
             t += G

@@ -115,6 +115,59 @@ def _num_tiles(recv, N_TILES: tl.constexpr, R: tl.constexpr, El: tl.constexpr, B
 
 
 @triton.jit
+def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+            OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+            OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            PRMT_DECODE: tl.constexpr):
+    """One L1 tile: pool ``rows`` [BM] (``mask_m`` valid, scale rows ``sf_rows``) of local ``expert`` x intermediate
+    columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)`` (2*BLOCK_N interleaved gate/up weight rows); SwiGLU, top-k weight and
+    the per-32 FP8 requant into the L2 pool. Shared by the staged kernel below and the fused kernel."""
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.int32))
+    topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
+    out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
+    out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.uint8))
+    w1 = w1.to(tl.pointer_type(tl.uint8))
+    G: tl.constexpr = BLOCK_N // 32
+    c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_rows = (c // 8) * 16 + c % 8  # gate/up interleaved in groups of 8
+    w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
+    w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, 64):
+        a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+        if SCALED_OPERANDS:
+            a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+            acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
+            acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
+        else:
+            pg, sg = _load_w(w, w_sf, gate_rows, k0, H, 2 * I)
+            pu, su = _load_w(w, w_sf, gate_rows + 8, k0, H, 2 * I)
+            acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, pg, sg, k0, PRMT_DECODE)
+            acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, pu, su, k0, PRMT_DECODE)
+    # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
+    gate = round_to_bf16(acc_g)
+    up = round_to_bf16(acc_u)
+    if HAS_CLAMP:
+        gate = tl.minimum(gate, clamp)
+        up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
+    # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
+    act3 = tl.reshape(act, [BLOCK_M, G, 32])
+    amax = tl.maximum(tl.max(tl.abs(act3), axis=2), 1e-4)
+    _, sbyte = ceil_ue8m0(amax / 448.0)
+    inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
+    q = tl.reshape(f32_to_e4m3_bits(act3 * inv[:, :, None]), [BLOCK_M, BLOCK_N])
+    tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
+    grp = nt * G + tl.arange(0, G)
+    sf_addr = ((grp[None, :] // 4) * SP + sf_rows[:, None]) * 4 + grp[None, :] % 4
+    tl.store(out_sf + sf_addr, sbyte.to(tl.uint8), mask=mask_m[:, None])
+
+
+@triton.jit
 def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      OFF_RECV: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr,
                      OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
@@ -122,56 +175,48 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
                      SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
-    """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N intermediate columns (see :func:`l1_tile`)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
-    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
-    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.int32))
-    topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
-    out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
-    out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.uint8))
-    w1 = w1.to(tl.pointer_type(tl.uint8))
     N_TILES: tl.constexpr = I // BLOCK_N
-    G: tl.constexpr = BLOCK_N // 32
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
         expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
-        c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate_rows = (c // 8) * 16 + c % 8  # gate/up interleaved in groups of 8
-        w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
-        w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, 64):
-            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
-            if SCALED_OPERANDS:
-                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
-                acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
-                acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
-            else:
-                pg, sg = _load_w(w, w_sf, gate_rows, k0, H, 2 * I)
-                pu, su = _load_w(w, w_sf, gate_rows + 8, k0, H, 2 * I)
-                acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, pg, sg, k0, PRMT_DECODE)
-                acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, pu, su, k0, PRMT_DECODE)
-        # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
-        gate = round_to_bf16(acc_g)
-        up = round_to_bf16(acc_u)
-        if HAS_CLAMP:
-            gate = tl.minimum(gate, clamp)
-            up = tl.minimum(tl.maximum(up, -clamp), clamp)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
-        # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
-        act3 = tl.reshape(act, [BLOCK_M, G, 32])
-        amax = tl.maximum(tl.max(tl.abs(act3), axis=2), 1e-4)
-        _, sbyte = ceil_ue8m0(amax / 448.0)
-        inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
-        q = tl.reshape(f32_to_e4m3_bits(act3 * inv[:, :, None]), [BLOCK_M, BLOCK_N])
-        tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
-        grp = nt * G + tl.arange(0, G)
-        sf_addr = ((grp[None, :] // 4) * SP + sf_rows[:, None]) * 4 + grp[None, :] % 4
-        tl.store(out_sf + sf_addr, sbyte.to(tl.uint8), mask=mask_m[:, None])
+        l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
         tile += tl.num_programs(0)
+
+
+@triton.jit
+def l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
+            OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
+            T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
+    """One L2 tile: pool ``rows`` x hidden columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``, written as bf16 into
+    ``combine[slot][token]`` of each row's source rank (padding rows skipped). Shared with the fused kernel."""
+    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+    w2 = w2.to(tl.pointer_type(tl.uint8))
+    n_rows = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = w2 + expert.to(tl.int64) * H * (I // 2)
+    w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, 64):
+        a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
+        if SCALED_OPERANDS:
+            a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
+            acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
+        else:
+            pw, sw = _load_w(w, w_sf, n_rows, k0, I, H)
+            acc = _weight_step(acc, a0, a1, sa0, sa1, pw, sw, k0, PRMT_DECODE)
+    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+    tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
 
 
 @triton.jit
@@ -182,35 +227,13 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
                       SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, SCALED_OPERANDS: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
-    """One tile = BLOCK_M pool rows x BLOCK_N hidden columns, written as bf16 into combine[slot][token] of the
-    row's source rank (padding rows skipped)."""
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N hidden columns (see :func:`l2_tile`)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
-    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
-    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
-    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
-    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
-    w2 = w2.to(tl.pointer_type(tl.uint8))
     N_TILES: tl.constexpr = H // BLOCK_N
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
         expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
-        n_rows = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        w = w2 + expert.to(tl.int64) * H * (I // 2)
-        w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, 64):
-            a0, a1, sa0, sa1 = _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
-            if SCALED_OPERANDS:
-                a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
-                acc = _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, I, H, DOT_DTYPE)
-            else:
-                pw, sw = _load_w(w, w_sf, n_rows, k0, I, H)
-                acc = _weight_step(acc, a0, a1, sa0, sa1, pw, sw, k0, PRMT_DECODE)
-        src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
-        token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
-        slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
-        dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
-        dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
-        tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
+        l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META,
+                OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
         tile += tl.num_programs(0)

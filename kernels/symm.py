@@ -47,7 +47,9 @@ def sym_map(ptr, buffer_ptrs, rank, dst_rank):
     ``buffer_ptrs``: int64 ``[R]`` base addresses as seen from this process; ``rank``: this rank;
     ``dst_rank``: scalar or a block broadcastable against ``ptr``.
     """
-    delta = tl.load(buffer_ptrs + dst_rank) - tl.load(buffer_ptrs + rank)
+    # Buffers start 16-byte aligned on every backend (allocator / page boundaries): saying so keeps Triton's
+    # 16-byte vector accesses through the mapped pointer (an unknown delta would make them byte-wise).
+    delta = (tl.load(buffer_ptrs + dst_rank) - tl.load(buffer_ptrs + rank)) // 16 * 16  # exact: a multiple
     return (ptr.to(tl.pointer_type(tl.uint8)) + delta).to(ptr.dtype)
 
 

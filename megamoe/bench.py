@@ -140,6 +140,8 @@ def torch_grouped_mm_peer(recv_counts: list[int], hidden: int, intermediate: int
 
 
 LAYER_TOKENS = (8, 32, 128, 512, 2048, 8192)
+#: (impl, numerics) timed by the layer suite, besides the torch peer.
+LAYER_IMPLS = (("fused", "exact"), ("fused", "hopper"), ("staged", "exact"))
 LAYER_ROUTINGS = ("uniform", "skewed")
 
 
@@ -167,26 +169,24 @@ def bench_layer(quick: bool) -> dict:
             roof_us = max(wbytes / copy_tbs / 1e6, flops / fp8_tflops / 1e6)
             base = {"num_tokens_per_rank": n, "routing": routing, "num_pairs": pairs, "flops": flops,
                     "weight_bytes_touched": wbytes, "roofline_us": roof_us}
-            for impl in ("fused", "staged"):
+            refs = {}
+            for impl, numerics in LAYER_IMPLS:
                 y.fill_(float("nan"))
-                fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl)
-                ref = problem.reference(numerics="hopper" if impl == "fused" else "exact")[0]
-                err = moe_error_stats(y, ref)
-                ms = _median_ms(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, check=False))
-                rows.append({**base, "impl": impl, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, numerics=numerics)
+                if numerics not in refs:
+                    refs[numerics] = problem.reference(numerics=numerics)[0]
+                err = moe_error_stats(y, refs[numerics])
+                ms = _median_ms(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, numerics=numerics, check=False))
+                rows.append({**base, "impl": impl, "numerics": numerics, "us": ms * 1e3, "tflops": flops / ms / 1e9,
                              "fp4_weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
-                             "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"],
-                             "numerics": "hopper" if impl == "fused" else "exact"})
+                             "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             ms = _median_ms(torch_grouped_mm_peer(recv, case.hidden, case.intermediate))
             rows.append({**base, "impl": "torch_grouped_mm", "us": ms * 1e3, "tflops": flops / ms / 1e9,
                          "roofline_pct": 100 * roof_us / (ms * 1e3), "note": "FP8 weights, GEMMs only"})
-            by = {r["impl"]: r for r in rows[-3:]}
-            print(f"  {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:7.0f}  "
-                  + "  ".join(f"{k}={v['us']:8.0f}us" for k, v in by.items())
-                  + f"  fused/staged={by['fused']['us'] / by['staged']['us']:.3f}"
-                  f"  fused/torch={by['fused']['us'] / by['torch_grouped_mm']['us']:.3f}"
-                  f"  err fused={by['fused']['rel_fro_vs_reference']:.1e} staged={by['staged']['rel_fro_vs_reference']:.1e}",
-                  flush=True)
+            last = rows[-len(LAYER_IMPLS) - 1:]
+            print(f"  {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:6.0f}us  "
+                  + "  ".join(f"{r['impl']}{'/' + r['numerics'] if 'numerics' in r else ''}={r['us']:7.0f}us"
+                              f"({r.get('rel_fro_vs_reference', 0):.0e})" for r in last), flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "hidden": 7168, "intermediate": 3072,
                        "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
@@ -206,13 +206,13 @@ def bench_timeline(quick: bool) -> dict:
     sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
                           block_m=case.block_m, device="cuda")[0]
     runs = []
-    for n in tokens:
+    for n, numerics in [(n, num) for num in ("exact", "hopper") for n in tokens]:
         case.num_tokens = n
         problem = case.problem(device="cuda")
         y, l1, l2, stats = prepare_rank(sb, problem, 0)
         calls = bind_calls(y, l1, l2, sb, None, "swiglu", None, "pull", False)
         for _ in range(3):  # warm-up (compile), then keep the last
-            (events,) = run_fused(calls, timeline=True)
+            (events,) = run_fused(calls, numerics=numerics, timeline=True)
         torch.cuda.synchronize()
         ev = events.cpu()
         valid = ev[..., 0] >= 0
@@ -226,10 +226,10 @@ def bench_timeline(quick: bool) -> dict:
             if d.numel():
                 summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3, "mean_us": float(d.mean()) / 1e3}
         span_us = (int(ev[..., 2][valid].max()) - t_min) / 1e3
-        cfg = fused_config(sb.layout, n, 1, sb.buffer.device)
-        runs.append({"num_tokens_per_rank": n, "block_m": cfg.block_m, "programs": cfg.programs_per_rank,
+        cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
+        runs.append({"num_tokens_per_rank": n, "numerics": numerics, "block_m": cfg.block_m, "programs": cfg.programs_per_rank,
                      "span_us": span_us, "summary": summary, "events": per_program})
-        print(f"  T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
+        print(f"  {numerics} T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
               + "  ".join(f"{k}: {v['count']} x {v['mean_us']:.1f} us" for k, v in summary.items()), flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "kinds": list(TIMELINE_KINDS),

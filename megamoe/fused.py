@@ -7,12 +7,15 @@ each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-ker
 
 Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
 
-* ``block_m`` (tokens per pool block = the MMA's N): the smallest power of two >= the expected tokens per local
-  expert ``n * R * k / E`` (DeepGEMM's key), clamped to [16, min(MAX_BLOCK_M, layout.block_m)]; the pool is sized for
-  ``layout.block_m`` (the largest it may pick), so every choice fits.
+* ``block_m`` (tokens per pool block) from the expected tokens per local expert ``n * R * k / E`` (DeepGEMM's
+  key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
+  MMA's M, where wgmma needs 64 rows) 64, or 128 above 64 expected tokens. Never above ``layout.block_m``: the pool
+  is sized for it (the largest block it may pick), so every choice fits.
 * programs per rank: every SM once (GPU; divided among local ranks), 1 under the interpreter (its programs run
   one after another, so a grid sync between programs could never complete).
-* ``promote_every``: K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
+* ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
+  inside the persistent launch; ``"hopper"`` its swap-AB tiles with folded scales (``megamoe.kernels.fused``).
+* ``promote_every`` ("hopper"): K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class FusedConfig:
 
     block_m: int
     programs_per_rank: int
+    numerics: str = "exact"
     promote_every: int = 4
     num_warps: int = 8
     num_stages: int = 2
@@ -53,22 +57,35 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
     return num_tokens * layout.num_ranks * layout.num_topk / layout.num_experts
 
 
-def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device) -> FusedConfig:
+#: Columns per L1 / L2 tile (weight rows of L2) by numerics: "exact" reuses the staged tile of
+#: ``megamoe.kernels.gemm`` (tokens on the MMA's M, BLOCK_N weight rows), "hopper" its own swap-AB tile (128
+#: weight rows on the MMA's M, tokens on N).
+TILE_N = {"exact": (64, 128), "hopper": (128, 128)}
+
+
+def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
+                 numerics: str = "exact") -> FusedConfig:
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
-    block_m = max(16, min(MAX_BLOCK_M, layout.block_m, triton.next_power_of_2(max(1, int(expected + 0.999)))))
+    want = triton.next_power_of_2(max(1, int(expected + 0.999)))
+    if numerics == "exact":  # tokens on the MMA's M: wgmma needs 64 rows
+        block_m = min(layout.block_m, 64 if want <= 64 else 128)
+    else:  # tokens on the MMA's N
+        block_m = max(16, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
         programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count // num_local_ranks)
-    return FusedConfig(block_m=block_m, programs_per_rank=programs)
+    return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
     """Why the fused kernel cannot run these buffers here (None = it can)."""
     L = sym_buffers[0].layout
-    if L.intermediate_hidden // 128 > 64:
-        return f"intermediate_hidden={L.intermediate_hidden} > 8192 (one L2 arrival-mask bit per 128 columns)"
+    bn1 = min(n for n, _ in TILE_N.values())
+    if L.intermediate_hidden // bn1 > 64:
+        return (f"intermediate_hidden={L.intermediate_hidden} > {64 * bn1} (one bit of the 64-bit L2 arrival mask per "
+                f"{bn1} columns)")
     if interpreting():
         if len(sym_buffers) > 1:
             return ("the interpreter runs a launch's programs one after another, so local ranks cannot meet in one "
@@ -110,39 +127,50 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         BLOCK_H=_largest_pow2_tile(L.hidden, 256), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
         COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
-        TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS,
+        TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
+        BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1],
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _arg_table(calls, timelines) -> torch.Tensor:
-    """int64 ``[local ranks, NUM_ARGS]`` of addresses (``kf.ARG_NAMES`` order), cached on the first buffer so a
-    repeated call (and a CUDA-graph capture after a warm-up call) allocates nothing."""
-    rows = []
-    for c, tl_ in zip(calls, timelines):
+    """int64 ``[local ranks, NUM_ARGS]``: per local rank the byte deltas of its tensors from local rank 0's (``kf.ARG_NAMES``
+    order) and its token count. Cached on the first buffer so a repeated call (and a CUDA-graph capture after a
+    warm-up call) allocates nothing. Every address must be 16-byte aligned (the kernel keeps vector accesses)."""
+    def addrs(c, tl_):
         base = c.sb.buffer.data_ptr()
-        rows.append([base, c.y.data_ptr(), c.l1[0].data_ptr(), c.l1[1].data_ptr(), c.l2[0].data_ptr(),
-                     c.l2[1].data_ptr(), c.stats.data_ptr() if c.stats is not None else base, c.n,
-                     tl_.data_ptr() if tl_ is not None else base])
-    key = tuple(map(tuple, rows))
+        return [base, c.y.data_ptr(), c.l1[0].data_ptr(), c.l1[1].data_ptr(), c.l2[0].data_ptr(),
+                c.l2[1].data_ptr(), c.stats.data_ptr() if c.stats is not None else base,
+                None, tl_.data_ptr() if tl_ is not None else base]
+
+    rows = [addrs(c, t) for c, t in zip(calls, timelines)]
+    for r, (c, row) in enumerate(zip(calls, rows)):
+        for name, a in zip(kf.ARG_NAMES, row):
+            if a is not None and a % 16:
+                raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused kernel "
+                                 "needs aligned tensors (a fresh allocation, not an offset view)")
+    table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
+    key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8))
     cache = calls[0].sb.__dict__.setdefault("_fused_arg_tables", {})
     table = cache.get(key)
     if table is None:
         if len(cache) > 64:
             cache.clear()
-        table = torch.tensor(rows, dtype=torch.int64, device=calls[0].sb.buffer.device)
+        table = torch.tensor(table_rows, dtype=torch.int64, device=calls[0].sb.buffer.device)
         cache[key] = table
     return table
 
 
-def run_fused(calls, *, timeline: bool = False, config: FusedConfig | None = None):
+def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config: FusedConfig | None = None):
     """Launch the fused kernel once for every rank of ``calls`` (``megamoe.ops`` bound calls, already validated).
 
+    ``numerics``: ``"exact"`` (the staged kernels' tiles and per-32 promotion; bit-exact to the reference on CPU) or
+    ``"hopper"`` (folded scales, swap-AB; ``megamoe.reference`` with ``numerics="hopper"``).
     Returns None, or with ``timeline=True`` (GPU) one int64 tensor ``[programs_per_rank, TIMELINE_MAX_EVENTS, 3]``
     per rank of ``(kind, start ns, end ns)`` rows (kind -1 = unused; kinds index :data:`TIMELINE_KINDS`)."""
     sb0 = calls[0].sb
     L, dev = sb0.layout, sb0.buffer.device
-    cfg = config or fused_config(L, calls[0].n, len(calls), dev)
+    cfg = config or fused_config(L, calls[0].n, len(calls), dev, numerics)
     timelines = [None] * len(calls)
     if timeline and not interpreting():
         timelines = [torch.full((cfg.programs_per_rank, TIMELINE_MAX_EVENTS, 3), -1, dtype=torch.int64, device=dev)
@@ -154,7 +182,10 @@ def run_fused(calls, *, timeline: bool = False, config: FusedConfig | None = Non
                        timeline=timeline)
     rank0 = 0 if sb0.backend == "local" else sb0.rank
     grid = (len(calls) * cfg.programs_per_rank,)
+    c0 = calls[0]
     kf.fused_mega_moe_kernel[grid](
+        c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
+        c0.stats if c0.stats is not None else c0.sb.buffer, timelines[0] if timelines[0] is not None else c0.sb.buffer,
         table, sb0.buffer_ptrs, rank0, cfg.programs_per_rank, float(clamp) if clamp is not None else 0.0,
         int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)), **meta)
     return timelines if timeline else None

@@ -100,7 +100,8 @@ def resolve_impl(impl: str, sym_buffers: list, dispatch: str) -> str:
 
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str = "swiglu",
                      activation_clamp: float | None = None, cumulative_local_expert_recv_stats=None,
-                     dispatch: str = "pull", check: bool = True, impl: str = "auto") -> None:
+                     dispatch: str = "pull", check: bool = True, impl: str = "auto",
+                     numerics: str = "exact") -> None:
     """Run one Mega MoE layer forward.
 
     Before the call each rank copies its inputs into its buffer: ``sym_buffer.x[:n]`` (FP8 e4m3 [n, H]),
@@ -125,13 +126,20 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
             ``megamoe.reference`` with ``numerics="exact"``), ``"fused"`` (one persistent launch per call, Hopper,
             ``numerics="hopper"``: per-32 scales folded into the 8-bit operands, see ``megamoe.kernels.fused``) or
             ``"auto"`` (fused on a Hopper GPU with pull dispatch, else staged).
+        numerics: ``"exact"`` (both paths; ``megamoe.reference``'s default) or ``"hopper"`` (fused path only: per-32
+            scales folded into the 8-bit operands, no promotion inside the K loop; ``numerics="hopper"`` there).
     """
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                   activation_clamp, dispatch, check)
-    if resolve_impl(impl, [c.sb for c in calls], dispatch) == "fused":
+    if numerics not in ("exact", "hopper"):
+        raise ValueError(f"numerics={numerics!r} must be 'exact' or 'hopper'")
+    chosen = resolve_impl(impl, [c.sb for c in calls], dispatch)
+    if numerics == "hopper" and chosen != "fused":
+        raise ValueError(f"numerics='hopper' is the fused kernel's (impl={impl!r} resolved to {chosen!r} here)")
+    if chosen == "fused":
         from megamoe.fused import run_fused
 
-        run_fused(calls)
+        run_fused(calls, numerics=numerics)
     else:
         for _, step in pipeline_steps(dispatch):
             for call in calls:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megamoe.ops import fp8_fp4_mega_moe, load_inputs, resolve_impl
+from megamoe.ops import fp8_fp4_mega_moe, load_inputs
 from megamoe.quant import transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
 from megamoe.testing import Problem, check_stats, default_accumulation, make_problem, moe_error_stats
@@ -34,6 +34,7 @@ class MoECase:
     activation_clamp: float | None = None
     dispatch: str = "pull"
     impl: str = "auto"
+    numerics: str = "exact"
     num_calls: int = 1
     num_max_tokens_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
@@ -69,11 +70,6 @@ def prepare_rank(sb: SymmBuffer, problem: Problem, rank: int):
     y = torch.full((problem.num_tokens[rank], problem.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     stats = torch.zeros(problem.num_local_experts, dtype=torch.int32, device=dev)
     return y, l1, l2, stats
-
-
-def numerics_of(case: MoECase, sym_buffers: list[SymmBuffer]) -> str:
-    """The reference numerics the implementation that runs ``case`` on these buffers follows."""
-    return "hopper" if resolve_impl(case.impl, sym_buffers, case.dispatch) == "fused" else "exact"
 
 
 def _report(case: MoECase, problem: Problem, rank: int, y: torch.Tensor, ref: torch.Tensor, stats: torch.Tensor,
@@ -114,10 +110,10 @@ def run_case_local(case: MoECase, device=None) -> list[dict]:
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
         seconds = _timed_calls(case, ys, lambda: fp8_fp4_mega_moe(
             ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch, impl=case.impl))
-        numerics = numerics_of(case, sbs)
-        refs = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)
-        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, numerics) for r in range(case.num_ranks)]
+            dispatch=case.dispatch, impl=case.impl, numerics=case.numerics))
+        refs = problem.reference(activation_clamp=case.activation_clamp, numerics=case.numerics)
+        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, case.numerics)
+                for r in range(case.num_ranks)]
     finally:
         for sb in sbs:
             sb.destroy()
@@ -135,10 +131,9 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         y, l1, l2, stats = prepare_rank(sb, problem, rank)
         seconds = _timed_calls(case, [y], lambda: fp8_fp4_mega_moe(
             y, l1, l2, sb, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch, impl=case.impl))
-        numerics = numerics_of(case, [sb])
-        ref = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)[rank]
-        return _report(case, problem, rank, y, ref, stats, seconds, numerics)
+            dispatch=case.dispatch, impl=case.impl, numerics=case.numerics))
+        ref = problem.reference(activation_clamp=case.activation_clamp, numerics=case.numerics)[rank]
+        return _report(case, problem, rank, y, ref, stats, seconds, case.numerics)
     finally:
         sb.destroy()
 
