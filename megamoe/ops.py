@@ -167,7 +167,7 @@ def _schedule_meta(L) -> dict:
 def _dispatch_copy(c: _RankCall, push: bool) -> None:
     L = c.sb.layout
     H = L.hidden
-    block_h = H if interpreting() else _largest_pow2_tile(H, 1024)
+    block_h = _largest_pow2_tile(H, 1024)  # H = 128 * m: a power-of-two tile (the interpreter's arange needs one)
     kd.dispatch_copy_kernel[(L.num_ranks, L.num_experts_per_rank)](
         c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_SRC_IDX="src_token_topk_idx", OFF_X="x", OFF_X_SF="x_sf",
