@@ -222,3 +222,253 @@ def test_stuck_rank_is_named_within_the_timeout_and_reset_recovers():
         assert "BarrierTimeout" in r["fault"]
         assert "reset() on every rank" in r["refused"] and "BarrierTimeout" in r["refused"]
         assert r["fault_after_reset"] is None and r["bitwise_after_reset"] == [True, True], r
+
+
+# ---------------------------------------------------------------------------------------------------- items 4, 6, 7, 9
+def _bad_inputs():
+    """name -> mutate(r, args, kw) returning ``(exception type, regex naming the argument)``; ``args`` = [y, l1, l2,
+    sym_buffer] of the local two-rank case (lists), ``kw`` the keywords of the call."""
+    NaN = float("nan")
+
+    def case(fn):
+        cases[fn.__name__] = fn
+        return fn
+
+    cases = {}
+
+    @case
+    def destroyed_buffer(r, a, kw):
+        r.sbs[1].destroy()
+        return RuntimeError, r"sym_buffer\[1\] \(rank 1\) was destroyed"
+
+    @case
+    def sym_buffer_string(r, a, kw):
+        a[3] = "buf"
+        return TypeError, r"sym_buffer must be a SymmBuffer.*got str"
+
+    @case
+    def two_local_groups_mixed(r, a, kw):
+        other = SymmBuffer.local(2, 4, 2, 2, 128, 128, block_m=16)
+        a[3] = [r.sbs[0], other[1]]
+        return ValueError, r"sym_buffer\[1\] belongs to a different SymmBuffer.local group"
+
+    @case
+    def ranks_out_of_order(r, a, kw):
+        a[3] = a[3][::-1]
+        return ValueError, r"every rank of one local group in order"
+
+    @case
+    def y_none(r, a, kw):
+        a[0][0] = None
+        return TypeError, r"y\[0\] must be a bf16 torch.Tensor"
+
+    @case
+    def y_meta(r, a, kw):
+        a[0][1] = torch.empty(2, 128, dtype=torch.bfloat16, device="meta")
+        return ValueError, r"y\[1\] is a meta tensor"
+
+    @case
+    def y_float32(r, a, kw):
+        a[0][0] = torch.empty(2, 128)
+        return TypeError, r"y\[0\] must have dtype torch.bfloat16"
+
+    @case
+    def y_strided(r, a, kw):
+        a[0][0] = torch.empty(4, 128, dtype=torch.bfloat16)[::2]
+        return ValueError, r"y\[0\] must be contiguous"
+
+    @case
+    def y_shared_by_two_ranks(r, a, kw):
+        a[0][1] = a[0][0]
+        return ValueError, r"y\[0\] and y\[1\] share memory"
+
+    @case
+    def y_inside_the_symmetric_buffer(r, a, kw):
+        a[0][0] = r.sbs[0].view("combine")[0, :2]
+        return ValueError, r"y\[0\] and the symmetric buffer of rank 0 share memory"
+
+    @case
+    def l1_weights_none(r, a, kw):
+        a[1][0] = None
+        return TypeError, r"l1_weights\[0\] must be the TransformedWeights"
+
+    @case
+    def l1_weights_untransformed(r, a, kw):
+        a[1][0] = r.problem.weights_for_rank(0)[0]
+        return TypeError, r"l1_weights\[0\] is a plain tuple, not the output of megamoe.transform_weights_for_mega_moe"
+
+    @case
+    def l1_weights_transformed_bytes_in_a_plain_tuple(r, a, kw):
+        a[1][1] = tuple(a[1][1])
+        return TypeError, r"l1_weights\[1\] is a plain tuple"
+
+    @case
+    def l1_l2_swapped(r, a, kw):
+        a[1], a[2] = a[2], a[1]
+        return ValueError, r"l1_weights\[0\] holds l2 weights.*swapped"
+
+    @case
+    def clamp_string(r, a, kw):
+        kw["activation_clamp"] = "0.5"
+        return TypeError, r"activation_clamp must be a number > 0 or None, got str"
+
+    @case
+    def clamp_true(r, a, kw):
+        kw["activation_clamp"] = True
+        return TypeError, r"activation_clamp must be a number > 0 or None, got bool"
+
+    @case
+    def clamp_nan(r, a, kw):
+        kw["activation_clamp"] = NaN
+        return ValueError, r"activation_clamp=nan must be a finite number > 0"
+
+    @case
+    def clamp_negative(r, a, kw):
+        kw["activation_clamp"] = -1.0
+        return ValueError, r"activation_clamp=-1.0 must be a finite number > 0"
+
+    @case
+    def stats_strided(r, a, kw):
+        kw["cumulative_local_expert_recv_stats"] = [torch.zeros(4, dtype=torch.int32)[::2], r.stats[1]]
+        return ValueError, r"cumulative_local_expert_recv_stats\[0\] must be contiguous"
+
+    @case
+    def stats_expanded(r, a, kw):
+        kw["cumulative_local_expert_recv_stats"] = [r.stats[0], torch.zeros((), dtype=torch.int32).expand(2)]
+        return ValueError, r"cumulative_local_expert_recv_stats\[1\] must be contiguous"
+
+    @case
+    def stats_shared_by_two_ranks(r, a, kw):
+        kw["cumulative_local_expert_recv_stats"] = [r.stats[0], r.stats[0]]
+        return ValueError, r"cumulative_local_expert_recv_stats\[0\] and cumulative_local_expert_recv_stats\[1\] share"
+
+    @case
+    def topk_idx_out_of_range(r, a, kw):
+        r.sbs[1].topk_idx[1, 0] = 4
+        return ValueError, r"sym_buffer\[1\].topk_idx\[:2\]\) holds expert ids in \[-?\d, 4\]; valid are -1"
+
+    @case
+    def topk_weights_nan(r, a, kw):
+        r.sbs[0].topk_weights[1, 1] = NaN
+        return ValueError, r"sym_buffer\[0\].topk_weights\[:2\]\) holds a non-finite weight \(nan\) at token 1, slot 1"
+
+    @case
+    def topk_weights_inf(r, a, kw):
+        r.sbs[1].topk_weights[0, 0] = float("inf")
+        return ValueError, r"sym_buffer\[1\].topk_weights\[:2\]\) holds a non-finite weight \(inf\)"
+
+    @case
+    def x_sf_nan_byte(r, a, kw):
+        r.sbs[0].x_sf[0, 0] = 0x7F7F_FF7F
+        return ValueError, r"sym_buffer\[0\].x_sf\[:2\]\) holds a NaN UE8M0 scale \(byte 0xFF\) at token 0, scale group 1"
+
+    @case
+    def x_nan_7f(r, a, kw):
+        r.sbs[1].x.view(torch.uint8)[1, 5] = 0x7F
+        return ValueError, r"sym_buffer\[1\].x\[:2\]\) holds an FP8 NaN \(byte 0x7F\) at token 1, column 5"
+
+    @case
+    def x_nan_ff(r, a, kw):
+        r.sbs[0].x.view(torch.uint8)[0, 127] = 0xFF
+        return ValueError, r"sym_buffer\[0\].x\[:2\]\) holds an FP8 NaN \(byte 0xFF\) at token 0, column 127"
+
+    @case
+    def dispatch_typo(r, a, kw):
+        kw["dispatch"] = "pulll"
+        return ValueError, r"dispatch='pulll' must be 'pull' or 'push'"
+
+    @case
+    def activation_gelu(r, a, kw):
+        kw["activation"] = "gelu"
+        return ValueError, r"activation='gelu'"
+
+    @case
+    def check_not_bool(r, a, kw):
+        kw["check"] = "yes"
+        return TypeError, r"check must be a bool"
+
+    @case
+    def gemm_tile_not_dividing(r, a, kw):
+        ops.GEMM_CONFIG["l2"] = {**ops.GEMM_CONFIG["l2"], "BLOCK_N": 256}
+        return ValueError, r"GEMM_CONFIG\['l2'\]\['BLOCK_N'\]=256 does not divide the l2 N extent 128 \(hidden\)"
+
+    return cases
+
+
+BAD_INPUTS = _bad_inputs()
+
+
+#: Two ranks, two tokens and two experts each, top-2 (validation only: no kernel runs).
+SMALL = MoECase(num_ranks=2, num_tokens=[2, 2], hidden=128, intermediate=128, num_experts=4, num_topk=2, block_m=16,
+                seed=6)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_rejected_naming_the_argument_before_any_kernel(name):
+    r = Ranks(SMALL)
+    saved = {k: dict(v) for k, v in ops.GEMM_CONFIG.items()}
+    try:
+        args = [list(r.ys), list(r.l1s), list(r.l2s), list(r.sbs)]
+        kw = {"cumulative_local_expert_recv_stats": list(r.stats)}
+        exc, pattern = BAD_INPUTS[name](r, args, kw)
+        with pytest.raises(exc, match=pattern):
+            ops.fp8_fp4_mega_moe(*args, **kw)
+        live = [sb for sb in r.sbs if sb._views is not None]
+        assert all(sb.view("call_state").tolist() == [0, 0] and sb.fault is None for sb in live)  # nothing ran
+    finally:
+        ops.GEMM_CONFIG.update(saved)
+        r.destroy()
+
+
+def test_masked_slot_may_hold_any_weight():
+    """Only unmasked router weights are inputs: a NaN weight on a masked (-1) slot is ignored, y stays exact."""
+    case = MoECase(num_ranks=2, num_tokens=[3, 2], hidden=128, intermediate=128, num_experts=4, num_topk=2,
+                   block_m=16, masked_ratio=0.5, seed=12)
+    r = Ranks(case)
+    try:
+        masked = [(rank, t, j) for rank, idx in enumerate(r.problem.topk_idx) for t, j in (idx == -1).nonzero().tolist()]
+        assert masked
+        for rank, t, j in masked:
+            r.sbs[rank].topk_weights[t, j] = float("nan")
+        assert r.call()
+    finally:
+        r.destroy()
+
+
+def test_weights_from_the_wrong_transform_are_rejected():
+    case = MoECase(num_ranks=1, num_tokens=1, hidden=256, intermediate=128, num_experts=2, num_topk=1, block_m=16)
+    problem = case.problem()
+    l1, l2 = problem.weights_for_rank(0)
+    t1, t2 = transform_weights_for_mega_moe(l1, l2)
+    assert isinstance(t1, TransformedWeights) and (t1.role, t2.role) == ("l1", "l2")
+    w, sf = t1  # still unpacks as a pair
+    assert w is t1.w and sf is t1.sf and len(t1) == 2
+    import pickle
+    back = pickle.loads(pickle.dumps(t2))
+    assert isinstance(back, TransformedWeights) and back.role == "l2" and torch.equal(back.w, t2.w)
+    with pytest.raises(TypeError, match="l1_weights: these weights are already transformed"):
+        transform_weights_for_mega_moe(t1, t2)
+    with pytest.raises(ValueError, match="l1_weights: the scales are MN-major"):
+        transform_weights_for_mega_moe(tuple(t1), tuple(t2))
+    from megamoe.quant import untransform_weights_for_mega_moe
+    with pytest.raises(TypeError, match="l1_weights: expected the l1 TransformedWeights"):
+        untransform_weights_for_mega_moe(l1, l2)
+    with SymmBuffer(None, 2, 1, 1, 256, 128, block_m=16, backend="cpu") as sb:
+        with pytest.raises(TypeError, match=r"MegaMoE\(l1_weights=...\) got already transformed weights"):
+            ops.MegaMoE(sb, t1, t2)
+        with pytest.raises(TypeError, match=r"MegaMoE\(l2_weights=...\) must be an untransformed FP4 \(weights, "
+                           r"scales\) pair of tensors with data, got NoneType"):
+            ops.MegaMoE(sb, l1, None)
+        layer = ops.MegaMoE(sb, l1, l2)
+        x, idx, w = problem.x_bf16[0], problem.topk_idx[0], problem.topk_weights[0]
+        for bad, exc, pattern in (((x, None, w), TypeError, "topk_idx must be a torch.Tensor, got NoneType"),
+                                  ((x, idx, None), TypeError, "topk_weights must be a torch.Tensor, got NoneType"),
+                                  ((x.to("meta"), idx, w), ValueError, "x is a meta tensor"),
+                                  ((None, idx, w), TypeError, "x must be a .* float tensor, got NoneType"),
+                                  ((x, idx.to("meta"), w), ValueError, "topk_idx is a meta tensor")):
+            with pytest.raises(exc, match=pattern):
+                layer(*bad)
+        with pytest.raises(TypeError, match=r"activation_clamp must be a number"):
+            ops.MegaMoE(sb, l1, l2, activation_clamp="1")
+        y = layer(x, idx, w)
+        assert torch.equal(y.view(torch.int16), problem.reference()[0].view(torch.int16))
