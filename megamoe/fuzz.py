@@ -18,7 +18,7 @@ SMALL_SIZES = (128, 256, 384, 640)
 #: (H, I) of the rare large cases, run with 1-2 tokens per rank.
 LARGE_SHAPES = ((7168, 128), (128, 1536), (1536, 128), (384, 1536))
 RANKS = (1, 2, 4)
-BLOCK_MS = (16, 32, 64)
+BLOCK_MS = (16, 32, 64, 128)
 CLAMPS = (None, None, 0.5, 4.0)
 MASKED_RATIOS = (0.0, 0.0, 0.3, 0.7)
 MAX_TOPK = 6

@@ -557,7 +557,8 @@ class MegaMoE:
     Args:
         sym_buffer: this rank's :class:`SymmBuffer` (one process per rank).
         l1_weights: untransformed FP4 ``(w int8 [El, 2I, H/2], sf int32 [El, 2I, H/128])``, rows [0, I) = gate,
-            [I, 2I) = up (as returned by ``megamoe.quant.cast_grouped_weights_to_fp4``).
+            [I, 2I) = up (as returned by ``megamoe.quant.cast_grouped_weights_to_fp4``); already transformed
+            weights (:class:`~megamoe.quant.TransformedWeights`) are rejected, not transformed twice.
         l2_weights: untransformed FP4 ``(w int8 [El, H, I/2], sf int32 [El, H, I/128])``.
         activation_clamp: see :func:`fp8_fp4_mega_moe`.
         dispatch: ``"pull"`` or ``"push"``.
@@ -589,7 +590,10 @@ class MegaMoE:
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 cumulative_local_expert_recv_stats: torch.Tensor | None = None) -> torch.Tensor:
-        """x bf16/float32 [n, H], topk_idx int64 [n, k] (-1 = masked), topk_weights float32 [n, k] -> y bf16 [n, H]."""
+        """x bf16/float32 [n, H], topk_idx int64 [n, k] (-1 = masked), topk_weights float32 [n, k] -> y bf16 [n, H].
+
+        Every argument is validated before anything is copied or launched (TypeError / ValueError naming it: None,
+        meta tensors, wrong shapes or dtypes), then as in :func:`fp8_fp4_mega_moe` with ``check=True``."""
         _check_buffers(self.sym_buffer)
         sb, L = self.sym_buffer, self.sym_buffer.layout
         if not isinstance(x, torch.Tensor):
