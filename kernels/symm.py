@@ -21,7 +21,8 @@ later wait then returns at once, and :func:`check_barrier_state` raises :class:`
 :class:`ProgressBeacon` thread while a long step executes) and writes it into slot ``r`` of every rank. A wait
 restarts its clock for a missing rank whenever that rank's heartbeat moves, so it fails only when some missing
 rank neither arrived nor showed progress for ``barrier_timeout_s``. A dead or stuck rank is still named after one
-timeout. The GPU wait does the same inside its single ``%globaltimer``-bounded launch (per-rank deadlines).
+timeout. The GPU wait does the same inside its single ``%globaltimer``-bounded launch (one deadline, restarted by
+any missing rank's heartbeat).
 
 :func:`reset_workspace` zeroes a rank's whole workspace (counters, epochs, signals, state, heartbeats): the host
 side of the collective ``SymmBuffer.reset()``.
@@ -90,13 +91,13 @@ def barrier_wait_kernel(signal_ptr, state_ptr, progress_ptr, num_ranks, fail_tag
                         BLOCK_R: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """One program: poll ``signal[r] >= state[0]`` for every rank ``r`` (acquire, sys), bounded.
 
-    The bound is ``timeout_ns`` of ``%globaltimer`` without progress when ``USE_GLOBALTIMER`` (GPU): each rank has
-    its own deadline, pushed back whenever its heartbeat ``progress[r]`` (i32 ``[R]``, written remotely) changes,
-    and the wait fails when a rank still missing is past its deadline. Else (interpreter) the bound is
-    ``max_polls`` polls and ``progress_ptr`` is unused (the host loop watches the heartbeats). Unless an earlier
-    barrier failed (``state[1] != 0``, then nothing is touched), ``state[2]`` is set to the lowest rank still
-    missing (on a GPU timeout: the lowest one past its deadline), or -1 when complete; on expiry a non-zero
-    ``fail_tag`` is recorded in ``state[1]`` (the interpreter's host loop passes 0 and records the failure
+    The bound is ``timeout_ns`` of ``%globaltimer`` without progress when ``USE_GLOBALTIMER`` (GPU): the deadline
+    restarts whenever the heartbeat ``progress[r]`` (i32 ``[R]``, written remotely) of a rank still missing changes.
+    (One deadline for all missing ranks: while one of them beats, a stuck one is named only after the beating one
+    arrived plus one timeout.) Else (interpreter) the bound is ``max_polls`` polls and ``progress_ptr`` is unused:
+    the host loop watches the heartbeats, per rank. Unless an earlier barrier failed (``state[1] != 0``, then
+    nothing is touched), ``state[2]`` is set to the lowest rank still missing, or -1 when complete; on expiry a
+    non-zero ``fail_tag`` is recorded in ``state[1]`` (the interpreter's host loop passes 0 and records the failure
     itself).
     """
     epoch = tl.load(state_ptr)
@@ -107,28 +108,25 @@ def barrier_wait_kernel(signal_ptr, state_ptr, progress_ptr, num_ranks, fail_tag
     missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
     polls = 1
     in_time = failed == 0
-    late = valid & (seen < epoch)  # on the GPU: missing ranks past their deadline
     if USE_GLOBALTIMER:
         beat = tl.atomic_add(progress_ptr + peers, 0, mask=valid, sem="relaxed", scope="sys")
-        deadline = _globaltimer_ns() + timeout_ns + tl.zeros([BLOCK_R], dtype=tl.int64)
-        late = late & (peers < 0)
+        deadline = _globaltimer_ns() + timeout_ns
     while (missing > 0) & in_time:
         seen = tl.atomic_add(signal_ptr + peers, 0, mask=valid, sem="acquire", scope="sys")
-        missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+        waiting_on = valid & (seen < epoch)
+        missing = tl.sum(waiting_on.to(tl.int32))
         polls += 1
         if USE_GLOBALTIMER:
-            now = _globaltimer_ns()
             beat_now = tl.atomic_add(progress_ptr + peers, 0, mask=valid, sem="relaxed", scope="sys")
-            deadline = tl.where(beat_now != beat, now + timeout_ns, deadline)
+            moved = tl.sum((waiting_on & (beat_now != beat)).to(tl.int32)) > 0
             beat = beat_now
-            late = valid & (seen < epoch) & (now > deadline)
-            in_time = tl.sum(late.to(tl.int32)) == 0
+            now = _globaltimer_ns()
+            deadline = tl.where(moved, now + timeout_ns, deadline)
+            in_time = now <= deadline
         else:
             in_time = polls < max_polls
     if failed == 0:
         lowest = tl.min(tl.where(valid & (seen < epoch), peers, BLOCK_R))
-        if USE_GLOBALTIMER:
-            lowest = tl.where(tl.sum(late.to(tl.int32)) > 0, tl.min(tl.where(late, peers, BLOCK_R)), lowest)
         tl.store(state_ptr + 2, tl.where(missing > 0, lowest, -1))
         if (missing > 0) & (fail_tag != 0):
             tl.store(state_ptr + 1, fail_tag)
