@@ -121,8 +121,11 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
-                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
-    """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows)."""
+                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr,
+                     F64_EXP: tl.constexpr = False):
+    """One tile = BLOCK_M pool rows x BLOCK_N intermediate columns (reads 2*BLOCK_N interleaved gate/up rows).
+    ``F64_EXP``: SwiGLU's exp in float64 rounded to float32, as ``megamoe.reference.exp_f32`` (the interpreter);
+    else the fast float32 exp (GPU)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.int32))
@@ -159,7 +162,10 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
         if HAS_CLAMP:
             gate = tl.minimum(gate, clamp)
             up = tl.minimum(tl.maximum(up, -clamp), clamp)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if F64_EXP:  # the reference's exp: float64, rounded once (bit-exact on CPU whatever the libm)
+            act = gate / (1.0 + tl.exp((-gate).to(tl.float64)).to(tl.float32)) * up
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
         # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
         act3 = tl.reshape(act, [BLOCK_M, G, 32])

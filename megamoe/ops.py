@@ -290,7 +290,7 @@ def _l1(c: _RankCall) -> None:
         c.sb.buffer, *c.l1, float(c.clamp) if c.clamp is not None else 0.0,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
                    OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
-        HAS_CLAMP=c.clamp is not None, **meta)
+        HAS_CLAMP=c.clamp is not None, F64_EXP=interpreting(), **meta)
 
 
 def _l2(c: _RankCall) -> None:
