@@ -8,6 +8,9 @@ exactly where a persistent fused kernel would put its grid syncs::
     -> L1 GEMM + SwiGLU + top-k weight + FP8 requant -> L2 GEMM + write-back into the source rank's combine buffer
     -> barrier(2) -> combine reduce into y -> workspace cleanup (+ recv stats) -> barrier(3)
 
+Every call runs inside :func:`guarded_call` (an interrupted call is repaired or refused next time, see
+:func:`fp8_fp4_mega_moe`), and every argument is validated by :func:`bind_calls` before any kernel runs.
+
 Backends: with one process per rank (``cuda``, ``cpu``) each process runs its own rank's steps. With the ``local``
 backend the caller passes lists (one entry per rank) and the steps run in lock-step -- step s for every rank before
 step s+1 -- so a barrier's arrive for all ranks precedes any wait, and N ranks need no concurrency (one GPU, or the
@@ -50,6 +53,7 @@ class WorkspaceStateError(RuntimeError):
     """A call refused to run because an earlier call on this buffer did not complete (interrupted, raised, timed
     out at a barrier, or its process died): the workspace counters and barrier epochs may disagree across ranks.
     The fix is the collective :meth:`megamoe.symm.SymmBuffer.reset` on every rank."""
+
 
 #: Launch configuration of the GEMM steps on CUDA (``python -m megamoe.bench --suite tune`` sweeps it).
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
@@ -452,7 +456,7 @@ def _check_weights(name: str, pair, role: str, El: int, n_rows: int, k: int, dev
 
 def _validate(c: _RankCall) -> None:
     L, dev = c.sb.layout, c.sb.buffer.device
-    E, El, H, I, T = L.num_experts, L.num_experts_per_rank, L.hidden, L.intermediate_hidden, L.num_max_tokens_per_rank
+    El, H, I, T = L.num_experts_per_rank, L.hidden, L.intermediate_hidden, L.num_max_tokens_per_rank
     y = f"y{c.index}"
     if not isinstance(c.y, torch.Tensor):
         raise TypeError(f"{y} must be a bf16 torch.Tensor [num_tokens, {H}], got {type(c.y).__name__}")
@@ -506,7 +510,7 @@ def _check_no_aliasing(calls: list[_RankCall]) -> None:
 def _check_inputs(c: _RankCall) -> None:
     """``check=True``: the inputs in ``sym_buffer`` (first n rows) and the workspace marks, in one host sync."""
     L, sb, n = c.sb.layout, c.sb, c.n
-    E, k = L.num_experts, L.num_topk
+    E = L.num_experts
     name = f"sym_buffer{c.index}"
     idx, w = sb.topk_idx[:n], sb.topk_weights[:n]
     x_bytes, sf_bytes = sb.x[:n].view(torch.uint8), sb.x_sf[:n].view(torch.uint8)

@@ -4,7 +4,6 @@ that did not come from the transform, inputs that must be rejected before any ke
 CPU ranks under Triton's interpreter. Multi-process cases run the functions in ``rank_fns`` through
 ``megamoe.launch``; the local backend runs every rank in this process.
 """
-import math
 import signal
 import sys
 import time
