@@ -4,7 +4,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test test-gpu notebooks figures lab bench clean
+.PHONY: setup test fuzz test-gpu notebooks figures lab bench clean
 
 setup:  ## create .venv and install megamoe (editable) with test + notebook extras
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,13 @@ endif
 
 test:  ## the CPU test suite (Triton interpreter, CPU ranks); includes executing the notebooks
 	$(VPY) -m pytest tests --ignore=tests/gpu -q
+
+FUZZ_COUNT    ?= 200
+FUZZ_SEED     ?= 1
+FUZZ_MAX_COST ?= 400
+fuzz:  ## FUZZ_COUNT random layer configurations (seed FUZZ_SEED) vs the reference, bit for bit (CPU, ~10 min)
+	MEGAMOE_FUZZ_COUNT=$(FUZZ_COUNT) MEGAMOE_FUZZ_SEED=$(FUZZ_SEED) MEGAMOE_FUZZ_MAX_COST=$(FUZZ_MAX_COST) \
+		$(VPY) -m pytest tests/test_fuzz.py -q -k local
 
 test-gpu:  ## the GPU suite: kernels at real sizes, notebooks with world_size = number of GPUs
 	$(VPY) -m pytest tests/gpu -q

@@ -40,11 +40,11 @@ so a pool block of few tokens still fills the tensor core's M dimension.
 import triton
 import triton.language as tl
 
-from megamoe.kernels.gemm import l1_tile, l2_tile
+from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
 from megamoe.kernels.numerics import (bf16_bits_to_f32, ceil_ue8m0, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt,
                                       f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16)
 from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
-from megamoe.kernels.symm import _globaltimer_ns, sym_map
+from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns, sym_map
 
 #: Entries of one local rank's row in the argument table (int64), see ``megamoe.fused``.
 ARG_NAMES = ("buffer", "y", "w1", "w1_sf", "w2", "w2_sf", "stats", "num_tokens", "timeline")
@@ -53,8 +53,8 @@ NUM_ARGS = tl.constexpr(len(ARG_NAMES))
 EVENT_NAMES = ("count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3")
 EV_COUNT, EV_BARRIER1, EV_PULL, EV_L1, EV_L2, EV_BARRIER2, EV_COMBINE, EV_BARRIER3 = (
     tl.constexpr(i) for i in range(len(EVENT_NAMES)))
-#: Failure tag recorded when an intra-rank dependency wait (arrival count or mask) runs out of time.
-TAG_INTERNAL_WAIT = tl.constexpr(9)
+#: Failure tag recorded when an intra-rank wait (grid sync, arrival count or mask) runs out of time.
+TAG_INTERNAL_WAIT = tl.constexpr(TAG_FUSED_INTERNAL_WAIT)
 
 
 # ---------------------------------------------------------------------------------------------------- sync
@@ -320,7 +320,7 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
                     OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
                     OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
-                    HW_CVT: tl.constexpr, KW1_PAD: tl.constexpr):
+                    HW_CVT: tl.constexpr, KW1_PAD: tl.constexpr, F64_EXP: tl.constexpr):
     """Hopper-numerics L1 tile (swap-AB): pool ``rows`` of ``expert`` x 128 intermediate columns (256 interleaved
     gate/up weight rows); SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
@@ -353,7 +353,7 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     if HAS_CLAMP:
         gate = tl.minimum(gate, clamp)
         up = tl.minimum(tl.maximum(up, -clamp), clamp)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = swiglu(gate, up, F64_EXP)
     act = act * tl.load((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + rows, mask=mask_m, other=0.0)[:, None]
     # FP8 requant per 128 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
     amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
@@ -436,7 +436,7 @@ def fused_mega_moe_kernel(
         COMBINE_H: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_STATS: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
-        BN1: tl.constexpr, BN2: tl.constexpr):
+        BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank."""
@@ -540,10 +540,10 @@ def fused_mega_moe_kernel(
                 if FOLDED:
                     _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF,
                                     OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
-                                    HW_CVT, KW1_PAD)
+                                    HW_CVT, KW1_PAD, F64_EXP)
                 else:
                     l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W,
-                            OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP, False, tl.float32, PRMT_DECODE)
+                            OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP, False, tl.float32, PRMT_DECODE, F64_EXP)
                 tl.debug_barrier()
                 tl.atomic_or(l2_mask + b, tl.full([], 1, tl.int64) << nt, sem="release", scope="gpu")
                 n_ev = _event(timeline, cta, n_ev, EV_L1, t0, TIMELINE, MAX_EVENTS)

@@ -115,14 +115,26 @@ def _num_tiles(recv, N_TILES: tl.constexpr, R: tl.constexpr, El: tl.constexpr, B
 
 
 @triton.jit
+def swiglu(gate, up, F64_EXP: tl.constexpr):
+    """``gate / (1 + exp(-gate)) * up`` in float32; ``F64_EXP``: the exp in float64 rounded once to float32, the
+    reference's ``exp_f32`` (bit-exact whatever the libm; the interpreter), else the fast float32 exp (GPU)."""
+    if F64_EXP:
+        return gate / (1.0 + tl.exp((-gate).to(tl.float64)).to(tl.float32)) * up
+    else:
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
             OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
             OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-            PRMT_DECODE: tl.constexpr):
+            PRMT_DECODE: tl.constexpr, F64_EXP: tl.constexpr):
     """One L1 tile: pool ``rows`` [BM] (``mask_m`` valid, scale rows ``sf_rows``) of local ``expert`` x intermediate
     columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)`` (2*BLOCK_N interleaved gate/up weight rows); SwiGLU, top-k weight and
-    the per-32 FP8 requant into the L2 pool. Shared by the staged kernel below and the fused kernel."""
+    the per-32 FP8 requant into the L2 pool. Shared by the staged kernel below and the fused kernel.
+    ``F64_EXP``: SwiGLU's exp in float64 rounded to float32, as ``megamoe.reference.exp_f32`` (the interpreter);
+    else the fast float32 exp (GPU)."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.int32))
     topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
@@ -153,7 +165,7 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     if HAS_CLAMP:
         gate = tl.minimum(gate, clamp)
         up = tl.minimum(tl.maximum(up, -clamp), clamp)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = swiglu(gate, up, F64_EXP)
     act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
     # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
     act3 = tl.reshape(act, [BLOCK_M, G, 32])
@@ -174,7 +186,8 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
                      BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
-                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
+                     SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr,
+                     F64_EXP: tl.constexpr = False):
     """Persistent over tiles = BLOCK_M pool rows x BLOCK_N intermediate columns (see :func:`l1_tile`)."""
     recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
     N_TILES: tl.constexpr = I // BLOCK_N
@@ -183,7 +196,7 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
     while tile < num_tiles:
         expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
         l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
+                OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE, F64_EXP)
         tile += tl.num_programs(0)
 
 

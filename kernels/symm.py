@@ -16,11 +16,24 @@ The barrier (tags below follow DeepGEMM's ``kBeforeDispatchPullBarrierTag`` etc.
 reset between barriers. A wait that runs out of time records ``[tag, lowest missing rank]`` in the state; every
 later wait then returns at once, and :func:`check_barrier_state` raises :class:`BarrierTimeout`.
 
+**Timeouts mean "no progress", not "slow".** A third segment, ``progress`` i32[R], holds per-rank heartbeats: rank
+``r`` bumps its count with :func:`heartbeat` (between the steps of a call, and on the interpreter also from a
+:class:`ProgressBeacon` thread while a long step executes) and writes it into slot ``r`` of every rank. A wait
+restarts its clock for a missing rank whenever that rank's heartbeat moves, so it fails only when some missing
+rank neither arrived nor showed progress for ``barrier_timeout_s``. A dead or stuck rank is still named after one
+timeout. The GPU wait does the same inside its single ``%globaltimer``-bounded launch (one deadline, restarted by
+any missing rank's heartbeat).
+
+:func:`reset_workspace` zeroes a rank's whole workspace (counters, epochs, signals, state, heartbeats): the host
+side of the collective ``SymmBuffer.reset()``.
+
 Arrive and wait are separate launches so that the ``local`` backend (all ranks in one process, one device) can run
 them in lock-step: arrive for every rank, then wait for every rank.
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -33,10 +46,14 @@ from megamoe.env import interpreting
 TAG_BEFORE_DISPATCH_PULL = 1
 TAG_BEFORE_COMBINE_REDUCE = 2
 TAG_AFTER_WORKSPACE_CLEAN = 3
+#: Recorded in ``barrier_state[1]`` by the fused kernel when one of its intra-rank waits times out (a bug).
+TAG_FUSED_INTERNAL_WAIT = 9
 
 #: Polls per wait launch under the interpreter; the host re-launches (after a short sleep) until the deadline.
 INTERPRETER_POLLS_PER_LAUNCH = 16
 INTERPRETER_SLEEP_S = 1e-3
+#: How often a :class:`ProgressBeacon` looks at its thread (at most; also at most a quarter of the timeout).
+BEACON_INTERVAL_S = 0.1
 
 
 # ---------------------------------------------------------------------------------------------------- device code
@@ -74,31 +91,42 @@ def barrier_arrive_kernel(signal_ptr, state_ptr, buffer_ptrs, rank, num_ranks, B
 
 
 @triton.jit
-def barrier_wait_kernel(signal_ptr, state_ptr, num_ranks, fail_tag, max_polls, timeout_ns, BLOCK_R: tl.constexpr,
-                        USE_GLOBALTIMER: tl.constexpr):
+def barrier_wait_kernel(signal_ptr, state_ptr, progress_ptr, num_ranks, fail_tag, max_polls, timeout_ns,
+                        BLOCK_R: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """One program: poll ``signal[r] >= state[0]`` for every rank ``r`` (acquire, sys), bounded.
 
-    The bound is ``timeout_ns`` of ``%globaltimer`` when ``USE_GLOBALTIMER`` (GPU), else ``max_polls`` polls
-    (interpreter). Unless an earlier barrier failed (``state[1] != 0``, then nothing is touched), ``state[2]`` is
-    set to the lowest rank still missing, or -1 when complete; on expiry a non-zero ``fail_tag`` is recorded in
-    ``state[1]`` (the interpreter's host loop passes 0 and records the failure itself at its wall-clock deadline).
+    The bound is ``timeout_ns`` of ``%globaltimer`` without progress when ``USE_GLOBALTIMER`` (GPU): the deadline
+    restarts whenever the heartbeat ``progress[r]`` (i32 ``[R]``, written remotely) of a rank still missing changes.
+    (One deadline for all missing ranks: while one of them beats, a stuck one is named only after the beating one
+    arrived plus one timeout.) Else (interpreter) the bound is ``max_polls`` polls and ``progress_ptr`` is unused:
+    the host loop watches the heartbeats, per rank. Unless an earlier barrier failed (``state[1] != 0``, then
+    nothing is touched), ``state[2]`` is set to the lowest rank still missing, or -1 when complete; on expiry a
+    non-zero ``fail_tag`` is recorded in ``state[1]`` (the interpreter's host loop passes 0 and records the failure
+    itself).
     """
     epoch = tl.load(state_ptr)
     failed = tl.load(state_ptr + 1)
     peers = tl.arange(0, BLOCK_R)
     valid = peers < num_ranks
-    if USE_GLOBALTIMER:
-        deadline = _globaltimer_ns() + timeout_ns
     seen = tl.atomic_add(signal_ptr + peers, 0, mask=valid, sem="acquire", scope="sys")
     missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
     polls = 1
     in_time = failed == 0
+    if USE_GLOBALTIMER:
+        beat = tl.atomic_add(progress_ptr + peers, 0, mask=valid, sem="relaxed", scope="sys")
+        deadline = _globaltimer_ns() + timeout_ns
     while (missing > 0) & in_time:
         seen = tl.atomic_add(signal_ptr + peers, 0, mask=valid, sem="acquire", scope="sys")
-        missing = tl.sum((valid & (seen < epoch)).to(tl.int32))
+        waiting_on = valid & (seen < epoch)
+        missing = tl.sum(waiting_on.to(tl.int32))
         polls += 1
         if USE_GLOBALTIMER:
-            in_time = _globaltimer_ns() <= deadline
+            beat_now = tl.atomic_add(progress_ptr + peers, 0, mask=valid, sem="relaxed", scope="sys")
+            moved = tl.sum((waiting_on & (beat_now != beat)).to(tl.int32)) > 0
+            beat = beat_now
+            now = _globaltimer_ns()
+            deadline = tl.where(moved, now + timeout_ns, deadline)
+            in_time = now <= deadline
         else:
             in_time = polls < max_polls
     if failed == 0:
@@ -106,6 +134,17 @@ def barrier_wait_kernel(signal_ptr, state_ptr, num_ranks, fail_tag, max_polls, t
         tl.store(state_ptr + 2, tl.where(missing > 0, lowest, -1))
         if (missing > 0) & (fail_tag != 0):
             tl.store(state_ptr + 1, fail_tag)
+
+
+@triton.jit
+def heartbeat_kernel(progress_ptr, buffer_ptrs, rank, num_ranks, BLOCK_R: tl.constexpr):
+    """One program: ``progress[rank] += 1`` here and the new count into slot ``rank`` of every rank (xchg,
+    release, sys). ``progress_ptr``: this rank's ``progress`` (i32 ``[R]``)."""
+    beat = tl.load(progress_ptr + rank) + 1
+    peers = tl.arange(0, BLOCK_R)
+    valid = peers < num_ranks
+    remote = sym_map(progress_ptr + rank, buffer_ptrs, rank, tl.where(valid, peers, rank))
+    tl.atomic_xchg(remote, tl.full([BLOCK_R], 0, tl.int32) + beat, mask=valid, sem="release", scope="sys")
 
 
 @triton.jit
@@ -134,8 +173,12 @@ class BarrierTimeout(RuntimeError):
     """A barrier's wait ran out of time; ``missing_rank`` is the lowest rank whose signal never arrived."""
 
     def __init__(self, rank: int, tag: int, missing_rank: int, timeout_s: float):
-        super().__init__(f"rank {rank}: barrier tag {tag} timed out after {timeout_s} s "
-                         f"waiting for rank {missing_rank}")
+        if tag == TAG_FUSED_INTERNAL_WAIT:
+            msg = (f"rank {rank}: an in-kernel wait of the fused kernel (grid sync, arrival count or mask) made no "
+                   f"progress for {timeout_s} s -- a bug in the kernel, not a missing rank; call reset() to go on")
+        else:
+            msg = f"rank {rank}: barrier tag {tag} timed out after {timeout_s} s waiting for rank {missing_rank}"
+        super().__init__(msg)
         self.rank, self.tag, self.missing_rank, self.timeout_s = rank, tag, missing_rank, timeout_s
 
     def __reduce__(self):
@@ -145,6 +188,79 @@ class BarrierTimeout(RuntimeError):
 def _barrier_views(sb) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's ``barrier_signal`` (i32 [R]) and ``barrier_state`` (i32 [4]) views."""
     return sb.layout.view(sb.buffer, "barrier_signal"), sb.layout.view(sb.buffer, "barrier_state")
+
+
+def _progress_view(sb) -> torch.Tensor:
+    """This rank's ``progress`` (i32 [R]) view: slot r = rank r's last heartbeat."""
+    return sb.layout.view(sb.buffer, "progress")
+
+
+_HEARTBEAT_LOCK = threading.Lock()
+
+
+def heartbeat(sb) -> None:
+    """Tell every rank that this rank is making progress: bump ``progress[rank]`` and write it into slot ``rank``
+    of every rank's ``progress``. No-op for a single rank and for the ``local`` backend (its ranks run in
+    lock-step in one thread, so none can be slow while another waits).
+
+    Interpreter (CPU tensors; the cpu and local backends map every peer into this process): plain host writes,
+    safe from any thread (a lock orders them). CUDA: one single-program launch, ordered after the work queued
+    before it on the current stream.
+    """
+    if sb.num_ranks == 1 or sb.backend == "local":
+        return
+    if interpreting():
+        with _HEARTBEAT_LOCK:
+            beat = int(_progress_view(sb)[sb.rank]) + 1
+            for r in range(sb.num_ranks):
+                sb.peer_view(r, "progress")[sb.rank] = beat
+        return
+    heartbeat_kernel[(1,)](_progress_view(sb), sb.buffer_ptrs, sb.rank, sb.layout.num_ranks, BLOCK_R=_block_r(sb))
+
+
+class ProgressBeacon:
+    """While active, beat :func:`heartbeat` for ``sbs`` from a daemon thread whenever the thread that created the
+    beacon has moved since the last look (its innermost Python frame or instruction changed), at most every
+    ``min(BEACON_INTERVAL_S, timeout / 4)`` seconds.
+
+    Used on the interpreter, where one step (a kernel run by Triton's interpreter) can take longer than the barrier
+    timeout: the executing rank keeps its heartbeat moving, so its peers' waits do not expire. A thread blocked (in
+    ``sleep``, a lock, a hung call) does not move, so a stuck rank still stops beating. ``active`` is a flag the
+    owner clears while it waits in a barrier itself (waiting is not progress). Use as a context manager.
+    """
+
+    def __init__(self, sbs: Sequence, timeout_s: float):
+        self.sbs = [sb for sb in sbs if sb.num_ranks > 1 and sb.backend != "local"]
+        self.interval = min(BEACON_INTERVAL_S, timeout_s / 4)
+        self.active = False
+        self._owner = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _position(self):
+        frame = sys._current_frames().get(self._owner)
+        return None if frame is None else (id(frame), frame.f_lineno, frame.f_lasti)
+
+    def _run(self) -> None:
+        last = self._position()
+        while not self._stop.wait(self.interval):
+            now = self._position()
+            if self.active and now != last:
+                for sb in self.sbs:
+                    heartbeat(sb)
+            last = now
+
+    def __enter__(self) -> "ProgressBeacon":
+        if self.sbs and interpreting():
+            self._thread = threading.Thread(target=self._run, name="megamoe-progress-beacon", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _block_r(sb) -> int:
@@ -159,25 +275,29 @@ def barrier_arrive(sb) -> None:
 
 def _launch_wait(sb, fail_tag: int, max_polls: int, timeout_ns: int, use_globaltimer: bool) -> None:
     signal, state = _barrier_views(sb)
-    barrier_wait_kernel[(1,)](signal, state, sb.layout.num_ranks, fail_tag, max_polls, timeout_ns,
-                              BLOCK_R=_block_r(sb), USE_GLOBALTIMER=use_globaltimer)
+    barrier_wait_kernel[(1,)](signal, state, _progress_view(sb), sb.layout.num_ranks, fail_tag, max_polls,
+                              timeout_ns, BLOCK_R=_block_r(sb), USE_GLOBALTIMER=use_globaltimer)
 
 
 def barrier_wait(sb, tag: int) -> None:
-    """Wait until every rank has arrived at this rank's current epoch, for at most ``sb.barrier_timeout_s``.
+    """Wait until every rank has arrived at this rank's current epoch; fail when a missing rank shows no progress
+    (its ``progress`` heartbeat does not move) for ``sb.barrier_timeout_s``.
 
     CUDA: one launch bounded by ``%globaltimer``; a timeout is only recorded in ``barrier_state`` (no host sync) and
     raised later by :func:`check_barrier_state`. Interpreter: short launches re-issued from the host (sleeping
-    ~1 ms in between so spinning ranks do not starve each other on few cores) until wall-clock time runs out, then
-    the failure is recorded and :class:`BarrierTimeout` raised at once.
+    ~1 ms in between so spinning ranks do not starve each other on few cores); the host restarts a missing rank's
+    clock whenever its heartbeat moves and, when one has stood still for the timeout, records the failure (tag,
+    that rank) and raises :class:`BarrierTimeout` at once.
     """
     if not isinstance(tag, int) or tag <= 0:
         raise ValueError(f"tag={tag!r} must be a positive int")
     if not interpreting():
         _launch_wait(sb, tag, 0, int(sb.barrier_timeout_s * 1e9), True)
         return
-    _, state = _barrier_views(sb)
-    deadline = time.monotonic() + sb.barrier_timeout_s
+    signal, state = _barrier_views(sb)
+    progress = _progress_view(sb)
+    beats = progress.tolist()
+    moved = [time.monotonic()] * sb.layout.num_ranks  # when each rank last showed progress
     while True:
         _launch_wait(sb, 0, INTERPRETER_POLLS_PER_LAUNCH, 0, False)
         failed_tag, missing = state[1].item(), state[2].item()
@@ -185,7 +305,14 @@ def barrier_wait(sb, tag: int) -> None:
             check_barrier_state(sb)
         if missing < 0:
             return
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        for r, b in enumerate(progress.tolist()):
+            if b != beats[r]:
+                beats[r], moved[r] = b, now
+        epoch = state[0].item()
+        stuck = [r for r, s in enumerate(signal.tolist()) if s < epoch and now - moved[r] > sb.barrier_timeout_s]
+        if stuck:
+            state[2] = stuck[0]
             state[1] = tag
             check_barrier_state(sb)
         time.sleep(INTERPRETER_SLEEP_S)
@@ -211,6 +338,15 @@ def check_barrier_state(sb) -> None:
     _, failed_tag, missing, _ = state.tolist()
     if failed_tag != 0:
         raise BarrierTimeout(sb.rank, failed_tag, missing, sb.barrier_timeout_s)
+
+
+def reset_workspace(sb) -> None:
+    """Zero this rank's whole workspace (bytes ``[0, layout.workspace_bytes)``): the accumulating counters
+    (``expert_send_count``, ``expert_recv_count``, ``expert_recv_count_sum``), barrier signals and state (epoch 0,
+    no failure), heartbeats, ``call_state`` and the fused kernel's arrival counters. Every workspace field is valid
+    at zero (a fresh buffer is all zeros). Only a step of the collective ``SymmBuffer.reset()``: peers must not run
+    kernels meanwhile, and every rank must be zeroed before any starts the next call."""
+    sb.buffer[:sb.layout.workspace_bytes].zero_()
 
 
 _WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}

@@ -3,7 +3,7 @@
 Public API (mirrors DeepGEMM's names where they exist)::
 
     Layout, get_num_max_pool_tokens, get_num_padded_sf_pool_tokens        # megamoe.layout
-    per_token_cast_to_fp8, per_token_cast_to_fp4, transform_weights_for_mega_moe  # megamoe.quant
+    per_token_cast_to_fp8, per_token_cast_to_fp4, transform_weights_for_mega_moe, TransformedWeights  # megamoe.quant
     reference_mega_moe, reference_mega_moe_ep                               # megamoe.reference
     SymmBuffer, get_symm_buffer_for_mega_moe                                # megamoe.symm
     launch                                                                  # megamoe.launch
@@ -30,6 +30,7 @@ _EXPORTS = {
     "per_token_cast_to_fp8": "quant",
     "per_token_cast_to_fp4": "quant",
     "transform_weights_for_mega_moe": "quant",
+    "TransformedWeights": "quant",
     "reference_mega_moe": "reference",
     "reference_mega_moe_ep": "reference",
     "SymmBuffer": "symm",

@@ -128,7 +128,7 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
-        BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1],
+        BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1], F64_EXP=not gpu,
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -17,6 +17,10 @@ Deviations from DeepGEMM, all in the workspace (documented per segment):
 * ``barrier_signal`` i32[R] and ``barrier_state`` i32[4] follow the 32-byte grid-sync area. DeepGEMM's NVLink
   barrier adds +-1 into one shared counter; we store, per source rank, the epoch that rank last signalled. It is
   just as self-resetting (epochs only grow) and lets a timed-out barrier name the rank that never arrived.
+* ``progress`` i32[R] (per-rank heartbeats, written remotely like the signals) and ``call_state`` i32[2] (calls
+  begun / completed on this rank) are ours too: a wait times out only on a rank that stopped making progress, not
+  on a slow one, and a call that never finished is detected by the next one (``megamoe.ops``,
+  ``SymmBuffer.reset()``). The whole workspace is zero after ``reset()``; every field is valid at zero.
 * ``src_token_topk_idx`` is i32[El][R][T]: one source rank sends at most T (token, slot) pairs to one expert,
   because a token's top-k experts are distinct (checked on the host).
 
@@ -162,6 +166,14 @@ class Layout:
                   "slot r = last barrier epoch rank r signalled to this rank (written remotely, release/sys)")
         self._add("barrier_state", ws, torch.int32, (4,),
                   "[epoch of this rank's last barrier, failed barrier tag, rank that never arrived, spare]")
+        self._add("progress", ws, torch.int32, (R,),
+                  "slot r = rank r's heartbeat: bumped by rank r while it makes progress in a call and written "
+                  "into slot r of every rank (as the signals); a barrier wait only times out on a rank whose "
+                  "heartbeat stood still for the whole timeout")
+        self._add("call_state", ws, torch.int32, (2,),
+                  "[calls begun, calls completed] on this rank; they differ while a call runs, or after a call "
+                  "that never finished (interrupted or crashed): the next call then refuses to run until "
+                  "SymmBuffer.reset()")
         self._add("expert_send_count", ws, torch.int64, (E,),
                   "per global expert: (token, slot) pairs this rank sends; atomics hand out the slot index")
         self._add("expert_recv_count", ws, torch.int64, (R, El),

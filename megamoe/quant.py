@@ -378,16 +378,69 @@ def _to_mn_major(sf: torch.Tensor) -> torch.Tensor:
     return sf.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+class TransformedWeights(tuple):
+    """One weight pair in the kernel layout, as returned by :func:`transform_weights_for_mega_moe`.
+
+    A ``(w, sf)`` tuple -- it unpacks, indexes and iterates like the plain pair (``w`` int8 ``[El, N, K/2]``,
+    ``sf`` int32 ``[El, N, K/128]`` MN-major) -- tagged with ``role`` (``"l1"`` or ``"l2"``), so that the op can
+    tell transformed weights from untransformed ones (which it rejects instead of computing garbage), and the
+    transform can refuse to run twice. Build it only through the transform (or :meth:`to`).
+    """
+
+    ROLES = ("l1", "l2")
+
+    def __new__(cls, w: torch.Tensor, sf: torch.Tensor, role: str):
+        if role not in cls.ROLES:
+            raise ValueError(f"role={role!r} must be one of {cls.ROLES}")
+        obj = super().__new__(cls, (w, sf))
+        obj.role = role
+        return obj
+
+    def __reduce__(self):
+        return type(self), (self[0], self[1], self.role)
+
+    @property
+    def w(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def sf(self) -> torch.Tensor:
+        return self[1]
+
+    def to(self, device) -> "TransformedWeights":
+        """The same pair on ``device`` (layout and strides kept)."""
+        return TransformedWeights(self[0].to(device), self[1].to(device), self.role)
+
+    def __repr__(self) -> str:
+        return (f"TransformedWeights(role={self.role!r}, w={tuple(self[0].shape)} {self[0].dtype}, "
+                f"sf={tuple(self[1].shape)} {self[1].dtype}, device={self[0].device})")
+
+
+def _check_untransformed(pair, name: str) -> None:
+    """Reject weights that already are in the kernel layout (they would be permuted a second time)."""
+    if isinstance(pair, TransformedWeights):
+        raise TypeError(f"{name}: these weights are already transformed (the output of "
+                        "transform_weights_for_mega_moe); transforming them again would scramble them. Pass the "
+                        "untransformed FP4 weights (e.g. from cast_grouped_weights_to_fp4), or use the transformed "
+                        "ones directly")
+    sf = pair[1]
+    if sf.shape[2] > 1 and sf.shape[1] > 1 and not sf.is_contiguous() and sf.transpose(1, 2).is_contiguous():
+        raise ValueError(f"{name}: the scales are MN-major, as transform_weights_for_mega_moe leaves them; "
+                         "untransformed weights have K-major (contiguous) scales. Were these weights transformed "
+                         "already?")
+
+
 def transform_weights_for_mega_moe(
     l1_weights: QuantWeights, l2_weights: QuantWeights, activation: str = "swiglu"
-) -> tuple[QuantWeights, QuantWeights]:
+) -> tuple[TransformedWeights, TransformedWeights]:
     """Re-lay K-major FP4 expert weights into the layout megamoe's Triton kernels read.
 
     Inputs (as from :func:`cast_grouped_weights_to_fp4`, for the ``El`` experts a rank owns):
     ``l1_weights = (int8 [El, 2I, H/2], int32 [El, 2I, H/128])`` with rows ``[0, I)`` gate and ``[I, 2I)`` up,
     and ``l2_weights = (int8 [El, H, I/2], int32 [El, H, I/128])``; ``H``, ``I`` multiples of 128.
 
-    Returns ``((l1_w, l1_sf), (l2_w, l2_sf))``, same shapes and dtypes, with three changes:
+    Returns ``((l1_w, l1_sf), (l2_w, l2_sf))`` as two :class:`TransformedWeights` (tuples tagged ``"l1"`` /
+    ``"l2"``; ``fp8_fp4_mega_moe`` accepts nothing else), same shapes and dtypes, with three changes:
 
     a. **L1 gate/up interleave** (L1 weights and scales): rows become
        ``[gate0..7, up0..7, gate8..15, up8..15, ...]``, as DeepGEMM's ``_interleave_weights(gran=8)``. Every
@@ -403,22 +456,32 @@ def transform_weights_for_mega_moe(
        ``n`` contiguous. (DeepGEMM's further UTCCP row permutation is an SM100 tensor-memory detail and is
        not applied.)
 
-    Errors name ``l1_weights``/``l2_weights`` for bad dtypes or shapes; ``activation`` must be ``"swiglu"``.
+    Errors name ``l1_weights``/``l2_weights`` for bad dtypes or shapes, and for weights already transformed (a
+    :class:`TransformedWeights`, or MN-major scales); ``activation`` must be ``"swiglu"``.
     """
     if activation != "swiglu":
         raise ValueError(f"activation: only 'swiglu' is supported, got {activation!r}")
     check_moe_weights(l1_weights, l2_weights)
+    _check_untransformed(l1_weights, "l1_weights")
+    _check_untransformed(l2_weights, "l2_weights")
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    l1 = (_repack_nibbles_split(_interleave_gate_up(w1)).contiguous(), _to_mn_major(_interleave_gate_up(sf1)))
-    l2 = (_repack_nibbles_split(w2).contiguous(), _to_mn_major(sf2))
+    l1 = TransformedWeights(_repack_nibbles_split(_interleave_gate_up(w1)).contiguous(),
+                            _to_mn_major(_interleave_gate_up(sf1.contiguous())), "l1")
+    l2 = TransformedWeights(_repack_nibbles_split(w2).contiguous(), _to_mn_major(sf2), "l2")
     return l1, l2
 
 
 def untransform_weights_for_mega_moe(
     l1_weights: QuantWeights, l2_weights: QuantWeights
 ) -> tuple[QuantWeights, QuantWeights]:
-    """Exact inverse of :func:`transform_weights_for_mega_moe`: kernel layout -> contiguous K-major weights."""
+    """Exact inverse of :func:`transform_weights_for_mega_moe`: its two :class:`TransformedWeights` -> plain
+    contiguous K-major ``(w, sf)`` pairs."""
     check_moe_weights(l1_weights, l2_weights)
+    for name, pair, role in (("l1_weights", l1_weights, "l1"), ("l2_weights", l2_weights, "l2")):
+        if not (isinstance(pair, TransformedWeights) and pair.role == role):
+            raise TypeError(f"{name}: expected the {role} TransformedWeights from transform_weights_for_mega_moe, "
+                            f"got {type(pair).__name__}" + (f" of role {pair.role!r}"
+                                                            if isinstance(pair, TransformedWeights) else ""))
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
     l1 = (_deinterleave_gate_up(_unrepack_nibbles_split(w1)), _deinterleave_gate_up(sf1.contiguous()))
     l2 = (_unrepack_nibbles_split(w2).contiguous(), sf2.contiguous())

@@ -133,13 +133,24 @@ def swiglu(h: torch.Tensor, activation_clamp: float | None) -> torch.Tensor:
     """SwiGLU of L1 outputs ``h [m, 2I]`` (gate | up, any float dtype) -> float32 ``[m, I]``.
 
     ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` when a clamp ``c`` is given; then
-    ``gate / (1 + exp(-gate)) * up`` in float32.
+    ``gate / (1 + exp(-gate)) * up`` in float32, with ``exp`` evaluated in float64 and rounded once to float32
+    (:func:`exp_f32`).
     """
     gate, up = h.float().chunk(2, dim=-1)
     if activation_clamp is not None:
         gate = gate.clamp(max=activation_clamp)
         up = up.clamp(-activation_clamp, activation_clamp)
-    return gate / (1.0 + torch.exp(-gate)) * up
+    return gate / (1.0 + exp_f32(-gate)) * up
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``exp(x)`` computed in float64 and rounded once: correctly rounded but for double-rounding cases
+    (~2^-29 of inputs), so it does not depend on the math library. float32 ``exp`` itself does: torch's and
+    NumPy's (which Triton's interpreter uses) differ in the last bit for ~40% of inputs, and one such bit can flip
+    an FP8 requantisation and change a whole output row (found by ``tests/test_fuzz.py``). The CPU kernels do the
+    same (``F64_EXP`` in ``megamoe.kernels.gemm``); GPU kernels use the fast float32 ``exp`` and are compared with a
+    tolerance anyway."""
+    return torch.exp(x.double()).float()
 
 
 def _expert_forward(

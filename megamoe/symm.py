@@ -336,6 +336,38 @@ class SymmBuffer:
         state = "destroyed" if self._views is None else f"{self.layout.num_bytes:,} bytes on {self.device}"
         return f"SymmBuffer(rank={self.rank}/{self.num_ranks}, backend={self.backend!r}, {state})"
 
+    # ------------------------------------------------------------------ recovery
+    #: Why the last ``fp8_fp4_mega_moe`` call on this buffer did not complete (set by ``megamoe.ops``), else None.
+    #: While set, calls refuse to run until :meth:`reset`.
+    fault: str | None = None
+
+    def reset(self) -> None:
+        """Collective: bring the workspace of every rank back to its initial state after a call that did not
+        complete (an exception, a KeyboardInterrupt, a ``BarrierTimeout``). Call it on **every** rank of the group.
+
+        Host barrier over the group (no rank still writes into a peer), zero this rank's whole workspace
+        (counters, barrier epochs/signals/state, heartbeats, call state: ``megamoe.kernels.symm.reset_workspace``),
+        host barrier again (no rank starts a call before every workspace is zero), and clear :attr:`fault`. With the
+        ``local`` backend there is no concurrency: call it for every rank of the group, in any order, between
+        calls. Inputs, pools and the combine buffer are left alone (each call overwrites what it reads). Every rank
+        must be alive: with a dead peer, rebuild the group instead.
+        """
+        from megamoe.kernels.symm import reset_workspace
+
+        if self._views is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        collective = self.backend != "local" and self.num_ranks > 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if collective:
+            dist.barrier(group=self.group)
+        reset_workspace(self)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if collective:
+            dist.barrier(group=self.group)
+        self.fault = None
+
 
 def _check_same_layout(layout: Layout, rank: int, group) -> None:
     """Exchange ``layout.fingerprint()`` over ``group`` (one ``all_gather_object``, gloo or NCCL) before anything is

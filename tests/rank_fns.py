@@ -296,3 +296,126 @@ def leaked_shm_files() -> list[str]:
         if pid is not None and not megamoe.symm._pid_alive(pid) and os.path.exists(path):
             leaked.append(path)
     return sorted(leaked)
+
+
+# ---------------------------------------------------------------------------------------------------- reliability
+#: The Mega MoE case of the progress / stuck-rank tests: every token routed to rank 0, which does all the GEMM work.
+def reliability_case(timeout_s: float):
+    from megamoe.programs import MoECase
+
+    return MoECase(num_ranks=2, num_tokens=[16, 16], hidden=128, intermediate=128, num_experts=4, num_topk=2,
+                   routing="one_expert", block_m=16, seed=21, extra={"barrier_timeout_s": timeout_s})
+
+
+def _moe_rank_setup(rank: int, case):
+    from megamoe.programs import prepare_rank
+
+    sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                    block_m=case.block_m, barrier_timeout_s=case.extra["barrier_timeout_s"])
+    problem = case.problem(device=sb.buffer.device)
+    y, l1, l2, _ = prepare_rank(sb, problem, rank)
+    ref = problem.reference()[rank]
+    dist.barrier()  # nobody enters a call (and its barrier timeouts) while a peer still prepares
+    return sb, y, l1, l2, ref
+
+
+def _moe_call(sb, y, l1, l2, ref) -> bool:
+    """One checked call; True if ``y`` equals the reference bit for bit."""
+    from megamoe.ops import fp8_fp4_mega_moe
+
+    y.fill_(float("nan"))
+    fp8_fp4_mega_moe(y, l1, l2, sb)
+    return bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
+
+
+def _slow_l1(mode: str, sb, seconds: float):
+    """A replacement for ``megamoe.ops._l1`` on the slow rank: the real step, then ``seconds`` of either sleeping
+    while beating the heartbeat by hand ("sleep_beating"), pure-Python busy work with no explicit heartbeat
+    ("busy": the interpreter's progress beacon must notice), or sleeping without a heartbeat ("stuck")."""
+    from megamoe import ops
+
+    real = ops._l1
+
+    def l1(c):
+        real(c)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if mode == "busy":
+                sum(i * i for i in range(2000))
+            else:
+                time.sleep(0.05)
+                if mode == "sleep_beating":
+                    ks.heartbeat(sb)
+    return l1
+
+
+def slow_rank_calls(rank: int, world_size: int, timeout_s: float, modes: list[str]) -> list[dict]:
+    """For each mode (see :func:`_slow_l1`, plus "real": no change, rank 0's genuine GEMM work is timed) one call in
+    which rank 0 spends 3 x ``timeout_s`` in its L1 step while rank 1 waits at barrier 2; each rank reports per
+    call whether it raised, how long it took and whether ``y`` is bit-exact."""
+    from megamoe import ops
+
+    case = reliability_case(timeout_s)
+    sb, y, l1, l2, ref = _moe_rank_setup(rank, case)
+    real_l1, out = ops._l1, []
+    try:
+        for mode in modes:
+            if rank == 0 and mode != "real":
+                ops._l1 = _slow_l1(mode, sb, 3 * timeout_s)
+            step_s = []
+            if rank == 0 and mode == "real":
+                def timed(c, real=real_l1):
+                    t0 = time.monotonic()
+                    real(c)
+                    step_s.append(time.monotonic() - t0)
+                ops._l1 = timed
+            dist.barrier()
+            t0 = time.monotonic()
+            try:
+                ok, error = _moe_call(sb, y, l1, l2, ref), None
+            except Exception as e:  # reported, not raised: the test asserts on it
+                ok, error = False, f"{type(e).__name__}: {e}"
+            ops._l1 = real_l1
+            out.append({"mode": mode, "bitwise_equal": ok, "error": error, "seconds": time.monotonic() - t0,
+                        "l1_seconds": step_s})
+            dist.barrier()
+    finally:
+        ops._l1 = real_l1
+        dist.barrier()
+        sb.destroy()
+    return out
+
+
+def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
+    """Rank 0 stops (sleeps 2 x timeout without a heartbeat) inside its L1 step. Rank 1 must time out at barrier 2
+    naming rank 0, within about one timeout; rank 0, when it wakes, times out at barrier 3 naming rank 1 (which
+    left). Then: a call on the failed buffer is refused (naming ``reset()``), every rank calls ``sb.reset()``, and
+    the next call is bit-exact again."""
+    from megamoe import ops
+
+    case = reliability_case(timeout_s)
+    sb, y, l1, l2, ref = _moe_rank_setup(rank, case)
+    out = {"rank": rank}
+    real_l1 = ops._l1
+    try:
+        if rank == 0:
+            ops._l1 = _slow_l1("stuck", sb, 2 * timeout_s)
+        t0 = time.monotonic()
+        try:
+            _moe_call(sb, y, l1, l2, ref)
+        except ks.BarrierTimeout as e:
+            out["timeout"] = {"tag": e.tag, "missing_rank": e.missing_rank, "seconds": time.monotonic() - t0}
+        ops._l1 = real_l1
+        out["fault"] = sb.fault
+        try:
+            _moe_call(sb, y, l1, l2, ref)
+        except ops.WorkspaceStateError as e:
+            out["refused"] = str(e)
+        sb.reset()
+        out["fault_after_reset"] = sb.fault
+        out["bitwise_after_reset"] = [_moe_call(sb, y, l1, l2, ref) for _ in range(2)]
+        dist.barrier()
+    finally:
+        ops._l1 = real_l1
+        sb.destroy()
+    return out

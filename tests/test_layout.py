@@ -35,8 +35,9 @@ def test_bound_holds_for_ragged_counts(counts):
 def test_segments_in_seed_order_aligned_and_disjoint():
     L = Layout(8, 384, 8192, 6, 7168, 3072, block_m=192)
     names = [s.name for s in L]
-    assert names == ["grid_sync", "barrier_signal", "barrier_state", "expert_send_count", "expert_recv_count",
-                     "expert_recv_count_sum", "l1_arrival_count", "l2_arrival_mask", "src_token_topk_idx",
+    assert names == ["grid_sync", "barrier_signal", "barrier_state", "progress", "call_state", "expert_send_count",
+                     "expert_recv_count", "expert_recv_count_sum", "l1_arrival_count", "l2_arrival_mask",
+                     "src_token_topk_idx",
                      "token_src_metadata", "x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf",
                      "l1_topk_weights", "l2_acts", "l2_acts_sf", "combine"]
     segs = list(L)

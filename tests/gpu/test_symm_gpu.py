@@ -68,3 +68,38 @@ def test_cuda_backend_barrier_rounds_and_timeout():
         assert (out[rank]["tag"], out[rank]["missing_rank"]) == (ks.TAG_BEFORE_COMBINE_REDUCE, 1)
         assert 2.0 <= out[rank]["elapsed_s"] < 4.0
         assert out[rank]["again"][:2] == (2, 1)
+
+
+def _beat(sb) -> None:
+    """Rank ``sb``'s heartbeat into every rank (the kernel; ``ks.heartbeat`` is a no-op for the local backend)."""
+    ks.heartbeat_kernel[(1,)](ks._progress_view(sb), sb.buffer_ptrs, sb.rank, sb.layout.num_ranks,
+                              BLOCK_R=ks._block_r(sb))
+
+
+@pytest.mark.parametrize("beating", [True, False])
+def test_gpu_wait_extends_its_deadline_while_the_missing_rank_beats(beating):
+    """Rank 0 waits (one %globaltimer-bounded launch, timeout 0.5 s) for rank 1, which arrives only after 1.5 s.
+    While rank 1 beats its heartbeat every 0.1 s from another stream the wait must not time out; without beats it
+    must fail naming rank 1 after about 0.5 s."""
+    sbs = SymmBuffer.local(2, 4, **SHAPE, device="cuda", barrier_timeout_s=0.5)
+    ks.barrier_arrive(sbs[0])
+    waiting, other = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    with torch.cuda.stream(waiting):
+        ks.barrier_wait(sbs[0], ks.TAG_BEFORE_DISPATCH_PULL)
+    with torch.cuda.stream(other):
+        while time.monotonic() - start < 1.5:
+            if beating:
+                _beat(sbs[1])
+                other.synchronize()
+            time.sleep(0.1)
+        ks.barrier_arrive(sbs[1])
+    torch.cuda.synchronize()
+    state = sbs[0].view("barrier_state").tolist()
+    if beating:
+        assert state == [1, 0, -1, 0], state
+    else:
+        assert state[1:3] == [ks.TAG_BEFORE_DISPATCH_PULL, 1], state
+    for sb in sbs:
+        sb.destroy()
