@@ -37,7 +37,14 @@ class Ranks:
         self.problem = case.problem()
         prepared = [prepare_rank(sb, self.problem, r) for r, sb in enumerate(self.sbs)]
         self.ys, self.l1s, self.l2s, self.stats = (list(t) for t in zip(*prepared))
-        self.refs = self.problem.reference(activation_clamp=case.activation_clamp)
+        self._refs = None
+
+    @property
+    def refs(self) -> list[torch.Tensor]:
+        """The reference ``y`` per rank (computed on first use: validation-only tests never need it)."""
+        if self._refs is None:
+            self._refs = self.problem.reference(activation_clamp=self.case.activation_clamp)
+        return self._refs
 
     def args(self):
         if self.process:
