@@ -236,6 +236,57 @@ def bench_timeline(quick: bool) -> dict:
                        "clock": "%globaltimer (ns), per program: [kind, start, end]"}, "rows": runs}
 
 
+def bench_fused_tune(quick: bool) -> dict:
+    """Launch configurations of the fused kernel (exact and hopper numerics) at three token counts, one EP8 rank's
+    48 V4-Pro experts: time and error of each variant, side by side with the staged pipeline of the same run."""
+    from megamoe.fused import FusedConfig, fused_config, run_fused
+    from megamoe.kernels.symm import BarrierTimeout, check_barrier_state, reset_workspace
+
+    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+    tokens = [8, 512] if quick else [8, 512, 2048]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda", barrier_timeout_s=5.0)[0]
+    rows = []
+    for n in tokens:
+        case.num_tokens = n
+        problem = case.problem(device="cuda")
+        y, l1, l2, stats = prepare_rank(sb, problem, 0)
+        calls = bind_calls(y, l1, l2, sb, None, "swiglu", None, "pull", False)
+        refs = {num: problem.reference(numerics=num)[0] for num in ("exact", "hopper")}
+        staged_ms = _median_ms(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="staged", check=False))
+        variants = []
+        for numerics in ("exact", "hopper"):
+            base = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
+            variants.append(base)
+            variants.append(FusedConfig(base.block_m, 2 * sms, numerics, base.promote_every, num_warps=4))
+            if numerics == "exact":
+                other = 64 if base.block_m == 128 else 128
+                variants.append(FusedConfig(other, 2 * sms, numerics, num_warps=4))
+        for cfg in variants:
+            y.fill_(float("nan"))
+            run_fused(calls, numerics=cfg.numerics, config=cfg)
+            try:
+                check_barrier_state(sb)
+            except BarrierTimeout as e:  # e.g. programs that cannot all be resident: the grid sync times out
+                reset_workspace(sb)
+                rows.append({"num_tokens_per_rank": n, "numerics": cfg.numerics, "block_m": cfg.block_m,
+                             "programs_per_rank": cfg.programs_per_rank, "num_warps": cfg.num_warps, "failed": str(e)})
+                print(f"  T={n:>5} {cfg} failed: {e}", flush=True)
+                continue
+            err = moe_error_stats(y, refs[cfg.numerics])
+            ms = _median_ms(lambda: run_fused(calls, numerics=cfg.numerics, config=cfg))
+            rows.append({"num_tokens_per_rank": n, "numerics": cfg.numerics, "block_m": cfg.block_m,
+                         "programs_per_rank": cfg.programs_per_rank, "num_warps": cfg.num_warps,
+                         "num_stages": cfg.num_stages, "us": ms * 1e3, "staged_us": staged_ms * 1e3,
+                         "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
+            print(f"  T={n:>5} {cfg.numerics:<6} bm={cfg.block_m:<3} programs={cfg.programs_per_rank:<3} "
+                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  err={err['rel_fro']:.1e}",
+                  flush=True)
+    sb.destroy()
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "num_sms": sms}, "rows": rows}
+
+
 def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm90") -> None:
     """Add the rows of a peer kit's JSON (e.g. ../shared/peers/deepgemm_sm90: ``rows`` of ``T``, ``us``) to a layer
     result as ``impl`` rows, so every implementation of one device run sits in one file."""
@@ -311,7 +362,7 @@ def bench_tma_pull(quick: bool) -> dict:
 
 
 SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer,
-          "pull_push": bench_pull_push, "timeline": bench_timeline}
+          "pull_push": bench_pull_push, "timeline": bench_timeline, "fused_tune": bench_fused_tune}
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
@@ -336,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    for kind in ([k for k in SUITES if k != "tune"] if args.suite == "all" else [args.suite]):
+    for kind in ([k for k in SUITES if k not in ("tune", "fused_tune")] if args.suite == "all" else [args.suite]):
         print(f"[bench] {kind}", flush=True)
         path = write_result(kind, SUITES[kind](args.quick), command, args.out)
         print(f"[bench] wrote {path}", flush=True)

@@ -102,10 +102,19 @@ IMPLS = ("auto", "fused", "staged")
 NUMERICS = ("exact", "hopper")
 
 
-def resolve_impl(impl: str, sym_buffers: list, dispatch: str) -> str:
-    """``"auto"`` -> ``"fused"`` on a Hopper (or newer) GPU with pull dispatch, else ``"staged"``; ``"fused"`` where
-    it cannot run raises ValueError saying why."""
-    from megamoe.fused import unsupported_reason
+#: ``impl="auto"`` picks the fused kernel up to this many expected tokens per local expert (``n * R * k / E``):
+#: measured on an H200 (``results/layer_h200.json`` at 9b29dc5, 48 experts, H 7168, I 3072, top-6) the fused launch
+#: (exact numerics) beat the staged pipeline by 4-7% at T = 8 and 32 tokens (1 and 4 expected) and lost by 11-18% from
+#: T = 128 (16 expected) up: its GEMM tiles run one 8-warp program per SM where the staged L1 runs two 4-warp ones.
+AUTO_FUSED_MAX_EXPECTED_TOKENS = 4
+
+
+def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None) -> str:
+    """Which path runs: ``"staged"``, or ``"fused"`` where it can run (a Hopper GPU, pull dispatch, see
+    ``megamoe.fused.unsupported_reason``). ``"auto"`` takes the fused kernel only where it measured faster (at most
+    :data:`AUTO_FUSED_MAX_EXPECTED_TOKENS` expected tokens per expert for this rank's ``num_tokens``); ``"fused"``
+    where it cannot run raises ValueError saying why."""
+    from megamoe.fused import expected_tokens_per_expert, unsupported_reason
 
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
@@ -118,7 +127,10 @@ def resolve_impl(impl: str, sym_buffers: list, dispatch: str) -> str:
         if reason:
             raise ValueError(f"impl='fused' cannot run here: {reason}")
         return impl
-    return "fused" if reason is None and not interpreting() else "staged"
+    if reason is not None or interpreting():
+        return "staged"
+    expected = expected_tokens_per_expert(sym_buffers[0].layout, num_tokens or 0)
+    return "fused" if expected <= AUTO_FUSED_MAX_EXPECTED_TOKENS else "staged"
 
 
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str = "swiglu",
@@ -159,7 +171,8 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
             devices, contiguity, aliasing, weight tags and the buffer's fault state are always validated.
 
         impl: ``"staged"`` (the portable pipeline: one launch per step), ``"fused"`` (one persistent launch per call
-            on a Hopper GPU, ``megamoe.fused``) or ``"auto"`` (see :func:`resolve_impl`).
+            on a Hopper GPU, ``megamoe.fused``) or ``"auto"`` (the one measured faster for this call's size, see
+            :func:`resolve_impl`).
         numerics: ``"exact"`` (both paths; the seeds' per-32 scales, ``megamoe.reference``'s default) or
             ``"hopper"`` (fused path only: per-32 scales folded into the 8-bit operands, no scale multiply inside the
             K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it).
@@ -174,7 +187,7 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                        activation_clamp, dispatch, check)
-    chosen = resolve_impl(impl, [c.sb for c in calls], dispatch)
+    chosen = resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n)
     if numerics == "hopper" and chosen != "fused":
         raise ValueError(f"numerics='hopper' is the fused kernel's; impl={impl!r} resolved to {chosen!r} here")
     if chosen == "staged":
