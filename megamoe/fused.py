@@ -9,11 +9,10 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
 
 * ``block_m`` (tokens per pool block) from the expected tokens per local expert ``n * R * k / E`` (DeepGEMM's
   key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
-  MMA's M, where wgmma needs 64 rows) 64, or 128 above 8 expected tokens (at T=512, 64 expected tokens, block 64
-  doubled the weight traffic: 6.1 ms against the staged kernels' 4.1 ms with block 128 on an H200). Never above ``layout.block_m``: the pool
+  MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``). Never above ``layout.block_m``: the pool
   is sized for it (the largest block it may pick), so every choice fits.
-* programs per rank: every SM once (GPU; divided among local ranks), 1 under the interpreter (its programs run
-  one after another, so a grid sync between programs could never complete).
+* programs per rank: ``PROGRAMS_PER_SM`` per SM (GPU; divided among local ranks), 1 under the interpreter (its
+  programs run one after another, so a grid sync between programs could never complete).
 * ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
   inside the persistent launch; ``"hopper"`` its swap-AB tiles with folded scales (``megamoe.kernels.fused``).
 * ``promote_every`` ("hopper"): K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
@@ -32,6 +31,11 @@ from megamoe.kernels import fused as kf
 TIMELINE_KINDS = kf.EVENT_NAMES
 #: Events kept per program when a timeline is requested.
 TIMELINE_MAX_EVENTS = 512
+#: Resident programs per SM (all must be resident: they meet in grid syncs). Two 4-warp programs per SM beat one
+#: 8-warp program by 3-35% and block 64 beat block 128 for exact numerics at every size measured on an H200
+#: (``results/fused_tune_h200.json`` at 01b60b0: T = 8 / 512 / 2048 -> 1524 / 3732 / 10223 us against 2359 /
+#: 4858 / 12094 us with one 8-warp program of block 64 / 128 / 128 per SM; the staged pipeline: 2509 / 4132 / 10705).
+PROGRAMS_PER_SM = 2
 #: Largest pool block (MMA N) the fused kernel picks: with 8 warps, two [128, 64] fp32 accumulators and their
 #: promotion partials fill the register file (128 spilled at 255 registers, compiled for sm_90a).
 MAX_BLOCK_M = 64
@@ -49,7 +53,7 @@ class FusedConfig:
     programs_per_rank: int
     numerics: str = "exact"
     promote_every: int = 4
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -69,14 +73,15 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
-    if numerics == "exact":  # tokens on the MMA's M: wgmma needs 64 rows; 128 halves the weight re-reads
-        block_m = min(layout.block_m, 64 if want <= 8 else 128)
+    if numerics == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
+        block_m = min(layout.block_m, 64)
     else:  # tokens on the MMA's N
         block_m = max(16, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
-        programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count // num_local_ranks)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = max(1, PROGRAMS_PER_SM * sms // num_local_ranks)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics)
 
 

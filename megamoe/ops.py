@@ -102,19 +102,12 @@ IMPLS = ("auto", "fused", "staged")
 NUMERICS = ("exact", "hopper")
 
 
-#: ``impl="auto"`` picks the fused kernel up to this many expected tokens per local expert (``n * R * k / E``):
-#: measured on an H200 (``results/layer_h200.json`` at 9b29dc5, 48 experts, H 7168, I 3072, top-6) the fused launch
-#: (exact numerics) beat the staged pipeline by 4-7% at T = 8 and 32 tokens (1 and 4 expected) and lost by 11-18% from
-#: T = 128 (16 expected) up: its GEMM tiles run one 8-warp program per SM where the staged L1 runs two 4-warp ones.
-AUTO_FUSED_MAX_EXPECTED_TOKENS = 4
-
-
 def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None) -> str:
     """Which path runs: ``"staged"``, or ``"fused"`` where it can run (a Hopper GPU, pull dispatch, see
-    ``megamoe.fused.unsupported_reason``). ``"auto"`` takes the fused kernel only where it measured faster (at most
-    :data:`AUTO_FUSED_MAX_EXPECTED_TOKENS` expected tokens per expert for this rank's ``num_tokens``); ``"fused"``
-    where it cannot run raises ValueError saying why."""
-    from megamoe.fused import expected_tokens_per_expert, unsupported_reason
+    ``megamoe.fused.unsupported_reason``). ``"auto"`` takes the fused kernel wherever it can run (it measured faster
+    than the staged pipeline at every size, ``results/layer_h200.json``); ``"fused"`` where it cannot run raises
+    ValueError saying why. ``num_tokens`` (this rank's) is accepted for size-dependent choices."""
+    from megamoe.fused import unsupported_reason
 
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
@@ -127,10 +120,7 @@ def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | 
         if reason:
             raise ValueError(f"impl='fused' cannot run here: {reason}")
         return impl
-    if reason is not None or interpreting():
-        return "staged"
-    expected = expected_tokens_per_expert(sym_buffers[0].layout, num_tokens or 0)
-    return "fused" if expected <= AUTO_FUSED_MAX_EXPECTED_TOKENS else "staged"
+    return "staged" if reason is not None or interpreting() else "fused"
 
 
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str = "swiglu",
