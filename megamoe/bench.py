@@ -292,11 +292,19 @@ def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm9
     result as ``impl`` rows, so every implementation of one device run sits in one file."""
     layer, peer = json.loads(layer_json.read_text()), json.loads(peer_json.read_text())
     routing = peer.get("config", {}).get("routing", "uniform")
+    ours = {(r["num_tokens_per_rank"], r.get("routing")): r for r in layer["rows"] if r["impl"] == "staged"}
     for r in peer["rows"]:
-        layer["rows"].append({"impl": impl, "num_tokens_per_rank": r["T"], "routing": routing, "us": r["us"],
-                              "num_pairs": r.get("pairs"), "tflops": r.get("tflops"), "rel_fro_vs_reference": r.get("rel_err"),
-                              "note": "FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format)"})
-    layer.setdefault("peers", {})[impl] = {"provenance": peer.get("provenance"), "config": peer.get("config")}
+        row = {"impl": impl, "num_tokens_per_rank": r["T"], "routing": routing, "us": r["us"],
+               "num_pairs": r.get("pairs"), "tflops": r.get("tflops"), "rel_fro_vs_reference": r.get("rel_err"),
+               "note": "FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format): twice the weight "
+                       "bytes of FP4; its roofline_pct uses the FP4 roofline of the same work"}
+        same = ours.get((r["T"], routing))
+        if same:
+            row.update(flops=same["flops"], roofline_us=same["roofline_us"],
+                       roofline_pct=100 * same["roofline_us"] / r["us"])
+        layer["rows"].append(row)
+    layer.setdefault("peers", {})[impl] = {"provenance": peer.get("provenance"), "config": peer.get("config"),
+                                           "source": str(peer_json.name)}
     layer_json.write_text(json.dumps(layer, indent=1))
 
 

@@ -355,6 +355,38 @@ def bench_layer_timing(data: dict) -> Figure:
     return fig
 
 
+def bench_layer_impls(data: dict) -> Figure:
+    """``kind = "layer"`` (``megamoe.bench``, one row per implementation and size): µs per call and % of the
+    run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of panels per
+    ``routing``. Rows need ``impl``, ``num_tokens_per_rank``, ``us``; ``roofline_pct`` where known."""
+    routings = sorted({r.get("routing", "uniform") for r in data["rows"]}, key=lambda x: x != "uniform")
+    fig, axes = new_figure(2, len(routings), size=(6.0 * len(routings), 7.5), sharey=False)
+    series = sorted({(r["impl"], r.get("numerics")) for r in data["rows"]}, key=str)
+    for col, routing in enumerate(routings):
+        ax_us, ax_pct = axes[0, col], axes[1, col]
+        for impl, numerics in series:
+            rows = sorted((r for r in data["rows"] if (r["impl"], r.get("numerics")) == (impl, numerics)
+                           and r.get("routing", "uniform") == routing), key=lambda r: r["num_tokens_per_rank"])
+            if not rows:
+                continue
+            label = impl + (f" ({numerics})" if numerics else "")
+            xs = [r["num_tokens_per_rank"] for r in rows]
+            ax_us.plot(xs, [r["us"] for r in rows], marker="o", label=label)
+            pct = [(r["num_tokens_per_rank"], r["roofline_pct"]) for r in rows if r.get("roofline_pct") is not None]
+            if pct:
+                ax_pct.plot(*zip(*pct), marker="o", label=label)
+        for ax in (ax_us, ax_pct):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per rank")
+        log_axis(ax_us)
+        ax_us.set_ylabel("µs per call")
+        ax_us.set_title(f"{routing} routing")
+        ax_us.legend(fontsize=8)
+        ax_pct.set_ylabel("% of roofline (this run's ceilings)")
+    fig.suptitle(_title(data, "Mega MoE layer, one EP8 rank's 48 V4-Pro experts"))
+    return fig
+
+
 def bench_ceilings(data: dict) -> Figure:
     """``kind = "ceilings"``: one bar per measured ceiling, labelled with its rate (``tflops`` / ``tb_per_s`` /
     ``gb_s``)."""
@@ -432,7 +464,7 @@ def bench_xy(data: dict) -> Figure | None:
 
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
-    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_timing, "pull_push": bench_layer_timing,
+    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_layer_timing,
     "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth,
 }
 

@@ -1113,9 +1113,10 @@ def flatten_rows(data: dict, columns: Sequence[str] | None = None) -> list[dict]
     return out
 
 
-def roofline_rows(layer: dict, ceilings: dict | None) -> list[dict]:
-    """Per row of a ``layer`` result: measured TFLOP/s against the roofline from a ``ceilings`` result (measured
-    FP8 matmul TFLOP/s and device copy TB/s): ``time >= max(flops / peak, touched weight bytes / bandwidth)``."""
+def roofline_rows(layer: dict, ceilings: dict | None, impl: str = "staged", routing: str = "uniform") -> list[dict]:
+    """Per row of a ``layer`` result of implementation ``impl`` (rows without ``impl`` count as staged) and
+    ``routing``: measured TFLOP/s against the roofline from a ``ceilings`` result (measured FP8 matmul TFLOP/s and
+    device copy TB/s): ``time >= max(flops / peak, touched weight bytes / bandwidth)``."""
     peak = bw = None
     for r in (ceilings or {}).get("rows", []):
         if "tflops" in r:
@@ -1124,6 +1125,8 @@ def roofline_rows(layer: dict, ceilings: dict | None) -> list[dict]:
             bw = r["tb_per_s"]
     rows = []
     for r in layer.get("rows", []):
+        if r.get("impl", "staged") != impl or r.get("routing", "uniform") != routing:
+            continue
         row = {"tokens/rank": r.get("num_tokens_per_rank"), "ranks": r.get("num_ranks"), "us": r.get("us"),
                "TFLOP/s": r.get("tflops")}
         if peak and bw and r.get("flops"):

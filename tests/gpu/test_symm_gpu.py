@@ -82,6 +82,8 @@ def test_gpu_wait_extends_its_deadline_while_the_missing_rank_beats(beating):
     While rank 1 beats its heartbeat every 0.1 s from another stream the wait must not time out; without beats it
     must fail naming rank 1 after about 0.5 s."""
     sbs = SymmBuffer.local(2, 4, **SHAPE, device="cuda", barrier_timeout_s=0.5)
+    _beat(sbs[1])  # compile the heartbeat kernel first: a JIT compile inside the timed window outlasts 0.5 s
+    torch.cuda.synchronize()
     ks.barrier_arrive(sbs[0])
     waiting, other = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()

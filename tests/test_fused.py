@@ -1,0 +1,131 @@
+"""The fused kernel under the interpreter (one program per rank) and its Hopper numerics model, on CPU.
+
+The fused kernel's cross-rank protocol (in-kernel barriers, arrival counts and masks, grid syncs) runs here for real
+with one process per rank; local ranks cannot share one interpreted launch (its programs run one after another).
+Both numerics are compared bit for bit with ``megamoe.reference`` in the matching mode.
+"""
+import pytest
+import torch
+
+from megamoe.fused import fused_config
+from megamoe.launch import launch
+from megamoe.layout import Layout
+from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
+from megamoe.programs import MoECase, prepare_rank, run_case_local, run_case_rank
+from megamoe.quant import (dequant_fp8, fold_scales, fold_to_row_scale_dequant, pack_ue8m0, per_128_cast_to_fp8,
+                           per_token_cast_to_fp8, ue8m0_bytes)
+from megamoe.symm import SymmBuffer
+
+
+def _assert_exact(reports):
+    for r in reports:
+        assert r["bitwise_equal"], r
+        assert r["recv_stats_ok"], r
+
+
+@pytest.mark.parametrize("numerics", ["exact", "hopper"])
+def test_fused_one_rank_bitwise(numerics):
+    """Non-power-of-two H and I, top-3, masks, clamp, two calls on one buffer."""
+    case = MoECase(num_ranks=1, num_tokens=9, hidden=384, intermediate=640, num_experts=4, num_topk=3,
+                   masked_ratio=0.2, activation_clamp=0.3, num_calls=2, impl="fused", numerics=numerics)
+    _assert_exact(run_case_local(case))
+
+
+@pytest.mark.parametrize("numerics", ["exact", "hopper"])
+def test_fused_worst_case_pool_bitwise(numerics):
+    case = MoECase(num_ranks=1, num_tokens=40, num_topk=2, num_experts=4, routing="one_expert", block_m=64,
+                   impl="fused", numerics=numerics)
+    _assert_exact(run_case_local(case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numerics", ["exact", "hopper"])
+def test_fused_two_processes_bitwise(numerics):
+    """Two CPU processes: barriers and remote pulls / write-backs inside the fused kernel; a rank with no tokens."""
+    case = MoECase(num_ranks=2, num_tokens=[33, 0], num_topk=6, num_experts=8, routing="skewed", masked_ratio=0.1,
+                   num_calls=2, impl="fused", numerics=numerics)
+    _assert_exact(launch(run_case_rank, 2, case, backend="cpu"))
+
+
+def test_fused_refuses_local_ranks_on_the_interpreter():
+    sbs = SymmBuffer.local(2, 4, 8, 2, 256, 128, block_m=32)
+    with pytest.raises(ValueError, match="interpreter runs a launch's programs one after another"):
+        resolve_impl("fused", sbs, "pull")
+    assert resolve_impl("auto", sbs, "pull") == "staged"
+    for sb in sbs:
+        sb.destroy()
+
+
+def test_hopper_numerics_need_the_fused_path():
+    case = MoECase(num_ranks=1, num_tokens=4, num_experts=4)
+    sb = SymmBuffer.local(1, 4, 4, 2, 256, 128, block_m=32)[0]
+    y, l1, l2, _ = prepare_rank(sb, case.problem(), 0)
+    with pytest.raises(ValueError, match="numerics='hopper' is the fused kernel's"):
+        fp8_fp4_mega_moe(y, l1, l2, sb, impl="staged", numerics="hopper")
+    with pytest.raises(ValueError, match="numerics='bf16'"):
+        fp8_fp4_mega_moe(y, l1, l2, sb, numerics="bf16")
+    sb.destroy()
+
+
+def test_fused_config_from_shapes():
+    L = Layout(8, 384, 8192, 6, 7168, 3072, 128)
+    cpu = torch.device("cpu")
+    assert fused_config(L, 8, 1, cpu, "hopper").block_m == 16       # 1 expected token per expert
+    assert fused_config(L, 512, 1, cpu, "hopper").block_m == 64     # 64 expected
+    assert fused_config(L, 8192, 1, cpu, "hopper").block_m == 64    # capped (registers)
+    assert fused_config(L, 8, 1, cpu, "exact").block_m == 64        # tokens on wgmma's M: at least 64
+    assert fused_config(Layout(1, 4, 8, 2, 256, 128, 32), 8, 1, cpu, "exact").block_m == 32  # never above the pool's
+    assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+def test_fold_error_is_bounded_and_zero_in_the_normal_range():
+    """Folding per-32 scales into the row's largest: exact wherever the shifted value stays in e4m3's normal range
+    (>= 2^-6), elsewhere off by at most half a subnormal step, 2^-10 * 2^(s_row - 127) (the bound in the docs)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 512, generator=g) * torch.pow(2.0, torch.randint(-8, 3, (8, 512 // 32), generator=g)
+                                                     .float()).repeat_interleave(32, dim=1)
+    q, sf = per_token_cast_to_fp8(x)
+    exact, folded = dequant_fp8(q, sf), fold_to_row_scale_dequant(q.float(), sf)
+    row_scale = torch.pow(2.0, (ue8m0_bytes(sf).amax(dim=1) - 127).float()).unsqueeze(1)
+    normal = exact.abs() >= 2.0**-6 * row_scale
+    assert torch.equal(folded[normal], exact[normal])
+    assert bool(((folded - exact).abs() <= 2.0**-10 * row_scale).all())
+    assert bool((folded != exact).any())  # the data reach the subnormal range: the bound is exercised
+
+
+def test_fold_rounds_what_falls_below_the_normal_range():
+    """Group 1 sits 2^12 below the row's largest scale: 448 * 2^-12 = 1.75 * 2^-4 stays exact, while 1.5, 3 and
+    0.0625 times 2^-12 fall below half of e4m3's smallest subnormal (2^-10) and round to 0."""
+    values = torch.cat([torch.full((32,), 448.0), torch.tensor([1.5, 3.0, 0.0625, 448.0]).repeat(8),
+                        torch.full((64,), 448.0)]).unsqueeze(0)
+    scales = torch.tensor([[2.0**3, 2.0**-9, 2.0**3, 2.0**3]])
+    sf = pack_ue8m0(scales)
+    folded, row = fold_scales(values, sf)
+    assert int(row) == 130 and ue8m0_bytes(sf)[0].tolist() == [130, 118, 130, 130]
+    assert folded[0, 32:64].float().tolist() == [0.0, 0.0, 0.0, 448.0 * 2.0**-12] * 8
+    assert torch.equal(folded[0, :32].float(), values[0, :32])
+    # the kernels' integer rounding agrees with torch's cast on the subnormal boundary: 2^-10 is a tie -> 0 (even)
+    tie, _ = fold_scales(torch.tensor([[0.5] + [448.0] * 127]), pack_ue8m0(torch.tensor([[2.0**-8, 2.0, 2.0, 2.0]])))
+    assert float(tie[0, 0]) == 0.0
+
+
+def test_per_128_scales_repeat_in_all_four_bytes():
+    x = torch.randn(5, 384)
+    q, sf = per_128_cast_to_fp8(x)
+    b = ue8m0_bytes(sf).view(5, 3, 4)
+    assert torch.equal(b, b[..., :1].expand_as(b))
+    err = (dequant_fp8(q, sf) - x).norm() / x.norm()
+    assert err < 2.0**-4
+
+
+def test_hopper_model_is_close_to_exact_and_not_identical():
+    case = MoECase(num_ranks=2, num_tokens=[24, 17], hidden=256, intermediate=256, num_experts=4, num_topk=2)
+    p = case.problem()
+    # spread the activation scales over 2^10 so that some folds round
+    p.x_sf = [torch.where(torch.rand(sf.shape, generator=torch.Generator().manual_seed(r)) < 0.3,
+                          sf - 0x0A0A0A0A, sf) for r, sf in enumerate(p.x_sf)]
+    exact, hopper = p.reference(numerics="exact"), p.reference(numerics="hopper")
+    diff = [float((a.float() - b.float()).norm() / a.float().norm()) for a, b in zip(exact, hopper)]
+    assert all(d < 2e-2 for d in diff), diff
+    assert any(not torch.equal(a, b) for a, b in zip(exact, hopper))
