@@ -362,6 +362,7 @@ def bench_layer_impls(data: dict) -> Figure:
     routings = sorted({r.get("routing", "uniform") for r in data["rows"]}, key=lambda x: x != "uniform")
     fig, axes = new_figure(2, len(routings), size=(6.0 * len(routings), 7.5), sharey=False)
     series = sorted({(r["impl"], r.get("numerics")) for r in data["rows"]}, key=str)
+    color = {key: f"C{i}" for i, key in enumerate(series)}  # one colour per implementation in every panel
     for col, routing in enumerate(routings):
         ax_us, ax_pct = axes[0, col], axes[1, col]
         for impl, numerics in series:
@@ -371,10 +372,10 @@ def bench_layer_impls(data: dict) -> Figure:
                 continue
             label = impl + (f" ({numerics})" if numerics else "")
             xs = [r["num_tokens_per_rank"] for r in rows]
-            ax_us.plot(xs, [r["us"] for r in rows], marker="o", label=label)
+            ax_us.plot(xs, [r["us"] for r in rows], marker="o", label=label, color=color[impl, numerics])
             pct = [(r["num_tokens_per_rank"], r["roofline_pct"]) for r in rows if r.get("roofline_pct") is not None]
             if pct:
-                ax_pct.plot(*zip(*pct), marker="o", label=label)
+                ax_pct.plot(*zip(*pct), marker="o", label=label, color=color[impl, numerics])
         for ax in (ax_us, ax_pct):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("tokens per rank")
@@ -384,6 +385,52 @@ def bench_layer_impls(data: dict) -> Figure:
         ax_us.legend(fontsize=8)
         ax_pct.set_ylabel("% of roofline (this run's ceilings)")
     fig.suptitle(_title(data, "Mega MoE layer, one EP8 rank's 48 V4-Pro experts"))
+    return fig
+
+
+def bench_timeline(data: dict) -> Figure:
+    """``kind = "timeline"`` (``megamoe.bench --suite timeline``): one Gantt chart per recorded run of the fused
+    kernel -- a row per program, a bar per task coloured by kind (pull, L1, L2, ...) -- so the overlap of the pull
+    with the GEMMs, and of L2 with L1, is visible."""
+    kinds = data["config"]["kinds"]
+    runs = data["rows"]
+    fig, axes = new_figure(len(runs), 1, size=(11.0, 3.2 * len(runs)), sharey=False)
+    colors = dict(zip(kinds, ["#8c8c8c", "#222222", "#dd8452", "#4c72b0", "#55a868", "#222222", "#c44e52", "#222222"]))
+    for ax, run in zip(axes[:, 0], runs):
+        for kind in kinds:
+            k = kinds.index(kind)
+            for p, events in enumerate(run["events"]):
+                spans = [(a / 1e3, max(b - a, 1) / 1e3) for kk, a, b in events if kk == k]
+                if spans:
+                    ax.broken_barh(spans, (p, 0.9), facecolors=colors[kind], label=kind if p == 0 else None)
+        ax.set_xlabel("µs since the first event")
+        ax.set_ylabel("program")
+        ax.set_title(f"{run.get('numerics', '')} numerics, {run['num_tokens_per_rank']} tokens, block_m "
+                     f"{run['block_m']}, span {run['span_us']:.0f} µs", fontsize=9)
+        handles = [matplotlib.patches.Patch(color=colors[k], label=k) for k in kinds if k in ("pull", "l1", "l2", "combine")]
+        ax.legend(handles=handles, fontsize=8, loc="upper right")
+        ax.grid(axis="y", visible=False)
+    fig.suptitle(_title(data, "Fused kernel: one launch, per-program tasks over time"))
+    return fig
+
+
+def bench_fused_tune(data: dict) -> Figure:
+    """``kind = "fused_tune"``: time of each fused launch configuration per token count, the staged pipeline of the
+    same run as a line."""
+    tokens = sorted({r["num_tokens_per_rank"] for r in data["rows"]})
+    fig, axes = new_figure(1, len(tokens), size=(4.2 * len(tokens), 4.0), sharey=False)
+    for ax, n in zip(axes[0], tokens):
+        rows = [r for r in data["rows"] if r["num_tokens_per_rank"] == n and "us" in r]
+        labels = [f"{r['numerics']} bm{r['block_m']} {r['num_warps']}w x{r['programs_per_rank']}" for r in rows]
+        ys = np.arange(len(rows))[::-1]
+        ax.barh(ys, [r["us"] for r in rows], height=0.6)
+        ax.axvline(rows[0]["staged_us"], color="k", ls="--", label="staged")
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xlabel("µs per call")
+        ax.set_title(f"T = {n}")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", visible=False)
+    fig.suptitle(_title(data, "Fused kernel launch configurations"))
     return fig
 
 
@@ -465,7 +512,8 @@ def bench_xy(data: dict) -> Figure | None:
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_layer_timing,
-    "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth,
+    "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth, "timeline": bench_timeline,
+    "fused_tune": bench_fused_tune,
 }
 
 
