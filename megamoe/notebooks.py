@@ -12,7 +12,7 @@
 ``list``
     Prints the notebooks in order with their titles.
 
-Notebooks live in ``<repo>/notebooks`` and are numbered ``00_`` .. ``07_``; a name may be given in full, without
+Notebooks live in ``<repo>/notebooks`` and are numbered ``00_`` .. ``08_``; a name may be given in full, without
 ``.ipynb``, or as its number prefix.
 """
 from __future__ import annotations

@@ -13,12 +13,12 @@ from megamoe import notebooks as nbs
 NOTEBOOKS = nbs.notebook_paths()
 NAMES = [p.stem for p in NOTEBOOKS]
 EXPECTED = ["00_overview", "01_symmetric_memory", "02_symbuffer_map", "03_pool_sizing", "04_dispatch_pull",
-            "05_gemm_swiglu", "06_combine", "07_end_to_end"]
+            "05_gemm_swiglu", "06_combine", "07_end_to_end", "08_fused_kernel"]
 #: The notebook also executed with four CPU ranks (one process per rank: launch, shm mapping, barriers, e2e).
 FOUR_RANKS = "06_combine"
 
 
-def test_the_eight_notebooks_exist():
+def test_the_nine_notebooks_exist():
     assert NAMES == EXPECTED
 
 
