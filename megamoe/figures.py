@@ -402,7 +402,7 @@ def bench_timeline(data: dict) -> Figure:
             for p, events in enumerate(run["events"]):
                 spans = [(a / 1e3, max(b - a, 1) / 1e3) for kk, a, b in events if kk == k]
                 if spans:
-                    ax.broken_barh(spans, (p, 0.9), facecolors=colors[kind], label=kind if p == 0 else None)
+                    ax.broken_barh(spans, (p, 0.9), facecolors=colors[kind], rasterized=True)  # thousands of bars
         ax.set_xlabel("µs since the first event")
         ax.set_ylabel("program")
         ax.set_title(f"{run.get('numerics', '')} numerics, {run['num_tokens_per_rank']} tokens, block_m "
