@@ -412,6 +412,18 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask
 
 # ---------------------------------------------------------------------------------------------------- kernel
 @triton.jit
+def _tile_rows(tile, N_TILES: tl.constexpr, n, blocks, cum, BM: tl.constexpr, BLOCK_E: tl.constexpr,
+               LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr):
+    """GEMM tile -> (pool block, N tile, local expert, pool rows [BM], scale rows [BM], row mask [BM], valid rows)
+    for tiles numbered block-major (all N tiles of a pool block of BM rows are consecutive)."""
+    b = tile // N_TILES
+    expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+    rows = row0 + tl.arange(0, BM)
+    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+    return b, tile % N_TILES, expert, rows, sf_rows, tl.arange(0, BM) < valid, valid
+
+
+@triton.jit
 def _rank_ptr(base, tab, i: tl.constexpr, dtype: tl.constexpr):
     """Local rank's pointer = rank 0's tensor argument ``base`` + the byte delta in column ``i`` of its table row.
     Deltas are multiples of 16 (checked on the host): with the hint, Triton keeps 16-byte vector accesses, which a
@@ -530,13 +542,9 @@ def fused_mega_moe_kernel(
                            BLOCK_W, HW_CVT, FOLDED)
                 n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
             elif t < num_pull + num_l1:
-                b = (t - num_pull) // N1
-                nt = (t - num_pull) % N1
-                expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+                b, nt, expert, rows, sf_rows, mask_m, valid = _tile_rows(t - num_pull, N1, n, blocks, cum, BM,
+                                                                         BLOCK_E, LAYOUT_BM, LAYOUT_SF_BM)
                 _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
-                rows = row0 + tl.arange(0, BM)
-                mask_m = tl.arange(0, BM) < valid
-                sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
                 if FOLDED:
                     _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF,
                                     OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
@@ -548,16 +556,12 @@ def fused_mega_moe_kernel(
                 tl.atomic_or(l2_mask + b, tl.full([], 1, tl.int64) << nt, sem="release", scope="gpu")
                 n_ev = _event(timeline, cta, n_ev, EV_L1, t0, TIMELINE, MAX_EVENTS)
             else:
-                b = (t - num_pull - num_l1) // N2
-                nt = (t - num_pull - num_l1) % N2
-                expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
+                b, nt, expert, rows, sf_rows, mask_m, valid = _tile_rows(t - num_pull - num_l1, N2, n, blocks, cum, BM,
+                                                                         BLOCK_E, LAYOUT_BM, LAYOUT_SF_BM)
                 # Every L1 N-block of the pool block first. The mask would allow waiting per K-block, but
                 # Triton's software pipeliner issues the loads of K-block kb+1 before iteration kb's body runs,
                 # i.e. before a per-K-block wait could order them (wrong results on an H200 with I/128 > 1).
                 _wait_mask_full(l2_mask + b, N1, state, timeout_ns, max_polls, TIMED)
-                rows = row0 + tl.arange(0, BM)
-                mask_m = tl.arange(0, BM) < valid
-                sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
                 if FOLDED:
                     _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2,
                                     OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY, PRMT_DECODE,

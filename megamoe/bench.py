@@ -189,7 +189,7 @@ def bench_layer(quick: bool) -> dict:
                               f"({r.get('rel_fro_vs_reference', 0):.0e})" for r in last), flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "hidden": 7168, "intermediate": 3072,
-                       "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
+                       "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1, "backend": "local",
                        "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
                        "timing": "median of triton.testing.do_bench (L2 flushed), one call per sample"},
             "rows": rows}
@@ -232,7 +232,8 @@ def bench_timeline(quick: bool) -> dict:
         print(f"  {numerics} T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
               + "  ".join(f"{k}: {v['count']} x {v['mean_us']:.1f} us" for k, v in summary.items()), flush=True)
     sb.destroy()
-    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "kinds": list(TIMELINE_KINDS),
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "kinds": list(TIMELINE_KINDS), "world_size": 1,
+                       "backend": "local",
                        "clock": "%globaltimer (ns), per program: [kind, start, end]"}, "rows": runs}
 
 
@@ -284,7 +285,8 @@ def bench_fused_tune(quick: bool) -> dict:
                   f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  err={err['rel_fro']:.1e}",
                   flush=True)
     sb.destroy()
-    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "num_sms": sms}, "rows": rows}
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "num_sms": sms, "world_size": 1,
+                       "backend": "local"}, "rows": rows}
 
 
 def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm90") -> None:

@@ -75,6 +75,7 @@ def provenance(command: str | None = None) -> dict:
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "interpreter": interpreting(),
+        "num_gpus": torch.cuda.device_count() if cuda_available() else 0,
     }
     if command is not None:
         info["command"] = command

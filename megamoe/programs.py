@@ -99,6 +99,17 @@ def _timed_calls(case: MoECase, ys: list[torch.Tensor], call) -> list[float]:
     return seconds
 
 
+def assert_reports(reports: list[dict], label: str) -> None:
+    """Print one line per rank report (from :func:`run_case_local` / :func:`run_case_rank`) and assert it passed its
+    tolerance profile and its recv stats (the GPU tests' check)."""
+    for r in reports:
+        print(f"{label} rank {r['rank']}: n={r['num_tokens']} numerics={r.get('numerics')} rel_fro={r['rel_fro']:.3e} "
+              f"max_row={r['max_row_rel']:.2e} outliers={r['frac_outliers']:.2e} bitwise={r['bitwise_equal']} "
+              f"recv={sum(r['recv_stats'])} t={[round(s * 1e3, 2) for s in r['seconds_per_call']]} ms")
+        assert not r["failures"], r
+        assert r["recv_stats_ok"], r
+
+
 def run_case_local(case: MoECase, device=None) -> list[dict]:
     """All ``case.num_ranks`` ranks in this process (``local`` backend, lock-step); one stats dict per rank."""
     sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,

@@ -23,8 +23,22 @@ CEILINGS = {"kind": "ceilings", "provenance": {"device": "test"},
 TUNE = {"kind": "tune", "provenance": {"device": "test"}, "config": {},
         "rows": [{"block_m": 64, "num_tokens": 8, "variant": {}, "l1_us": 400.0, "l2_us": 200.0},
                  {"block_m": 64, "num_tokens": 8, "variant": {"BLOCK_N": 128, "l1_only": True}, "l1_us": 380.0}]}
+LAYER_IMPLS = {"kind": "layer", "provenance": {"device": "test"}, "config": {},
+               "rows": [{"impl": i, "numerics": m, "routing": r, "num_tokens_per_rank": t, "us": t * f,
+                         "roofline_pct": 10.0 / f}
+                        for i, m, f in (("fused", "exact", 1.0), ("staged", "exact", 1.5), ("torch_grouped_mm", None, 0.5))
+                        for r in ("uniform", "skewed") for t in (8, 512, 8192)]}
+TIMELINE = {"kind": "timeline", "provenance": {"device": "test"},
+            "config": {"kinds": ["count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3"]},
+            "rows": [{"numerics": "exact", "num_tokens_per_rank": 128, "block_m": 64, "programs": 2, "span_us": 9.0,
+                      "events": [[[2, 0, 1000], [3, 1000, 5000], [4, 5000, 8000], [6, 8000, 9000]],
+                                 [[3, 500, 4000], [4, 4000, 7000]]]}]}
+FUSED_TUNE = {"kind": "fused_tune", "provenance": {"device": "test"}, "config": {},
+              "rows": [{"num_tokens_per_rank": n, "numerics": "exact", "block_m": bm, "num_warps": w,
+                        "programs_per_rank": p, "us": n * w, "staged_us": n * 6.0}
+                       for n in (8, 512) for bm, w, p in ((64, 8, 132), (64, 4, 264))]}
 RESULTS = {"pull_bandwidth": PULL, "latency_sweep": GENERIC, "layer_test": LAYER, "ceilings_test": CEILINGS,
-           "tune_test": TUNE}
+           "tune_test": TUNE, "layer_impls": LAYER_IMPLS, "timeline_test": TIMELINE, "fused_tune_test": FUSED_TUNE}
 
 
 @pytest.fixture
@@ -64,3 +78,15 @@ def test_layout_breakdown_small_layout(dirs):
     paths = figures.save_figure(fig, "tiny_layout")
     assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.exists() for p in paths)
     assert "<svg" in paths[1].read_text()[:500]
+
+
+def test_every_result_kind_plots_with_its_own_plotter(dirs, capsys):
+    """The layer (per implementation and routing), timeline (Gantt) and fused_tune plotters read the schemas that
+    ``megamoe.bench`` writes; only the pre-fused layer schema (no ``impl``) drops to the generic plot."""
+    _, res = dirs
+    for name, data in RESULTS.items():
+        (res / f"{name}.json").write_text(json.dumps(data))
+        capsys.readouterr()
+        assert figures.plot_results(name) is not None, name
+        fell_back = "generic" in capsys.readouterr().out
+        assert fell_back == (name == "layer_test"), name

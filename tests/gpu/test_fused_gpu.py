@@ -7,7 +7,7 @@ import torch
 from megamoe.fused import TIMELINE_KINDS, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe
-from megamoe.programs import MoECase, prepare_rank, run_case_local
+from megamoe.programs import MoECase, assert_reports, prepare_rank, run_case_local
 from megamoe.symm import SymmBuffer
 from megamoe.testing import assert_moe_close
 
@@ -16,12 +16,6 @@ REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
 
 
-def _check(reports, label):
-    for r in reports:
-        print(f"{label} rank {r['rank']}: n={r['num_tokens']} numerics={r['numerics']} rel_fro={r['rel_fro']:.3e} "
-              f"max_row={r['max_row_rel']:.2e} bitwise={r['bitwise_equal']} recv={sum(r['recv_stats'])}")
-        assert not r["failures"], r
-        assert r["recv_stats_ok"], r
 
 
 @pytest.mark.parametrize("case", [
@@ -34,21 +28,21 @@ def _check(reports, label):
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_small_cases(case, numerics):
     case.impl, case.numerics = "fused", numerics
-    _check(run_case_local(case, device="cuda"), f"fused {numerics} small")
+    assert_reports(run_case_local(case, device="cuda"), f"fused {numerics} small")
 
 
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_real_size_one_rank(numerics):
     case = MoECase(num_ranks=1, num_tokens=1024, masked_ratio=0.1, num_calls=2, seed=1, impl="fused",
                    numerics=numerics, **REAL)
-    _check(run_case_local(case, device="cuda"), f"fused {numerics} real r1")
+    assert_reports(run_case_local(case, device="cuda"), f"fused {numerics} real r1")
 
 
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_real_size_four_local_ranks_skewed(numerics):
     case = MoECase(num_ranks=4, num_tokens=[512, 0, 256, 77], masked_ratio=0.1, num_calls=2, seed=2,
                    routing="skewed", impl="fused", numerics=numerics, **REAL)
-    _check(run_case_local(case, device="cuda"), f"fused {numerics} real local4 skew")
+    assert_reports(run_case_local(case, device="cuda"), f"fused {numerics} real local4 skew")
 
 
 def _one_rank(n=64, **kw):
