@@ -1,7 +1,8 @@
 """The fused Mega MoE kernel: one persistent launch per call (Hopper fast path; also runs under the interpreter).
 
-One program per SM (``G`` programs per rank; with the ``local`` backend one launch holds every local rank's
-programs, program ``pid`` serving local rank ``pid // G``). Every program walks the same phases::
+``G`` resident programs per rank (two per SM on a GPU, ``megamoe.fused.PROGRAMS_PER_SM``; one under the
+interpreter); with the ``local`` backend one launch holds every local rank's programs, program ``pid`` serving
+local rank ``pid // G``. Every program walks the same phases::
 
     count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
     grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
@@ -11,14 +12,16 @@ programs, program ``pid`` serving local rank ``pid // G``). Every program walks 
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
 spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
-an L2 tile spins until every bit of ``l2_arrival_mask[b]`` is set (the L1 tile that produced 128 intermediate
-columns ORs in its bit, release). Every program takes its tasks in increasing order and all
-programs are resident (one per SM), so the smallest unfinished task can always run: GEMMs start while the pull
-is still running, L2 while L1 is still running -- the seed's per-block arrival mechanism.
+an L2 tile spins until every bit of ``l2_arrival_mask[b]`` is set (the L1 tile that produced an N-block of
+intermediate columns ORs in its bit, release). Every program takes its tasks in increasing order and all programs
+are resident, so the smallest unfinished task can always run: GEMMs start while the pull is still running, L2
+while L1 is still running -- the seed's per-block arrival mechanism.
 
-**Numerics ("hopper", modelled exactly by** ``megamoe.reference`` **with** ``numerics="hopper"``\\ **).** The
-exact per-32 promotion (one fp32 multiply-add of the accumulator after every K=32 MMA) is what made the staged
-GEMMs slow. Here per-32 power-of-two scales are folded into the 8-bit operands relative to a larger block:
+**Two numerics** (constexpr ``FOLDED``). ``"exact"`` runs the staged path's GEMM tiles
+(``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``: FP4 decoded to FP8, one K=32 MMA per scale group, the accumulator
+promoted by both per-32 scales), so the fused path computes what the staged one does. ``"hopper"`` (modelled exactly
+by ``megamoe.reference`` with ``numerics="hopper"``) removes the per-32 promotion by folding the power-of-two scales
+into the 8-bit operands relative to a larger block:
 
 * L1 activations, once per row in the pull: ``x' = e4m3(x * 2^(s_g - s_max))`` with ``s_max`` the token's
   largest scale exponent; the row's pool scale words then hold ``s_max`` in all four bytes.
@@ -28,14 +31,13 @@ GEMMs slow. Here per-32 power-of-two scales are folded into the 8-bit operands r
   bytes); the L2 tile folds them relative to the token's largest, like the L1 input.
 
 Each fold is exact unless a value drops below e4m3's normal range (2^-6), where it is rounded to the nearest
-subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max, i.e. < 2^-18 of the row's largest magnitude.
-So neither GEMM needs a scale multiply inside its K loop: one MMA chain over K. Only the tensor cores' limited
-in-MMA accumulation (~14 bits, DeepSeek-V3 report) is bounded by adding the chain into an fp32 accumulator every
-``PROMOTE_EVERY`` K-steps of 128 -- which changes no rounding of the model (``megamoe.reference``), only how
-close the GPU comes to it.
-
-**Swap-AB.** Weights are the MMA's M operand (128 rows per tile), tokens the N operand (``BLOCK_M`` of 16-128),
-so a pool block of few tokens still fills the tensor core's M dimension.
+subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max. So neither GEMM needs a scale multiply inside its K
+loop: one MMA chain over K, added into an fp32 accumulator every ``PROMOTE_EVERY`` K-steps of 128 to bound the
+tensor cores' limited in-MMA accumulation (~14 bits, DeepSeek-V3 report) -- which changes no rounding of the model,
+only how close the GPU comes to it. Its tiles are swap-AB: 128 weight rows on the MMA's M, ``BM`` (16-64) tokens on
+N. Measured on an H200 it is 2-3x slower than ``"exact"`` in this Triton form (``results/layer_h200.json``): the
+FP4 decode of the register-resident A operand goes through shared memory byte by byte in the layout Triton picks
+for wgmma's A (sm_90a SASS), so the default stays ``"exact"``.
 """
 import triton
 import triton.language as tl
