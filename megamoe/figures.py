@@ -18,9 +18,11 @@ other kind is drawn by :func:`bench_xy` from the hints ``config["x"]``, ``config
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -517,14 +519,33 @@ BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
 }
 
 
+#: The line :func:`read_results` prints for every results file it reads: notebooks carry it in their outputs, and
+#: ``python -m megamoe.notebooks check`` compares the hash with the file as committed (a stale output fails).
+RESULTS_READ_RE = re.compile(r"read results/(?P<name>[\w.\-/]+\.json) sha256:(?P<sha>[0-9a-f]{16})")
+
+
+def results_sha(path: Path) -> str:
+    """The first 16 hex digits of a results file's SHA-256 (what :data:`RESULTS_READ_RE` records)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def read_results(path: Path) -> dict:
+    """A results file as a dict; prints ``read results/<file> sha256:<16 hex>`` so that outputs made from it can be
+    checked for freshness later. The one reader of ``results/*.json`` (figures, notebooks, walkthrough)."""
+    path = Path(path)
+    print(f"read results/{path.name} sha256:{results_sha(path)}")
+    with open(path) as f:
+        return json.load(f)
+
+
 def load_results(name: str) -> dict | None:
-    """``results/<name>.json`` as a dict, or None (with a printed line) when the file does not exist."""
+    """``results/<name>.json`` as a dict (through :func:`read_results`), or None (with a printed line) when the
+    file does not exist."""
     path = results_dir() / f"{name}.json"
     if not path.exists():
         print(f"figures: no {path}, skipping")
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_results(path)
 
 
 def results_kind(data: dict, name: str) -> str:

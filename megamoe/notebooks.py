@@ -7,7 +7,9 @@
     ``results/notebook_times_<device>.json``.
 ``check [--names ...]``
     Verifies the committed notebooks: every code cell was executed, no error outputs, a ``parameters`` cell, a
-    provenance line (the output of ``megamoe.describe_environment()``), and no kernel code (``@triton.jit``).
+    provenance line (the output of ``megamoe.describe_environment()``), no kernel code (``@triton.jit``), and fresh
+    outputs: every ``results/*.json`` a notebook read is recorded in its outputs with its hash
+    (``megamoe.figures.read_results``) and still has that hash.
     Exits 1 and lists the problems otherwise.
 ``list``
     Prints the notebooks in order with their titles.
@@ -225,6 +227,33 @@ def check_notebook(path: Path) -> list[str]:
         problems.append("no provenance line (print megamoe.describe_environment())")
     if nb.metadata.get("papermill", {}).get("exception"):
         problems.append("papermill recorded an exception for the last execution")
+    problems += freshness_problems(nb)
+    return problems
+
+
+#: A code cell that reads ``results/*.json`` (its outputs must then record what it read, see ``RESULTS_READ_RE``).
+READS_RESULTS_RE = re.compile(r"\b(load_results?|plot_results|results_files|read_results)\(")
+
+
+def freshness_problems(nb) -> list[str]:
+    """Outputs made from results files that have changed since: every ``read results/<file> sha256:<h>`` line in
+    the outputs must name a committed ``results/`` file with that hash, and a notebook whose code reads results
+    must carry such lines (outputs older than the record count as stale). Fix: re-execute the notebook."""
+    from megamoe.figures import RESULTS_READ_RE, results_dir, results_sha
+
+    problems = []
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    seen = {(m["name"], m["sha"]) for c in code for m in RESULTS_READ_RE.finditer(_outputs_text(c))}
+    if any(READS_RESULTS_RE.search(c.source) for c in code) and not seen:
+        problems.append("reads results/*.json but its outputs record none of them (executed before the freshness "
+                        "record): re-execute it")
+    for name, sha in sorted(seen):
+        path = results_dir() / name
+        if not path.exists():
+            problems.append(f"stale: its outputs were made from results/{name}, which no longer exists")
+        elif results_sha(path) != sha:
+            problems.append(f"stale: results/{name} changed since the outputs were made (sha256 {sha} -> "
+                            f"{results_sha(path)}): re-execute it")
     return problems
 
 

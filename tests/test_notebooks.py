@@ -102,3 +102,28 @@ def test_notebook_names_resolve():
                                                                                   "05_gemm_swiglu"]
     with pytest.raises(ValueError, match="no notebook"):
         nbs.notebook_paths(["99"])
+
+
+def test_freshness_check_flags_outputs_made_from_changed_results(tmp_path, monkeypatch):
+    """A notebook output records ``read results/x.json sha256:<h>``; changing the file makes it stale, an output
+    without any record (from a notebook whose code reads results) is stale too, and a matching one passes."""
+    from megamoe import figures
+
+    monkeypatch.setenv("MEGAMOE_RESULTS_DIR", str(tmp_path))
+    (tmp_path / "x.json").write_text('{"rows": []}')
+
+    def notebook(text: str, source: str = "figures.load_results('x')"):
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell(source)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        nb.cells = [cell]
+        return nb
+
+    line = f"read results/x.json sha256:{figures.results_sha(tmp_path / 'x.json')}\n"
+    assert nbs.freshness_problems(notebook(line)) == []
+    assert any("record none" in p for p in nbs.freshness_problems(notebook("no record\n")))
+    (tmp_path / "x.json").write_text('{"rows": [1]}')
+    assert any("changed since" in p for p in nbs.freshness_problems(notebook(line)))
+    (tmp_path / "x.json").unlink()
+    assert any("no longer exists" in p for p in nbs.freshness_problems(notebook(line)))
+    assert nbs.freshness_problems(notebook("no record\n", source="print(1)")) == []
