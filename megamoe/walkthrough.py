@@ -1077,10 +1077,12 @@ def megamoe_layer_rank(rank: int, world_size: int, case: MoECase, num_calls: int
 
 
 def results_files(prefix: str = "") -> list[Path]:
-    """``results/<prefix>*.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), sorted."""
+    """``results/<prefix>*.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), sorted, without the notebooks'
+    own execution times (``notebook_times_*``: rewritten by every notebook run, so no notebook output made from
+    them could stay fresh; the README cites them)."""
     from megamoe.figures import results_dir
 
-    return sorted(results_dir().glob(f"{prefix}*.json"))
+    return sorted(p for p in results_dir().glob(f"{prefix}*.json") if not p.stem.startswith("notebook_times"))
 
 
 def load_result(path: Path) -> dict:
