@@ -43,8 +43,15 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
-from megamoe.kernels.numerics import (bf16_bits_to_f32, ceil_ue8m0, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt,
-                                      f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16)
+from megamoe.kernels.numerics import (
+    bf16_bits_to_f32,
+    ceil_ue8m0,
+    e2m1_to_e4m3,
+    e2m1x2_to_e4m3_prmt,
+    f32_to_bf16_bits,
+    f32_to_e4m3_bits,
+    round_to_bf16,
+)
 from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns, sym_map
 
@@ -205,7 +212,8 @@ def _row_exponent_max(w_sf, rows, N: tl.constexpr, KW: tl.constexpr, BLOCK_KW: t
     """Largest UE8M0 byte of each weight row over all K: ``w_sf`` int32 MN-major ``[KW][N]``, ``rows`` [BN]."""
     kw = tl.arange(0, BLOCK_KW)
     words = tl.load(w_sf + kw[None, :] * N + rows[:, None], mask=kw[None, :] < KW, other=0)
-    m = tl.maximum(tl.maximum(words & 0xFF, (words >> 8) & 0xFF), tl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
+    m = tl.maximum(tl.maximum(words & 0xFF, (words >> 8) & 0xFF),
+                   tl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
     return tl.max(m, axis=1)
 
 
@@ -349,7 +357,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     acc_g += part_g
     acc_u += part_u
     # epilogue: weight-row and token scales, bf16 round (as the reference), clamp, SwiGLU, top-k weight
-    sa = _pow2_f32((tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101) & 0xFF) - 127)
+    sa_words = tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101)
+    sa = _pow2_f32((sa_words & 0xFF) - 127)
     gate = round_to_bf16(tl.trans(acc_g * _pow2_f32(rmax_g - 127)[:, None]) * sa[:, None])
     up = round_to_bf16(tl.trans(acc_u * _pow2_f32(rmax_u - 127)[:, None]) * sa[:, None])
     if HAS_CLAMP:

@@ -32,8 +32,17 @@ tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpr
 import triton
 import triton.language as tl
 
-from megamoe.kernels.numerics import (ceil_ue8m0, e2m1_scaled_f32, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt, f32_to_bf16_bits,
-                                      f32_to_e4m3_bits, round_to_bf16, sf_byte, ue8m0_to_f32)
+from megamoe.kernels.numerics import (
+    ceil_ue8m0,
+    e2m1_scaled_f32,
+    e2m1_to_e4m3,
+    e2m1x2_to_e4m3_prmt,
+    f32_to_bf16_bits,
+    f32_to_e4m3_bits,
+    round_to_bf16,
+    sf_byte,
+    ue8m0_to_f32,
+)
 from megamoe.kernels.pool import expert_blocks, locate_block
 from megamoe.kernels.symm import sym_map
 
@@ -194,7 +203,8 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
         l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                 OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE, F64_EXP)
         tile += tl.num_programs(0)
@@ -246,7 +256,8 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
         l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META,
                 OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
         tile += tl.num_programs(0)

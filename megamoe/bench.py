@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megamoe.env import REPO_ROOT, provenance
-from megamoe.ops import bind_calls, pipeline_steps, fp8_fp4_mega_moe
+from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
 from megamoe.programs import MoECase, expected_recv_counts, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
@@ -224,11 +224,12 @@ def bench_timeline(quick: bool) -> dict:
             sel = ev[..., 0] == i
             d = (ev[..., 2] - ev[..., 1])[sel].double()
             if d.numel():
-                summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3, "mean_us": float(d.mean()) / 1e3}
+                summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3,
+                                 "mean_us": float(d.mean()) / 1e3}
         span_us = (int(ev[..., 2][valid].max()) - t_min) / 1e3
         cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
-        runs.append({"num_tokens_per_rank": n, "numerics": numerics, "block_m": cfg.block_m, "programs": cfg.programs_per_rank,
-                     "span_us": span_us, "summary": summary, "events": per_program})
+        runs.append({"num_tokens_per_rank": n, "numerics": numerics, "block_m": cfg.block_m,
+                     "programs": cfg.programs_per_rank, "span_us": span_us, "summary": summary, "events": per_program})
         print(f"  {numerics} T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
               + "  ".join(f"{k}: {v['count']} x {v['mean_us']:.1f} us" for k, v in summary.items()), flush=True)
     sb.destroy()
@@ -282,7 +283,8 @@ def bench_fused_tune(quick: bool) -> dict:
                          "num_stages": cfg.num_stages, "us": ms * 1e3, "staged_us": staged_ms * 1e3,
                          "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             print(f"  T={n:>5} {cfg.numerics:<6} bm={cfg.block_m:<3} programs={cfg.programs_per_rank:<3} "
-                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  err={err['rel_fro']:.1e}",
+                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  "
+                  f"err={err['rel_fro']:.1e}",
                   flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "num_sms": sms, "world_size": 1,
@@ -352,7 +354,8 @@ def bench_tune(quick: bool) -> dict:
                 calls = bind_calls(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
                 steps = _step_times_us(calls, "pull", iters=10)
                 row = {"block_m": block_m, "num_tokens": n, "variant": {k: x for k, x in v.items()},
-                       "l1_us": steps["l1"], "l2_us": steps["l2"], "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
+                       "l1_us": steps["l1"], "l2_us": steps["l2"],
+                       "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
                 rows.append(row)
                 print(f"  bm={block_m} T={n} {v}: l1={steps['l1']:.0f} us l2={steps['l2']:.0f} us", flush=True)
                 ops.GEMM_CONFIG.update({k: dict(x) for k, x in base.items()})
@@ -371,8 +374,9 @@ def bench_tma_pull(quick: bool) -> dict:
     return {"config": res["config"], "rows": rows}
 
 
-SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer,
-          "pull_push": bench_pull_push, "timeline": bench_timeline, "fused_tune": bench_fused_tune}
+SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(),
+          "layer": bench_layer, "pull_push": bench_pull_push, "timeline": bench_timeline,
+          "fused_tune": bench_fused_tune}
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:

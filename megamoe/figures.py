@@ -213,7 +213,7 @@ def layout_breakdown(layout: Layout) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------------------------------------------- simulation figures
+# --------------------------------------------------------------------------------------------------- simulation figures
 def occupancy_sweep(ranks: Sequence[int] = (8, 16, 24, 32, 48, 64, 72), *, num_experts: int = 576,
                     num_tokens_per_rank: int = 8192, num_topk: int = 8, hidden: int = 7168,
                     intermediate_hidden: int = 3072, block_m: int = 128, zipf_alpha: float = 1.0,
@@ -329,7 +329,8 @@ def bench_layer_timing(data: dict) -> Figure:
     modes = sorted({r.get("dispatch", "") for r in data["rows"]})
     step_colors: dict[str, str] = {}
     for style, mode in zip(styles * len(modes), modes):
-        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode), key=lambda r: r["num_tokens_per_rank"])
+        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode),
+                      key=lambda r: r["num_tokens_per_rank"])
         xs = [r["num_tokens_per_rank"] for r in rows]
         tag = f" ({mode})" if mode else ""
         ax_total.plot(xs, [r["us"] for r in rows], ls=style, marker="o", label=f"total{tag}")
@@ -407,7 +408,8 @@ def bench_timeline(data: dict) -> Figure:
         ax.set_ylabel("program")
         ax.set_title(f"{run.get('numerics', '')} numerics, {run['num_tokens_per_rank']} tokens, block_m "
                      f"{run['block_m']}, span {run['span_us']:.0f} µs", fontsize=9)
-        handles = [matplotlib.patches.Patch(color=colors[k], label=k) for k in kinds if k in ("pull", "l1", "l2", "combine")]
+        handles = [matplotlib.patches.Patch(color=colors[k], label=k)
+                   for k in kinds if k in ("pull", "l1", "l2", "combine")]
         ax.legend(handles=handles, fontsize=8, loc="upper right")
         ax.grid(axis="y", visible=False)
     fig.suptitle(_title(data, "Fused kernel: one launch, per-program tasks over time"))

@@ -26,7 +26,8 @@ TUNE = {"kind": "tune", "provenance": {"device": "test"}, "config": {},
 LAYER_IMPLS = {"kind": "layer", "provenance": {"device": "test"}, "config": {},
                "rows": [{"impl": i, "numerics": m, "routing": r, "num_tokens_per_rank": t, "us": t * f,
                          "roofline_pct": 10.0 / f}
-                        for i, m, f in (("fused", "exact", 1.0), ("staged", "exact", 1.5), ("torch_grouped_mm", None, 0.5))
+                        for i, m, f in (("fused", "exact", 1.0), ("staged", "exact", 1.5),
+                                        ("torch_grouped_mm", None, 0.5))
                         for r in ("uniform", "skewed") for t in (8, 512, 8192)]}
 TIMELINE = {"kind": "timeline", "provenance": {"device": "test"},
             "config": {"kinds": ["count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3"]},

@@ -12,8 +12,15 @@ from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
 from megamoe.programs import MoECase, prepare_rank, run_case_local, run_case_rank
-from megamoe.quant import (dequant_fp8, fold_scales, fold_to_row_scale_dequant, pack_ue8m0, per_128_cast_to_fp8,
-                           per_token_cast_to_fp8, ue8m0_bytes)
+from megamoe.quant import (
+    dequant_fp8,
+    fold_scales,
+    fold_to_row_scale_dequant,
+    pack_ue8m0,
+    per_128_cast_to_fp8,
+    per_token_cast_to_fp8,
+    ue8m0_bytes,
+)
 from megamoe.symm import SymmBuffer
 
 

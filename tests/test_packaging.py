@@ -33,7 +33,9 @@ def test_environment_yml_agrees_with_pyproject():
 def test_gpu_extra_is_cupy_only_and_never_imported_on_cpu_paths():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert [_name(r) for r in meta["optional-dependencies"]["gpu"]] == ["cupy-cuda13x"]
-    import megamoe.bench, megamoe.kernels.cupy_prims, megamoe.ops  # noqa: F401,E401
+    import megamoe.bench  # noqa: F401
+    import megamoe.kernels.cupy_prims  # noqa: F401
+    import megamoe.ops  # noqa: F401
     assert "cupy" not in sys.modules
 
 
