@@ -30,6 +30,7 @@ def _assert_exact(reports):
         assert r["recv_stats_ok"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_one_rank_bitwise(numerics):
     """Non-power-of-two H and I, top-3, masks, clamp, two calls on one buffer."""
