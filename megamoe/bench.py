@@ -1,9 +1,10 @@
-"""GPU benchmarks: ``python -m megamoe.bench [--suite layer|pull_push|ceilings|all] [--quick]``.
+"""GPU benchmarks: ``python -m megamoe.bench [--suite SUITE|all] [--quick]``.
 
 Every suite writes ``results/<suite>_<device>.json`` = ``{"kind", "provenance", "config", "rows"}`` where provenance
-holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; ``python -m megamoe.figures``
-plots them. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also
-flushes L2 between runs); per-step times come from events recorded between the pipeline's launches.
+holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; the notebooks plot them
+(``megamoe.figures.plot_results``), and ``make figures`` (``python -m megamoe.notebooks figures``) writes the
+figures. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also flushes
+L2 between runs); per-step times come from events recorded between the pipeline's launches.
 
 Suites:
   * ``ceilings``: FP8 ``torch._scaled_mm`` 8192^3 and a 1 GiB device copy, the roofline this GPU reaches.
@@ -11,7 +12,9 @@ Suites:
     owns (H 7168, I 3072, top-6), tokens/rank 8 .. 8192: total and per-step time, TFLOP/s, error vs reference.
   * ``pull_push``: N local ranks on one GPU (lock-step), pull vs push dispatch on equal terms.
   * ``tma_pull``: the seed's CUDA primitives (CuPy): TMA 1-D bulk copy bandwidth by row size.
+  * ``timeline``: the fused kernel's per-program task timeline (``%globaltimer``), one EP8 rank's experts.
   * ``tune`` (not in ``all``): GEMM launch-config sweep behind ``megamoe.ops.GEMM_CONFIG``.
+  * ``fused_tune`` (not in ``all``): the fused kernel's launch configurations, next to the staged pipeline.
 """
 from __future__ import annotations
 
@@ -347,7 +350,7 @@ def bench_tune(quick: bool) -> dict:
             y, l1, l2, stats = prepare_rank(sbs[0], problem, 0)
             for v in variants:
                 for step in ("l1", "l2"):
-                    if v.get("l1_only") and step == "l2" or v.get("l2_only") and step == "l1":
+                    if v.get("l1_only") and step == "l2":
                         continue
                     ops.GEMM_CONFIG[step] = {**base[step], **{k: x for k, x in v.items() if not k.endswith("_only")}}
                 fp8_fp4_mega_moe(y, l1, l2, sbs[0])
@@ -377,6 +380,9 @@ def bench_tma_pull(quick: bool) -> dict:
 SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(),
           "layer": bench_layer, "pull_push": bench_pull_push, "timeline": bench_timeline,
           "fused_tune": bench_fused_tune}
+#: Sweeps that ``--suite all`` leaves out.
+NOT_IN_ALL = ("tune", "fused_tune")
+__doc__ = __doc__.replace("--suite SUITE|all", f"--suite {'|'.join([*SUITES, 'all'])}", 1)
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
@@ -401,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    for kind in ([k for k in SUITES if k not in ("tune", "fused_tune")] if args.suite == "all" else [args.suite]):
+    for kind in ([k for k in SUITES if k not in NOT_IN_ALL] if args.suite == "all" else [args.suite]):
         print(f"[bench] {kind}", flush=True)
         path = write_result(kind, SUITES[kind](args.quick), command, args.out)
         print(f"[bench] wrote {path}", flush=True)

@@ -298,11 +298,32 @@ def traffic_heatmap(result, trial: int = 0) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark figures
+def needs(*row_keys: str, config: tuple[str, ...] = ()) -> Callable:
+    """Declare what a benchmark plotter reads: keys every row has, and keys of ``config``. :func:`plot_results`
+    checks them first and falls back to :func:`bench_xy` when the results lack one (the schema moved on)."""
+    def declare(plotter: Callable) -> Callable:
+        plotter.row_keys, plotter.config_keys = frozenset(row_keys), frozenset(config)
+        return plotter
+    return declare
+
+
+def missing_keys(plotter: Callable, data: dict) -> list[str]:
+    """The keys :func:`needs` declared for ``plotter`` that ``data`` lacks (``config.<key>`` for config keys)."""
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return ["rows"]
+    missing = {k for r in rows for k in getattr(plotter, "row_keys", ()) if k not in r}
+    config = data.get("config") or {}
+    missing |= {f"config.{k}" for k in getattr(plotter, "config_keys", ()) if k not in config}
+    return sorted(missing)
+
+
 def _title(data: dict, default: str) -> str:
     device = data.get("provenance", {}).get("device", "unknown device")
     return f"{data.get('config', {}).get('title', default)} ({device})"
 
 
+@needs("row_bytes", "gb_s")
 def bench_pull_bandwidth(data: dict) -> Figure:
     """``kind = "pull_bandwidth"`` (``cupy_prims.bench_pull``): GB/s against row size, one line per ``op``."""
     fig, axes = new_figure(size=(6.5, 4.0))
@@ -319,6 +340,7 @@ def bench_pull_bandwidth(data: dict) -> Figure:
     return fig
 
 
+@needs("num_tokens_per_rank", "us", "tflops")
 def bench_layer_timing(data: dict) -> Figure:
     """``kind = "layer"`` or ``"pull_push"`` (``megamoe.bench``): total time, per-step time and TFLOP/s against
     tokens per rank, one line style per ``dispatch`` mode. Rows need ``num_tokens_per_rank``, ``us``, ``tflops``
@@ -356,6 +378,7 @@ def bench_layer_timing(data: dict) -> Figure:
     return fig
 
 
+@needs("impl", "num_tokens_per_rank", "us")
 def bench_layer_impls(data: dict) -> Figure:
     """``kind = "layer"`` (``megamoe.bench``, one row per implementation and size): µs per call and % of the
     run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of panels per
@@ -389,6 +412,7 @@ def bench_layer_impls(data: dict) -> Figure:
     return fig
 
 
+@needs("num_tokens_per_rank", "block_m", "span_us", "events", config=("kinds",))
 def bench_timeline(data: dict) -> Figure:
     """``kind = "timeline"`` (``megamoe.bench --suite timeline``): one Gantt chart per recorded run of the fused
     kernel -- a row per program, a bar per task coloured by kind (pull, L1, L2, ...) -- so the overlap of the pull
@@ -416,6 +440,7 @@ def bench_timeline(data: dict) -> Figure:
     return fig
 
 
+@needs("num_tokens_per_rank", "numerics", "block_m", "num_warps", "programs_per_rank")
 def bench_fused_tune(data: dict) -> Figure:
     """``kind = "fused_tune"``: time of each fused launch configuration per token count, the staged pipeline of the
     same run as a line."""
@@ -436,6 +461,7 @@ def bench_fused_tune(data: dict) -> Figure:
     return fig
 
 
+@needs("what")
 def bench_ceilings(data: dict) -> Figure:
     """``kind = "ceilings"``: one bar per measured ceiling, labelled with its rate (``tflops`` / ``tb_per_s`` /
     ``gb_s``)."""
@@ -452,6 +478,7 @@ def bench_ceilings(data: dict) -> Figure:
     return fig
 
 
+@needs("block_m", "num_tokens", "variant")
 def bench_tune(data: dict) -> Figure:
     """``kind = "tune"``: L1 and L2 step time of every launch-config variant, one panel per (block_m, tokens)."""
     groups: dict[tuple, list[dict]] = {}
@@ -537,20 +564,19 @@ def results_kind(data: dict, name: str) -> str:
 def plot_results(name: str) -> Figure | None:
     """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot.
 
-    A kind's plotter that finds a column missing (the schema moved on) falls back to :func:`bench_xy`.
+    When the results lack a key the kind's plotter declared (:func:`needs`; the schema moved on), the generic
+    :func:`bench_xy` draws them instead. Any error of the plotter itself is raised.
     """
     data = load_results(name)
     if data is None:
         return None
     kind = results_kind(data, name)
     plotter = BENCH_PLOTS.get(kind, bench_xy)
-    try:
-        return plotter(data)
-    except (KeyError, TypeError) as e:
-        if plotter is bench_xy:
-            raise
-        print(f"figures: {name}: the {kind!r} plotter needs {e}; using the generic x/y plot")
+    missing = missing_keys(plotter, data) if plotter is not bench_xy else []
+    if missing:
+        print(f"figures: {name}: the {kind!r} plotter needs {', '.join(missing)}; using the generic x/y plot")
         return bench_xy(data)
+    return plotter(data)
 
 
 # ---------------------------------------------------------------------------------------------------- make figures

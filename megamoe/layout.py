@@ -38,8 +38,6 @@ from typing import Iterator
 
 import torch
 
-#: Row alignment required for 1-D bulk (TMA) copies and for 16-byte vector accesses.
-TMA_ALIGNMENT = 16
 #: Every segment starts on a 128-byte boundary (one L2 cache line / full coalesced warp access).
 SEGMENT_ALIGNMENT = 128
 #: DeepGEMM's kNumMaxRanks.
