@@ -42,6 +42,7 @@ for wgmma's A (sm_90a SASS), so the default stays ``"exact"``.
 import triton
 import triton.language as tl
 
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
 from megamoe.kernels.numerics import (
     bf16_bits_to_f32,
@@ -293,18 +294,19 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
     topk_w = sym_map((buf + OFF_TOPK_W).to(tl.pointer_type(tl.float32)), buffer_ptrs, me, source)
     # s_max: the token's largest scale exponent
     g = tl.arange(0, BLOCK_W)
-    sfb = tl.load(x_sf + token[:, None] * (H // 32) + g[None, :], mask=mj[:, None] & (g[None, :] < H // 32), other=0)
+    sfb = tl.load(x_sf + token[:, None] * (H // SF_GRAN_K) + g[None, :],
+                  mask=mj[:, None] & (g[None, :] < H // SF_GRAN_K), other=0)
     smax = tl.max(sfb.to(tl.int32), axis=1)
     l1 = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
-    G_H: tl.constexpr = BLOCK_H // 32
+    G_H: tl.constexpr = BLOCK_H // SF_GRAN_K
     for h0 in tl.static_range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(x + token[:, None].to(tl.int64) * H + h[None, :], mask=mj[:, None], other=0.0)
-        gb = tl.load(x_sf + token[:, None] * (H // 32) + h0 // 32 + tl.arange(0, G_H)[None, :], mask=mj[:, None],
-                     other=0).to(tl.int32)
+        gb = tl.load(x_sf + token[:, None] * (H // SF_GRAN_K) + h0 // SF_GRAN_K + tl.arange(0, G_H)[None, :],
+                     mask=mj[:, None], other=0).to(tl.int32)
         if FOLDED:
             scale = _pow2_f32(gb - smax[:, None])                               # [BLOCK_J, BLOCK_H / 32]
-            v = tl.reshape(_fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, 32]), scale[:, :, None], HW_CVT),
+            v = tl.reshape(_fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, SF_GRAN_K]), scale[:, :, None], HW_CVT),
                            [BLOCK_J, BLOCK_H])
         tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], v, mask=mj[:, None])
     w = tl.arange(0, BLOCK_W)
@@ -335,8 +337,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     gate/up weight rows); SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
     c = nt * 128 + tl.arange(0, 128)
-    gate_rows = (c // 8) * 16 + c % 8
-    up_rows = gate_rows + 8
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE
+    up_rows = gate_rows + L1_INTERLEAVE
     w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
     w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
     rmax_g = _row_exponent_max(w_sf, gate_rows, 2 * I, H // 128, KW1_PAD)
@@ -367,8 +369,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     act = swiglu(gate, up, F64_EXP)
     act = act * tl.load((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + rows, mask=mask_m, other=0.0)[:, None]
     # FP8 requant per 128 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
-    amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
-    _, sbyte = ceil_ue8m0(amax / 448.0)
+    amax = tl.maximum(tl.max(tl.abs(act), axis=1), AMAX_FLOOR)
+    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
     inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
     q = f32_to_e4m3_bits(act * inv[:, None])
     out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
