@@ -4,7 +4,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test fuzz test-gpu notebooks figures lab bench clean
+.PHONY: setup lint test test-fast fuzz test-gpu notebooks figures lab bench clean
 
 setup:  ## create .venv and install megamoe (editable) with test + notebook extras
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,14 @@ endif
 	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(VPY) -c "import megamoe, megamoe.kernels; print('megamoe', megamoe.__version__, 'ready:', megamoe.describe_environment())"
 
+lint:  ## ruff (config in pyproject.toml)
+	$(VPY) -m ruff check megamoe kernels tests
+
 test:  ## the CPU test suite (Triton interpreter, CPU ranks); includes executing the notebooks
 	$(VPY) -m pytest tests --ignore=tests/gpu -q
+
+test-fast:  ## the CPU suite without the tests marked slow (> ~5 s each; notebooks, multi-rank, fuzz), ~1.5 min
+	$(VPY) -m pytest tests --ignore=tests/gpu -q -m "not slow"
 
 FUZZ_COUNT    ?= 200
 FUZZ_SEED     ?= 1

@@ -42,9 +42,17 @@ for wgmma's A (sm_90a SASS), so the default stays ``"exact"``.
 import triton
 import triton.language as tl
 
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
-from megamoe.kernels.numerics import (bf16_bits_to_f32, ceil_ue8m0, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt,
-                                      f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16)
+from megamoe.kernels.numerics import (
+    bf16_bits_to_f32,
+    ceil_ue8m0,
+    e2m1_to_e4m3,
+    e2m1x2_to_e4m3_prmt,
+    f32_to_bf16_bits,
+    f32_to_e4m3_bits,
+    round_to_bf16,
+)
 from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns, sym_map
 
@@ -205,7 +213,8 @@ def _row_exponent_max(w_sf, rows, N: tl.constexpr, KW: tl.constexpr, BLOCK_KW: t
     """Largest UE8M0 byte of each weight row over all K: ``w_sf`` int32 MN-major ``[KW][N]``, ``rows`` [BN]."""
     kw = tl.arange(0, BLOCK_KW)
     words = tl.load(w_sf + kw[None, :] * N + rows[:, None], mask=kw[None, :] < KW, other=0)
-    m = tl.maximum(tl.maximum(words & 0xFF, (words >> 8) & 0xFF), tl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
+    m = tl.maximum(tl.maximum(words & 0xFF, (words >> 8) & 0xFF),
+                   tl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
     return tl.max(m, axis=1)
 
 
@@ -285,18 +294,19 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
     topk_w = sym_map((buf + OFF_TOPK_W).to(tl.pointer_type(tl.float32)), buffer_ptrs, me, source)
     # s_max: the token's largest scale exponent
     g = tl.arange(0, BLOCK_W)
-    sfb = tl.load(x_sf + token[:, None] * (H // 32) + g[None, :], mask=mj[:, None] & (g[None, :] < H // 32), other=0)
+    sfb = tl.load(x_sf + token[:, None] * (H // SF_GRAN_K) + g[None, :],
+                  mask=mj[:, None] & (g[None, :] < H // SF_GRAN_K), other=0)
     smax = tl.max(sfb.to(tl.int32), axis=1)
     l1 = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
-    G_H: tl.constexpr = BLOCK_H // 32
+    G_H: tl.constexpr = BLOCK_H // SF_GRAN_K
     for h0 in tl.static_range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(x + token[:, None].to(tl.int64) * H + h[None, :], mask=mj[:, None], other=0.0)
-        gb = tl.load(x_sf + token[:, None] * (H // 32) + h0 // 32 + tl.arange(0, G_H)[None, :], mask=mj[:, None],
-                     other=0).to(tl.int32)
+        gb = tl.load(x_sf + token[:, None] * (H // SF_GRAN_K) + h0 // SF_GRAN_K + tl.arange(0, G_H)[None, :],
+                     mask=mj[:, None], other=0).to(tl.int32)
         if FOLDED:
             scale = _pow2_f32(gb - smax[:, None])                               # [BLOCK_J, BLOCK_H / 32]
-            v = tl.reshape(_fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, 32]), scale[:, :, None], HW_CVT),
+            v = tl.reshape(_fold_e4m3(tl.reshape(v, [BLOCK_J, G_H, SF_GRAN_K]), scale[:, :, None], HW_CVT),
                            [BLOCK_J, BLOCK_H])
         tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], v, mask=mj[:, None])
     w = tl.arange(0, BLOCK_W)
@@ -327,8 +337,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     gate/up weight rows); SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
     c = nt * 128 + tl.arange(0, 128)
-    gate_rows = (c // 8) * 16 + c % 8
-    up_rows = gate_rows + 8
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE
+    up_rows = gate_rows + L1_INTERLEAVE
     w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
     w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
     rmax_g = _row_exponent_max(w_sf, gate_rows, 2 * I, H // 128, KW1_PAD)
@@ -349,7 +359,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     acc_g += part_g
     acc_u += part_u
     # epilogue: weight-row and token scales, bf16 round (as the reference), clamp, SwiGLU, top-k weight
-    sa = _pow2_f32((tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101) & 0xFF) - 127)
+    sa_words = tl.load((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + sf_rows, mask=mask_m, other=127 * 0x01010101)
+    sa = _pow2_f32((sa_words & 0xFF) - 127)
     gate = round_to_bf16(tl.trans(acc_g * _pow2_f32(rmax_g - 127)[:, None]) * sa[:, None])
     up = round_to_bf16(tl.trans(acc_u * _pow2_f32(rmax_u - 127)[:, None]) * sa[:, None])
     if HAS_CLAMP:
@@ -358,8 +369,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     act = swiglu(gate, up, F64_EXP)
     act = act * tl.load((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + rows, mask=mask_m, other=0.0)[:, None]
     # FP8 requant per 128 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
-    amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
-    _, sbyte = ceil_ue8m0(amax / 448.0)
+    amax = tl.maximum(tl.max(tl.abs(act), axis=1), AMAX_FLOOR)
+    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
     inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
     q = f32_to_e4m3_bits(act * inv[:, None])
     out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))

@@ -32,8 +32,18 @@ tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpr
 import triton
 import triton.language as tl
 
-from megamoe.kernels.numerics import (ceil_ue8m0, e2m1_scaled_f32, e2m1_to_e4m3, e2m1x2_to_e4m3_prmt, f32_to_bf16_bits,
-                                      f32_to_e4m3_bits, round_to_bf16, sf_byte, ue8m0_to_f32)
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
+from megamoe.kernels.numerics import (
+    ceil_ue8m0,
+    e2m1_scaled_f32,
+    e2m1_to_e4m3,
+    e2m1x2_to_e4m3_prmt,
+    f32_to_bf16_bits,
+    f32_to_e4m3_bits,
+    round_to_bf16,
+    sf_byte,
+    ue8m0_to_f32,
+)
 from megamoe.kernels.pool import expert_blocks, locate_block
 from megamoe.kernels.symm import sym_map
 
@@ -46,7 +56,7 @@ def _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, K: tl.constexpr, SP: 
     a0 = tl.load(base, mask=mask_m[:, None], other=0.0)
     a1 = tl.load(base + 32, mask=mask_m[:, None], other=0.0)
     word = tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=0)
-    g = k0 // 32
+    g = k0 // SF_GRAN_K
     return a0, a1, ue8m0_to_f32(sf_byte(word, g)), ue8m0_to_f32(sf_byte(word, g + 1))
 
 
@@ -67,7 +77,7 @@ def _weight_step(acc, a0, a1, sa0, sa1, packed, word, k0, PRMT_DECODE: tl.conste
     else:
         b0 = e2m1_to_e4m3(packed.to(tl.int32) & 0xF)
         b1 = e2m1_to_e4m3(packed.to(tl.int32) >> 4)
-    g = k0 // 32
+    g = k0 // SF_GRAN_K
     sb0 = ue8m0_to_f32(sf_byte(word, g))
     sb1 = ue8m0_to_f32(sf_byte(word, g + 1))
     acc += tl.dot(a0, tl.trans(b0)) * (sa0[:, None] * sb0[None, :])
@@ -88,7 +98,7 @@ def _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, K: tl.constexpr, N: 
     (exact: e2m1 * 2^k has 2 significant bits). No per-group promotion: both dots chain on one accumulator."""
     packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :]).to(tl.int32)
     word = tl.load(w_sf + (k0 // 128) * N + n_rows)
-    g = k0 // 32
+    g = k0 // SF_GRAN_K
     b0 = e2m1_scaled_f32(packed & 0xF, sf_byte(word, g)[:, None]).to(DOT_DTYPE)
     b1 = e2m1_scaled_f32(packed >> 4, sf_byte(word, g + 1)[:, None]).to(DOT_DTYPE)
     acc = tl.dot(a0w, tl.trans(b0), acc)
@@ -141,9 +151,9 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
     out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.uint8))
     w1 = w1.to(tl.pointer_type(tl.uint8))
-    G: tl.constexpr = BLOCK_N // 32
+    G: tl.constexpr = BLOCK_N // SF_GRAN_K
     c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate_rows = (c // 8) * 16 + c % 8  # gate/up interleaved in groups of 8
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE  # gate/up interleaved
     w = w1 + expert.to(tl.int64) * (2 * I) * (H // 2)
     w_sf = w1_sf + expert.to(tl.int64) * (H // 128) * (2 * I)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -153,10 +163,10 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
         if SCALED_OPERANDS:
             a0w, a1w = _widen_a(a0, a1, sa0, sa1, DOT_DTYPE)
             acc_g = _weight_step_scaled(acc_g, a0w, a1w, w, w_sf, gate_rows, k0, H, 2 * I, DOT_DTYPE)
-            acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + 8, k0, H, 2 * I, DOT_DTYPE)
+            acc_u = _weight_step_scaled(acc_u, a0w, a1w, w, w_sf, gate_rows + L1_INTERLEAVE, k0, H, 2 * I, DOT_DTYPE)
         else:
             pg, sg = _load_w(w, w_sf, gate_rows, k0, H, 2 * I)
-            pu, su = _load_w(w, w_sf, gate_rows + 8, k0, H, 2 * I)
+            pu, su = _load_w(w, w_sf, gate_rows + L1_INTERLEAVE, k0, H, 2 * I)
             acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, pg, sg, k0, PRMT_DECODE)
             acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, pu, su, k0, PRMT_DECODE)
     # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
@@ -168,9 +178,9 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     act = swiglu(gate, up, F64_EXP)
     act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
     # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
-    act3 = tl.reshape(act, [BLOCK_M, G, 32])
-    amax = tl.maximum(tl.max(tl.abs(act3), axis=2), 1e-4)
-    _, sbyte = ceil_ue8m0(amax / 448.0)
+    act3 = tl.reshape(act, [BLOCK_M, G, SF_GRAN_K])
+    amax = tl.maximum(tl.max(tl.abs(act3), axis=2), AMAX_FLOOR)
+    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
     inv = ((254 - sbyte) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
     q = tl.reshape(f32_to_e4m3_bits(act3 * inv[:, :, None]), [BLOCK_M, BLOCK_N])
     tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
@@ -194,7 +204,8 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
         l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                 OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE, F64_EXP)
         tile += tl.num_programs(0)
@@ -246,7 +257,8 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
     num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
     tile = tl.program_id(0)
     while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
         l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META,
                 OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
         tile += tl.num_programs(0)

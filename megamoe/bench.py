@@ -1,9 +1,10 @@
-"""GPU benchmarks: ``python -m megamoe.bench [--suite layer|pull_push|ceilings|all] [--quick]``.
+"""GPU benchmarks: ``python -m megamoe.bench [--suite SUITE|all] [--quick]``.
 
 Every suite writes ``results/<suite>_<device>.json`` = ``{"kind", "provenance", "config", "rows"}`` where provenance
-holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; ``python -m megamoe.figures``
-plots them. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also
-flushes L2 between runs); per-step times come from events recorded between the pipeline's launches.
+holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; the notebooks plot them
+(``megamoe.figures.plot_results``), and ``make figures`` (``python -m megamoe.notebooks figures``) writes the
+figures. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also flushes
+L2 between runs); per-step times come from events recorded between the pipeline's launches.
 
 Suites:
   * ``ceilings``: FP8 ``torch._scaled_mm`` 8192^3 and a 1 GiB device copy, the roofline this GPU reaches.
@@ -11,7 +12,9 @@ Suites:
     owns (H 7168, I 3072, top-6), tokens/rank 8 .. 8192: total and per-step time, TFLOP/s, error vs reference.
   * ``pull_push``: N local ranks on one GPU (lock-step), pull vs push dispatch on equal terms.
   * ``tma_pull``: the seed's CUDA primitives (CuPy): TMA 1-D bulk copy bandwidth by row size.
+  * ``timeline``: the fused kernel's per-program task timeline (``%globaltimer``), one EP8 rank's experts.
   * ``tune`` (not in ``all``): GEMM launch-config sweep behind ``megamoe.ops.GEMM_CONFIG``.
+  * ``fused_tune`` (not in ``all``): the fused kernel's launch configurations, next to the staged pipeline.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megamoe.env import REPO_ROOT, provenance
-from megamoe.ops import bind_calls, pipeline_steps, fp8_fp4_mega_moe
+from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
 from megamoe.programs import MoECase, expected_recv_counts, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
@@ -224,11 +227,12 @@ def bench_timeline(quick: bool) -> dict:
             sel = ev[..., 0] == i
             d = (ev[..., 2] - ev[..., 1])[sel].double()
             if d.numel():
-                summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3, "mean_us": float(d.mean()) / 1e3}
+                summary[name] = {"count": int(d.numel()), "sum_us": float(d.sum()) / 1e3,
+                                 "mean_us": float(d.mean()) / 1e3}
         span_us = (int(ev[..., 2][valid].max()) - t_min) / 1e3
         cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
-        runs.append({"num_tokens_per_rank": n, "numerics": numerics, "block_m": cfg.block_m, "programs": cfg.programs_per_rank,
-                     "span_us": span_us, "summary": summary, "events": per_program})
+        runs.append({"num_tokens_per_rank": n, "numerics": numerics, "block_m": cfg.block_m,
+                     "programs": cfg.programs_per_rank, "span_us": span_us, "summary": summary, "events": per_program})
         print(f"  {numerics} T={n}: span {span_us:.0f} us, block_m {cfg.block_m}: "
               + "  ".join(f"{k}: {v['count']} x {v['mean_us']:.1f} us" for k, v in summary.items()), flush=True)
     sb.destroy()
@@ -282,7 +286,8 @@ def bench_fused_tune(quick: bool) -> dict:
                          "num_stages": cfg.num_stages, "us": ms * 1e3, "staged_us": staged_ms * 1e3,
                          "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             print(f"  T={n:>5} {cfg.numerics:<6} bm={cfg.block_m:<3} programs={cfg.programs_per_rank:<3} "
-                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  err={err['rel_fro']:.1e}",
+                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  "
+                  f"err={err['rel_fro']:.1e}",
                   flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "num_sms": sms, "world_size": 1,
@@ -345,14 +350,15 @@ def bench_tune(quick: bool) -> dict:
             y, l1, l2, stats = prepare_rank(sbs[0], problem, 0)
             for v in variants:
                 for step in ("l1", "l2"):
-                    if v.get("l1_only") and step == "l2" or v.get("l2_only") and step == "l1":
+                    if v.get("l1_only") and step == "l2":
                         continue
                     ops.GEMM_CONFIG[step] = {**base[step], **{k: x for k, x in v.items() if not k.endswith("_only")}}
                 fp8_fp4_mega_moe(y, l1, l2, sbs[0])
                 calls = bind_calls(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
                 steps = _step_times_us(calls, "pull", iters=10)
                 row = {"block_m": block_m, "num_tokens": n, "variant": {k: x for k, x in v.items()},
-                       "l1_us": steps["l1"], "l2_us": steps["l2"], "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
+                       "l1_us": steps["l1"], "l2_us": steps["l2"],
+                       "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
                 rows.append(row)
                 print(f"  bm={block_m} T={n} {v}: l1={steps['l1']:.0f} us l2={steps['l2']:.0f} us", flush=True)
                 ops.GEMM_CONFIG.update({k: dict(x) for k, x in base.items()})
@@ -371,8 +377,12 @@ def bench_tma_pull(quick: bool) -> dict:
     return {"config": res["config"], "rows": rows}
 
 
-SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(), "layer": bench_layer,
-          "pull_push": bench_pull_push, "timeline": bench_timeline, "fused_tune": bench_fused_tune}
+SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(),
+          "layer": bench_layer, "pull_push": bench_pull_push, "timeline": bench_timeline,
+          "fused_tune": bench_fused_tune}
+#: Sweeps that ``--suite all`` leaves out.
+NOT_IN_ALL = ("tune", "fused_tune")
+__doc__ = __doc__.replace("--suite SUITE|all", f"--suite {'|'.join([*SUITES, 'all'])}", 1)
 
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
@@ -397,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("megamoe.bench needs a CUDA GPU (timings under the Triton interpreter are meaningless)")
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    for kind in ([k for k in SUITES if k not in ("tune", "fused_tune")] if args.suite == "all" else [args.suite]):
+    for kind in ([k for k in SUITES if k not in NOT_IN_ALL] if args.suite == "all" else [args.suite]):
         print(f"[bench] {kind}", flush=True)
         path = write_result(kind, SUITES[kind](args.quick), command, args.out)
         print(f"[bench] wrote {path}", flush=True)

@@ -37,7 +37,9 @@ def kernel_device():
     """The torch device the kernels run on in this process: ``cuda`` unless interpreting, else ``cpu``."""
     import torch
 
-    return torch.device("cpu") if interpreting() or not cuda_available() else torch.device("cuda", torch.cuda.current_device())
+    if interpreting() or not cuda_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def default_backend() -> str:
@@ -68,7 +70,8 @@ def provenance(command: str | None = None) -> dict:
     import triton
 
     info = {
-        "device": torch.cuda.get_device_name() if cuda_available() else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": (torch.cuda.get_device_name() if cuda_available()
+                   else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,

@@ -215,7 +215,7 @@ def layout_breakdown(layout: Layout) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------------------------------------------- simulation figures
+# --------------------------------------------------------------------------------------------------- simulation figures
 def occupancy_sweep(ranks: Sequence[int] = (8, 16, 24, 32, 48, 64, 72), *, num_experts: int = 576,
                     num_tokens_per_rank: int = 8192, num_topk: int = 8, hidden: int = 7168,
                     intermediate_hidden: int = 3072, block_m: int = 128, zipf_alpha: float = 1.0,
@@ -300,11 +300,32 @@ def traffic_heatmap(result, trial: int = 0) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark figures
+def needs(*row_keys: str, config: tuple[str, ...] = ()) -> Callable:
+    """Declare what a benchmark plotter reads: keys every row has, and keys of ``config``. :func:`plot_results`
+    checks them first and falls back to :func:`bench_xy` when the results lack one (the schema moved on)."""
+    def declare(plotter: Callable) -> Callable:
+        plotter.row_keys, plotter.config_keys = frozenset(row_keys), frozenset(config)
+        return plotter
+    return declare
+
+
+def missing_keys(plotter: Callable, data: dict) -> list[str]:
+    """The keys :func:`needs` declared for ``plotter`` that ``data`` lacks (``config.<key>`` for config keys)."""
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return ["rows"]
+    missing = {k for r in rows for k in getattr(plotter, "row_keys", ()) if k not in r}
+    config = data.get("config") or {}
+    missing |= {f"config.{k}" for k in getattr(plotter, "config_keys", ()) if k not in config}
+    return sorted(missing)
+
+
 def _title(data: dict, default: str) -> str:
     device = data.get("provenance", {}).get("device", "unknown device")
     return f"{data.get('config', {}).get('title', default)} ({device})"
 
 
+@needs("row_bytes", "gb_s")
 def bench_pull_bandwidth(data: dict) -> Figure:
     """``kind = "pull_bandwidth"`` (``cupy_prims.bench_pull``): GB/s against row size, one line per ``op``."""
     fig, axes = new_figure(size=(6.5, 4.0))
@@ -321,6 +342,7 @@ def bench_pull_bandwidth(data: dict) -> Figure:
     return fig
 
 
+@needs("num_tokens_per_rank", "us", "tflops")
 def bench_layer_timing(data: dict) -> Figure:
     """``kind = "layer"`` or ``"pull_push"`` (``megamoe.bench``): total time, per-step time and TFLOP/s against
     tokens per rank, one line style per ``dispatch`` mode. Rows need ``num_tokens_per_rank``, ``us``, ``tflops``
@@ -331,7 +353,8 @@ def bench_layer_timing(data: dict) -> Figure:
     modes = sorted({r.get("dispatch", "") for r in data["rows"]})
     step_colors: dict[str, str] = {}
     for style, mode in zip(styles * len(modes), modes):
-        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode), key=lambda r: r["num_tokens_per_rank"])
+        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode),
+                      key=lambda r: r["num_tokens_per_rank"])
         xs = [r["num_tokens_per_rank"] for r in rows]
         tag = f" ({mode})" if mode else ""
         ax_total.plot(xs, [r["us"] for r in rows], ls=style, marker="o", label=f"total{tag}")
@@ -357,6 +380,7 @@ def bench_layer_timing(data: dict) -> Figure:
     return fig
 
 
+@needs("impl", "num_tokens_per_rank", "us")
 def bench_layer_impls(data: dict) -> Figure:
     """``kind = "layer"`` (``megamoe.bench``, one row per implementation and size): µs per call and % of the
     run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of panels per
@@ -390,6 +414,7 @@ def bench_layer_impls(data: dict) -> Figure:
     return fig
 
 
+@needs("num_tokens_per_rank", "block_m", "span_us", "events", config=("kinds",))
 def bench_timeline(data: dict) -> Figure:
     """``kind = "timeline"`` (``megamoe.bench --suite timeline``): one Gantt chart per recorded run of the fused
     kernel -- a row per program, a bar per task coloured by kind (pull, L1, L2, ...) -- so the overlap of the pull
@@ -409,13 +434,15 @@ def bench_timeline(data: dict) -> Figure:
         ax.set_ylabel("program")
         ax.set_title(f"{run.get('numerics', '')} numerics, {run['num_tokens_per_rank']} tokens, block_m "
                      f"{run['block_m']}, span {run['span_us']:.0f} µs", fontsize=9)
-        handles = [matplotlib.patches.Patch(color=colors[k], label=k) for k in kinds if k in ("pull", "l1", "l2", "combine")]
+        handles = [matplotlib.patches.Patch(color=colors[k], label=k)
+                   for k in kinds if k in ("pull", "l1", "l2", "combine")]
         ax.legend(handles=handles, fontsize=8, loc="upper right")
         ax.grid(axis="y", visible=False)
     fig.suptitle(_title(data, "Fused kernel: one launch, per-program tasks over time"))
     return fig
 
 
+@needs("num_tokens_per_rank", "numerics", "block_m", "num_warps", "programs_per_rank")
 def bench_fused_tune(data: dict) -> Figure:
     """``kind = "fused_tune"``: time of each fused launch configuration per token count, the staged pipeline of the
     same run as a line."""
@@ -436,6 +463,7 @@ def bench_fused_tune(data: dict) -> Figure:
     return fig
 
 
+@needs("what")
 def bench_ceilings(data: dict) -> Figure:
     """``kind = "ceilings"``: one bar per measured ceiling, labelled with its rate (``tflops`` / ``tb_per_s`` /
     ``gb_s``)."""
@@ -452,6 +480,7 @@ def bench_ceilings(data: dict) -> Figure:
     return fig
 
 
+@needs("block_m", "num_tokens", "variant")
 def bench_tune(data: dict) -> Figure:
     """``kind = "tune"``: L1 and L2 step time of every launch-config variant, one panel per (block_m, tokens)."""
     groups: dict[tuple, list[dict]] = {}
@@ -556,20 +585,19 @@ def results_kind(data: dict, name: str) -> str:
 def plot_results(name: str) -> Figure | None:
     """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot.
 
-    A kind's plotter that finds a column missing (the schema moved on) falls back to :func:`bench_xy`.
+    When the results lack a key the kind's plotter declared (:func:`needs`; the schema moved on), the generic
+    :func:`bench_xy` draws them instead. Any error of the plotter itself is raised.
     """
     data = load_results(name)
     if data is None:
         return None
     kind = results_kind(data, name)
     plotter = BENCH_PLOTS.get(kind, bench_xy)
-    try:
-        return plotter(data)
-    except (KeyError, TypeError) as e:
-        if plotter is bench_xy:
-            raise
-        print(f"figures: {name}: the {kind!r} plotter needs {e}; using the generic x/y plot")
+    missing = missing_keys(plotter, data) if plotter is not bench_xy else []
+    if missing:
+        print(f"figures: {name}: the {kind!r} plotter needs {', '.join(missing)}; using the generic x/y plot")
         return bench_xy(data)
+    return plotter(data)
 
 
 # ---------------------------------------------------------------------------------------------------- make figures

@@ -9,8 +9,8 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
 
 * ``block_m`` (tokens per pool block) from the expected tokens per local expert ``n * R * k / E`` (DeepGEMM's
   key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
-  MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``). Never above ``layout.block_m``: the pool
-  is sized for it (the largest block it may pick), so every choice fits.
+  MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``). Never above
+  ``layout.block_m``: the pool is sized for it (the largest block it may pick), so every choice fits.
 * programs per rank: ``PROGRAMS_PER_SM`` per SM (GPU; divided among local ranks), 1 under the interpreter (its
   programs run one after another, so a grid sync between programs could never complete).
 * ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
@@ -140,9 +140,10 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
 
 
 def _arg_table(calls, timelines) -> torch.Tensor:
-    """int64 ``[local ranks, NUM_ARGS]``: per local rank the byte deltas of its tensors from local rank 0's (``kf.ARG_NAMES``
-    order) and its token count. Cached on the first buffer so a repeated call (and a CUDA-graph capture after a
-    warm-up call) allocates nothing. Every address must be 16-byte aligned (the kernel keeps vector accesses)."""
+    """int64 ``[local ranks, NUM_ARGS]``: per local rank the byte deltas of its tensors from local rank 0's
+    (``kf.ARG_NAMES`` order) and its token count. Cached on the first buffer so a repeated call (and a CUDA-graph
+    capture after a warm-up call) allocates nothing. Every address must be 16-byte aligned (the kernel keeps vector
+    accesses)."""
     def addrs(c, tl_):
         base = c.sb.buffer.data_ptr()
         return [base, c.y.data_ptr(), c.l1[0].data_ptr(), c.l1[1].data_ptr(), c.l2[0].data_ptr(),
@@ -153,8 +154,8 @@ def _arg_table(calls, timelines) -> torch.Tensor:
     for r, (c, row) in enumerate(zip(calls, rows)):
         for name, a in zip(kf.ARG_NAMES, row):
             if a is not None and a % 16:
-                raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused kernel "
-                                 "needs aligned tensors (a fresh allocation, not an offset view)")
+                raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused "
+                                 "kernel needs aligned tensors (a fresh allocation, not an offset view)")
     table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
     key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8))
     cache = calls[0].sb.__dict__.setdefault("_fused_arg_tables", {})

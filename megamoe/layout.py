@@ -38,8 +38,6 @@ from typing import Iterator
 
 import torch
 
-#: Row alignment required for 1-D bulk (TMA) copies and for 16-byte vector accesses.
-TMA_ALIGNMENT = 16
 #: Every segment starts on a 128-byte boundary (one L2 cache line / full coalesced warp access).
 SEGMENT_ALIGNMENT = 128
 #: DeepGEMM's kNumMaxRanks.
@@ -155,7 +153,8 @@ class Layout:
         self._cursor = offset + nbytes
 
     def _build(self) -> None:
-        R, E, El, T, k = self.num_ranks, self.num_experts, self.num_experts_per_rank, self.num_max_tokens_per_rank, self.num_topk
+        R, E, El = self.num_ranks, self.num_experts, self.num_experts_per_rank
+        T, k = self.num_max_tokens_per_rank, self.num_topk
         H, I, P, SP = self.hidden, self.intermediate_hidden, self.num_max_pool_tokens, self.num_padded_sf_pool_tokens
         self._cursor = 0
         ws = "workspace"
@@ -196,7 +195,8 @@ class Layout:
         self._add("topk_idx", inp, torch.int64, (T, k), "expert of each (token, slot); -1 = masked")
         self._add("topk_weights", inp, torch.float32, (T, k), "router weight of each (token, slot)")
         pool = "pool"
-        self._add("l1_acts", pool, torch.float8_e4m3fn, (P, H), "L1 pool: pulled tokens, expert-major, each expert padded to block_m")
+        self._add("l1_acts", pool, torch.float8_e4m3fn, (P, H),
+                  "L1 pool: pulled tokens, expert-major, each expert padded to block_m")
         self._add("l1_acts_sf", pool, torch.int32, (SP, H // 128),
                   "L1 pool scales, MN-major: pool block b's rows start at b*align(block_m,128)", mn_major=True)
         self._add("l1_topk_weights", pool, torch.float32, (P,), "router weight of each pool row")
@@ -249,7 +249,8 @@ class Layout:
                  f"{'segment':<22}{'region':<11}{'offset':>16}{'bytes':>16}  {'dtype':<15}shape"]
         for s in self:
             shape = "x".join(str(d) for d in s.shape) + (" (MN-major)" if s.mn_major else "")
-            lines.append(f"{s.name:<22}{s.region:<11}{s.offset:>16,}{s.nbytes:>16,}  {str(s.dtype).replace('torch.', ''):<15}{shape}")
+            dtype = str(s.dtype).replace('torch.', '')
+            lines.append(f"{s.name:<22}{s.region:<11}{s.offset:>16,}{s.nbytes:>16,}  {dtype:<15}{shape}")
         lines.append(f"{'total':<33}{self.num_bytes:>16,} bytes = {self.num_bytes / 2**30:.3f} GiB")
         return "\n".join(lines)
 

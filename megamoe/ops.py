@@ -27,13 +27,21 @@ from typing import Callable, Iterator, Sequence
 import torch
 import triton
 
+from megamoe.env import interpreting
 from megamoe.kernels import combine as kc
 from megamoe.kernels import dispatch as kd
 from megamoe.kernels import gemm as kg
-from megamoe.kernels.symm import (TAG_AFTER_WORKSPACE_CLEAN, TAG_BEFORE_COMBINE_REDUCE, TAG_BEFORE_DISPATCH_PULL,
-                                  ProgressBeacon, barrier_arrive, barrier_wait, check_barrier_state, heartbeat,
-                                  reset_workspace)
-from megamoe.env import interpreting
+from megamoe.kernels.symm import (
+    TAG_AFTER_WORKSPACE_CLEAN,
+    TAG_BEFORE_COMBINE_REDUCE,
+    TAG_BEFORE_DISPATCH_PULL,
+    ProgressBeacon,
+    barrier_arrive,
+    barrier_wait,
+    check_barrier_state,
+    heartbeat,
+    reset_workspace,
+)
 from megamoe.quant import TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
 
@@ -405,8 +413,8 @@ def _check_buffers(sym_buffer) -> tuple[list[SymmBuffer], bool]:
     if is_list:
         ranks = [b.rank for b in buffers]
         if ranks != list(range(buffers[0].num_ranks)) or any(b.backend != "local" for b in buffers):
-            raise ValueError(f"a list of sym_buffers must hold every rank of one local group in order, got ranks {ranks} "
-                             f"of world size {buffers[0].num_ranks}"
+            raise ValueError(f"a list of sym_buffers must hold every rank of one local group in order, got ranks "
+                             f"{ranks} of world size {buffers[0].num_ranks}"
                              + ("" if all(b.backend == "local" for b in buffers) else
                                 f" and backends {[b.backend for b in buffers]} (only 'local' buffers come in lists)"))
         group = [p.data_ptr() for p in buffers[0]._peers]

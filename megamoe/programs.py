@@ -7,7 +7,7 @@ because spawned processes cannot import functions defined in a notebook or a tes
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -147,7 +147,3 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         return _report(case, problem, rank, y, ref, stats, seconds, case.numerics)
     finally:
         sb.destroy()
-
-
-def case_dict(case: MoECase) -> dict:
-    return asdict(case)

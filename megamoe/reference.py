@@ -26,8 +26,17 @@ from typing import Iterator
 
 import torch
 
-from megamoe.quant import (QuantWeights, check_moe_weights, dequant_fp4, dequant_fp8, e2m1_decode,
-                           fold_to_row_scale_dequant, per_128_cast_to_fp8, per_token_cast_to_fp8, unpack_nibbles)
+from megamoe.quant import (
+    QuantWeights,
+    check_moe_weights,
+    dequant_fp4,
+    dequant_fp8,
+    e2m1_decode,
+    fold_to_row_scale_dequant,
+    per_128_cast_to_fp8,
+    per_token_cast_to_fp8,
+    unpack_nibbles,
+)
 
 #: ``"exact"``: the seeds' semantics (per-32 scales applied exactly; the staged kernels). ``"hopper"``: the fused
 #: Hopper kernel's numerics -- per-32 scales folded into the 8-bit operands relative to each token's / weight

@@ -40,9 +40,18 @@ from megamoe.env import REPO_ROOT, cuda_available
 from megamoe.kernels import symm as ks
 from megamoe.launch import launch
 from megamoe.programs import MoECase
-from megamoe.quant import (dequant_fp4, dequant_fp8, e2m1_decode, pack_nibbles,
-                           per_token_cast_to_fp4, per_token_cast_to_fp8, transform_weights_for_mega_moe,
-                           unpack_nibbles, unpack_ue8m0, untransform_weights_for_mega_moe)
+from megamoe.quant import (
+    dequant_fp4,
+    dequant_fp8,
+    e2m1_decode,
+    pack_nibbles,
+    per_token_cast_to_fp4,
+    per_token_cast_to_fp8,
+    transform_weights_for_mega_moe,
+    unpack_nibbles,
+    unpack_ue8m0,
+    untransform_weights_for_mega_moe,
+)
 from megamoe.reference import reference_mega_moe
 from megamoe.symm import SymmBuffer
 from megamoe.testing import TOLERANCES, check_stats, default_accumulation, moe_error_stats
@@ -202,7 +211,7 @@ def phased_rank(rank: int, world_size: int, phases: Sequence[Phase], shape: dict
         sb.destroy()
 
 
-# ==================================================================================================== 01: symmetric memory
+# ================================================================================================= 01: symmetric memory
 def own_shm_files() -> list[str]:
     """``/dev/shm`` files this process created (``megamoe-<pid>-*``); empty once a SymmBuffer is set up."""
     from megamoe.symm import shm_files_of
@@ -250,7 +259,7 @@ def hello_read(sb: SymmBuffer, out: dict) -> None:
 HELLO = (hello_write, hello_read)
 
 
-# ==================================================================================================== 02: map and remote access
+# ============================================================================================ 02: map and remote access
 #: Rows each rank reads from / writes to a peer in the remote-access demo.
 DEMO_ROWS = 4
 
@@ -459,7 +468,7 @@ def cupy_local_read_write(world_size: int, shape: dict) -> list[dict]:
             sb.destroy()
 
 
-# ==================================================================================================== 04-06: staged pipeline
+# =============================================================================================== 04-06: staged pipeline
 def stage_names(dispatch: str = "pull") -> list[str]:
     """The names of the steps of one call (``megamoe.ops.pipeline_steps``), in order."""
     return [name for name, _ in ops.pipeline_steps(dispatch)]

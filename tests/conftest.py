@@ -1,5 +1,7 @@
 # megamoe must be imported before triton: on a machine without CUDA it switches Triton to its interpreter.
 import megamoe  # noqa: F401
+
+# isort: split
 import multiprocessing as mp  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

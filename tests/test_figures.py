@@ -1,4 +1,5 @@
-"""megamoe.figures: `python -m megamoe.figures` writes every figure (PNG + SVG) into $MEGAMOE_FIGURES_DIR."""
+"""megamoe.figures: the figure functions the notebooks call (``make figures`` executes the notebooks, which write
+every figure, PNG + SVG, into $MEGAMOE_FIGURES_DIR), and one plotter per result kind."""
 import json
 
 import pytest
@@ -26,7 +27,8 @@ TUNE = {"kind": "tune", "provenance": {"device": "test"}, "config": {},
 LAYER_IMPLS = {"kind": "layer", "provenance": {"device": "test"}, "config": {},
                "rows": [{"impl": i, "numerics": m, "routing": r, "num_tokens_per_rank": t, "us": t * f,
                          "roofline_pct": 10.0 / f}
-                        for i, m, f in (("fused", "exact", 1.0), ("staged", "exact", 1.5), ("torch_grouped_mm", None, 0.5))
+                        for i, m, f in (("fused", "exact", 1.0), ("staged", "exact", 1.5),
+                                        ("torch_grouped_mm", None, 0.5))
                         for r in ("uniform", "skewed") for t in (8, 512, 8192)]}
 TIMELINE = {"kind": "timeline", "provenance": {"device": "test"},
             "config": {"kinds": ["count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3"]},
@@ -64,6 +66,22 @@ def test_schema_drift_falls_back_to_the_generic_plot(dirs, capsys):
     (res / "layer_new.json").write_text(json.dumps(drifted))
     assert figures.plot_results("layer_new") is not None
     assert "generic" in capsys.readouterr().out
+
+
+def test_a_plotter_bug_is_raised_not_hidden_by_the_fallback(dirs, monkeypatch):
+    """Only declared keys that the results lack pick the generic plot; an error inside the plotter is raised."""
+    _, res = dirs
+
+    @figures.needs("tokens")
+    def broken(data):
+        return data["rows"][0]["not_declared"]
+
+    monkeypatch.setitem(figures.BENCH_PLOTS, "broken_kind", broken)
+    (res / "broken.json").write_text(json.dumps({"kind": "broken_kind", "rows": [{"tokens": 8, "us": 1.0}]}))
+    with pytest.raises(KeyError, match="not_declared"):
+        figures.plot_results("broken")
+    assert figures.missing_keys(broken, {"rows": [{"us": 1.0}]}) == ["tokens"]
+    assert figures.missing_keys(figures.bench_timeline, {"rows": []}) == ["config.kinds"]
 
 
 def test_kind_dispatch():

@@ -12,8 +12,15 @@ from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
 from megamoe.programs import MoECase, prepare_rank, run_case_local, run_case_rank
-from megamoe.quant import (dequant_fp8, fold_scales, fold_to_row_scale_dequant, pack_ue8m0, per_128_cast_to_fp8,
-                           per_token_cast_to_fp8, ue8m0_bytes)
+from megamoe.quant import (
+    dequant_fp8,
+    fold_scales,
+    fold_to_row_scale_dequant,
+    pack_ue8m0,
+    per_128_cast_to_fp8,
+    per_token_cast_to_fp8,
+    ue8m0_bytes,
+)
 from megamoe.symm import SymmBuffer
 
 
@@ -23,6 +30,7 @@ def _assert_exact(reports):
         assert r["recv_stats_ok"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_one_rank_bitwise(numerics):
     """Non-power-of-two H and I, top-3, masks, clamp, two calls on one buffer."""

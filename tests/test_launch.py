@@ -53,6 +53,7 @@ def test_crashed_rank_reported_with_exit_code_and_others_stopped(tmp_path):
     assert rank_fns.pids_alive(tmp_path) == [] and mp.active_children() == []
 
 
+@pytest.mark.slow
 def test_timeout_stops_every_rank(tmp_path):
     with pytest.raises(LaunchError, match=r"timed out after 10\.0 s; ranks \[(0, )?1\] had not finished"):
         launch(rank_fns.sleep_on, 2, 1, str(tmp_path), backend="cpu", timeout_s=10.0)

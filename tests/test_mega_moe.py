@@ -56,7 +56,7 @@ def test_pull_and_push_give_the_same_y():
 
 
 # ------------------------------------------------------------------ cpu backend: one process per rank, /dev/shm
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_process_ranks_over_shared_memory(world_size):
     case = MoECase(num_ranks=world_size, num_tokens=[21, 0, 17, 9][:world_size], num_topk=2, masked_ratio=0.2,
                    num_calls=2, seed=11)

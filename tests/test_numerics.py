@@ -48,7 +48,8 @@ def test_f32_to_e4m3_matches_torch_rtne_satfinite():
     got = _run(x)[0]
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     bad = (got != want).nonzero().flatten()
-    assert bad.numel() == 0, f"{bad.numel()} mismatches, e.g. x={x[bad[:5]].tolist()} got={got[bad[:5]].tolist()} want={want[bad[:5]].tolist()}"
+    assert bad.numel() == 0, (f"{bad.numel()} mismatches, e.g. x={x[bad[:5]].tolist()} got={got[bad[:5]].tolist()} "
+                              f"want={want[bad[:5]].tolist()}")
 
 
 def test_f32_to_bf16_matches_torch_rtne_and_back_is_exact():

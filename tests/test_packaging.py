@@ -1,39 +1,98 @@
-"""pyproject.toml and environment.yml list the same dependencies; kernels/ is installed as megamoe.kernels."""
+"""pyproject.toml is the one list of dependencies: environment.yml installs the package with its extras, the extras
+cover what the package, the tests and the notebooks import; kernels/ is installed as megamoe.kernels."""
+import ast
+import importlib.metadata
+import json
 import re
 import sys
 import tomllib
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
+EXTRAS = ("test", "notebook")  # what `make setup` and environment.yml install (plus "gpu" where there is a GPU)
+#: Imported modules that no installed distribution provides on a CPU machine, by the distribution that does.
+NOT_INSTALLED_HERE = {"cupy": "cupy-cuda13x"}
+LOCAL_MODULES = {"megamoe", "rank_fns", "conftest"}
 
 
 def _name(req: str) -> str:
-    return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower()
+    return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
-def _pyproject_requirements() -> dict[str, str]:
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(meta["dependencies"])
-    for extra in ("test", "notebook"):
-        reqs += meta["optional-dependencies"][extra]
-    return {_name(r): r.replace(" ", "") for r in reqs}
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def _environment_pip_requirements() -> dict[str, str]:
-    text = (ROOT / "environment.yml").read_text()
-    pip_block = text.split("- pip:", 1)[1]
-    reqs = [line.strip()[2:].strip() for line in pip_block.splitlines() if line.strip().startswith("- ")]
-    return {_name(r): r.replace(" ", "") for r in reqs if not r.startswith("-e")}
+def _declared(*extras: str) -> set[str]:
+    meta = _project()
+    reqs = list(meta["dependencies"]) + [r for e in extras for r in meta["optional-dependencies"][e]]
+    return {_name(r) for r in reqs}
 
 
-def test_environment_yml_agrees_with_pyproject():
-    assert _environment_pip_requirements() == _pyproject_requirements()
+def _imported_modules(paths) -> set[str]:
+    """Top-level names of every absolute import in ``paths`` (.py files and notebooks' code cells)."""
+    mods = set()
+    for p in paths:
+        if p.suffix == ".ipynb":
+            cells = [c for c in json.loads(p.read_text())["cells"] if c["cell_type"] == "code"]
+            sources = ["\n".join(line for line in "".join(c["source"]).splitlines()
+                                 if not line.lstrip().startswith(("%", "!"))) for c in cells]
+        else:
+            sources = [p.read_text()]
+        for src in sources:
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.Import):
+                    mods |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    mods.add(node.module.split(".")[0])
+    return mods - set(sys.stdlib_module_names) - LOCAL_MODULES
+
+
+def _undeclared(paths, declared: set[str]) -> dict[str, list[str]]:
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for mod in sorted(_imported_modules(paths)):
+        dists = [_name(d) for d in providers.get(mod, [])] or [NOT_INSTALLED_HERE.get(mod, f"<unknown: {mod}>")]
+        if not declared & set(dists):
+            missing[mod] = dists
+    return missing
+
+
+def test_environment_yml_installs_the_package_with_its_extras():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pip = [d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d]
+    assert "pip" in conda
+    python = [d for d in conda if re.fullmatch(r"python([<>=!~].*)?", d)]
+    assert len(python) == 1, conda
+    major_minor = tuple(map(int, re.search(r"(\d+)\.(\d+)", python[0]).groups()))
+    assert major_minor >= tuple(map(int, re.search(r"(\d+)\.(\d+)", _project()["requires-python"]).groups()))
+    assert pip == [[f'-e ".[{",".join(EXTRAS)}]"']]  # no second list of dependencies to keep in agreement
+    assert f"-e '.[{','.join(EXTRAS)}" in (ROOT / "Makefile").read_text()  # `make setup` installs the same extras
+
+
+def test_tests_and_notebooks_import_only_declared_distributions():
+    declared = _declared(*EXTRAS)
+    assert _undeclared(ROOT.glob("tests/**/*.py"), declared) == {}
+    notebooks = sorted(ROOT.glob("notebooks/*.ipynb"))
+    assert notebooks
+    assert _undeclared(notebooks, declared) == {}
+
+
+def test_package_imports_only_declared_distributions():
+    """megamoe and megamoe.kernels: the core dependencies, plus the extras' packages they import lazily (cupy: gpu;
+    papermill, nbformat, IPython: notebook)."""
+    sources = [*ROOT.glob("megamoe/*.py"), *ROOT.glob("kernels/*.py")]
+    assert _undeclared(sources, _declared(*EXTRAS, "gpu")) == {}
 
 
 def test_gpu_extra_is_cupy_only_and_never_imported_on_cpu_paths():
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert [_name(r) for r in meta["optional-dependencies"]["gpu"]] == ["cupy-cuda13x"]
-    import megamoe.bench, megamoe.kernels.cupy_prims, megamoe.ops  # noqa: F401,E401
+    assert [_name(r) for r in _project()["optional-dependencies"]["gpu"]] == ["cupy-cuda13x"]
+    import megamoe.bench  # noqa: F401
+    import megamoe.kernels.cupy_prims  # noqa: F401
+    import megamoe.ops  # noqa: F401
     assert "cupy" not in sys.modules
 
 

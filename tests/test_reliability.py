@@ -75,8 +75,9 @@ PIPELINE_STEPS = ops.pipeline_steps
 
 
 def _interrupting(dispatch: str, after: int, trigger_rank: int, exc=KeyboardInterrupt):
-    """``pipeline_steps(dispatch)`` (the original) with step ``after`` raising ``exc`` once rank ``trigger_rank`` has run it
-    (``trigger_rank = R - 1``: every rank ran the step; ``0``: only rank 0 did, e.g. between two ranks' arrives)."""
+    """``pipeline_steps(dispatch)`` (the original) with step ``after`` raising ``exc`` once rank ``trigger_rank`` has
+    run it (``trigger_rank = R - 1``: every rank ran the step; ``0``: only rank 0 did, e.g. between two ranks'
+    arrives)."""
     steps = PIPELINE_STEPS(dispatch)
     name, fn = steps[after]
 
@@ -366,7 +367,8 @@ def _bad_inputs():
     @case
     def x_sf_nan_byte(r, a, kw):
         r.sbs[0].x_sf[0, 0] = 0x7F7F_FF7F
-        return ValueError, r"sym_buffer\[0\].x_sf\[:2\]\) holds a NaN UE8M0 scale \(byte 0xFF\) at token 0, scale group 1"
+        return ValueError, (r"sym_buffer\[0\].x_sf\[:2\]\) holds a NaN UE8M0 scale \(byte 0xFF\) "
+                            r"at token 0, scale group 1")
 
     @case
     def x_nan_7f(r, a, kw):
@@ -432,7 +434,8 @@ def test_masked_slot_may_hold_any_weight():
                    block_m=16, masked_ratio=0.5, seed=12)
     r = Ranks(case)
     try:
-        masked = [(rank, t, j) for rank, idx in enumerate(r.problem.topk_idx) for t, j in (idx == -1).nonzero().tolist()]
+        masked = [(rank, t, j) for rank, idx in enumerate(r.problem.topk_idx)
+                  for t, j in (idx == -1).nonzero().tolist()]
         assert masked
         for rank, t, j in masked:
             r.sbs[rank].topk_weights[t, j] = float("nan")

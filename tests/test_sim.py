@@ -117,7 +117,8 @@ def test_traffic_totals_are_consistent():
     assert (res.dispatch_bytes.sum(axis=(1, 2)) == pairs * res.dispatch_bytes_per_pair).all()
     assert (res.combine_bytes.sum(axis=(1, 2)) == pairs * 2 * H).all()
     # row = sender, column = receiver in both: combine reverses the dispatch pair by pair
-    assert np.array_equal(res.combine_bytes // (2 * H), res.dispatch_bytes.transpose(0, 2, 1) // res.dispatch_bytes_per_pair)
+    assert np.array_equal(res.combine_bytes // (2 * H),
+                          res.dispatch_bytes.transpose(0, 2, 1) // res.dispatch_bytes_per_pair)
     assert (res.pair_matrix.sum(axis=2) == T * k).all()            # each rank sends T*k pairs
     assert np.array_equal(res.pair_matrix.sum(axis=1), res.pairs_per_rank)
     local = np.trace(res.pair_matrix, axis1=1, axis2=2)

@@ -17,12 +17,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rank_fns  # noqa: E402
 
+import megamoe.symm  # noqa: E402
 from megamoe.kernels import symm as ks  # noqa: E402
 from megamoe.launch import LaunchError, launch  # noqa: E402
 from megamoe.layout import Layout  # noqa: E402
-import megamoe.symm  # noqa: E402
-from megamoe.symm import (SHM_DIR, SHM_PREFIX, STALE_SHM_MIN_AGE_S, VIEW_NAMES, SymmBuffer,  # noqa: E402
-                          get_symm_buffer_for_mega_moe, shm_files_of, sweep_stale_shm)
+from megamoe.symm import (  # noqa: E402
+    SHM_DIR,
+    SHM_PREFIX,
+    STALE_SHM_MIN_AGE_S,
+    VIEW_NAMES,
+    SymmBuffer,
+    get_symm_buffer_for_mega_moe,
+    shm_files_of,
+    sweep_stale_shm,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -1,4 +1,6 @@
 import megamoe  # noqa: F401  (before triton)
+
+# isort: split
 import pytest
 import torch
 

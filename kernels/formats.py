@@ -1,0 +1,20 @@
+"""The block-scaled formats' constants as Triton ``constexpr`` globals, read from :mod:`megamoe.quant` (their one
+definition, shared with the host quantizers and the reference), so a kernel writes ``FP8_MAX``, not ``448.0``.
+
+The kernels' tiling is built around the 32-wide scale group (one K=32 FP8 MMA per group, 64-wide K steps of two
+groups, four groups per packed int32 scale word), so the values are checked here rather than merely passed on.
+"""
+import triton.language as tl
+
+from megamoe import quant
+
+#: Largest finite FP8 e4m3 magnitude: a scale is ``2^ceil(log2(amax / FP8_MAX))``.
+FP8_MAX = tl.constexpr(quant.FP8_E4M3_MAX)
+#: Lower bound on a group's amax before its scale is computed.
+AMAX_FLOOR = tl.constexpr(quant.AMAX_FLOOR)
+#: Elements along K per UE8M0 scale (one scale group).
+SF_GRAN_K = tl.constexpr(quant.SF_GRAN_K)
+#: Gate and up rows of the transformed L1 weight alternate in runs of this many rows.
+L1_INTERLEAVE = tl.constexpr(quant.L1_INTERLEAVE_ROWS)
+
+assert quant.SF_GRAN_K == 32 and quant.SF_PACK == 4, "the GEMM tiles assume 32-wide scale groups, 4 per int32 word"
