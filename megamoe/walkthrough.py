@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import os
 import statistics
 import time
