@@ -222,9 +222,14 @@ def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
 
 
 def exit_on(rank: int, world_size: int, bad_rank: int, code: int, pid_dir: str) -> None:
-    """``bad_rank`` dies with ``os._exit(code)``; the others hang until terminated."""
+    """``bad_rank`` dies with ``os._exit(code)`` once every rank has recorded its pid (so that the peers are
+    running, not still starting, when it dies: on a loaded machine a spawn can outlast the blame grace period);
+    the others hang until terminated."""
     write_pid(pid_dir, rank)
     if rank == bad_rank:
+        deadline = time.monotonic() + 60
+        while len(glob.glob(os.path.join(pid_dir, "*.pid"))) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(code)
     time.sleep(600)
 
