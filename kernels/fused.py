@@ -102,6 +102,7 @@ def _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch, tag, R:
     reached it. The wait gives up when no missing rank's progress counter moved for ``timeout_ns`` (GPU;
     ``max_polls`` polls under the interpreter) and records ``[tag, lowest missing rank]`` in ``state``.
     Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32)."""
+    tl.atomic_add(progress, 1, sem="relaxed", scope="sys")  # arriving is progress too (peers' liveness)
     failed = tl.load(state + 1, volatile=True)
     if failed == 0:
         tl.store(state, epoch)
@@ -525,7 +526,6 @@ def fused_mega_moe_kernel(
     n_ev = _event(timeline, cta, n_ev, EV_COUNT, t0, TIMELINE, MAX_EVENTS)
     t0 = _now(TIMED)
     if cta == 0:
-        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
         _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R, timeout_ns,
                             max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
@@ -588,7 +588,6 @@ def fused_mega_moe_kernel(
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     t0 = _now(TIMED)
     if cta == 0:
-        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
         _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R, timeout_ns,
                             max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
@@ -646,7 +645,6 @@ def fused_mega_moe_kernel(
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     t0 = _now(TIMED)
     if cta == 0:
-        tl.atomic_add(progress, 1, sem="relaxed", scope="sys")
         _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R, timeout_ns,
                             max_polls, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER3, t0, TIMELINE, MAX_EVENTS)

@@ -26,6 +26,7 @@ import triton
 
 from megamoe.env import interpreting
 from megamoe.kernels import fused as kf
+from megamoe.ops import largest_pow2_tile
 
 #: Intra-kernel timeline events, as recorded per program: ``(kind, start ns, end ns)``, kind indexing this tuple.
 TIMELINE_KINDS = kf.EVENT_NAMES
@@ -105,13 +106,6 @@ def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
     return None
 
 
-def _largest_pow2_tile(n: int, cap: int) -> int:
-    t = cap
-    while n % t:
-        t //= 2
-    return t
-
-
 def _offsets(L) -> dict[str, int]:
     names = dict(OFF_GRID="grid_sync", OFF_SIGNAL="barrier_signal", OFF_STATE="barrier_state",
                  OFF_SEND="expert_send_count", OFF_RECV="expert_recv_count", OFF_RECV_SUM="expert_recv_count_sum",
@@ -130,8 +124,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         K=L.num_topk, H=L.hidden, I=L.intermediate_hidden, SP=L.num_padded_sf_pool_tokens, LAYOUT_BM=L.block_m,
         LAYOUT_SF_BM=L.sf_block_m, BM=cfg.block_m, BLOCK_R=max(2, triton.next_power_of_2(L.num_ranks)),
         BLOCK_E=max(2, triton.next_power_of_2(L.num_experts_per_rank)), BLOCK_J=PULL_BLOCK_PAIRS,
-        BLOCK_H=_largest_pow2_tile(L.hidden, 256), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
-        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=_largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
+        BLOCK_H=largest_pow2_tile(L.hidden, 256), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
+        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
         BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1], F64_EXP=not gpu,

@@ -314,7 +314,7 @@ def _schedule_meta(L) -> dict:
 def _dispatch_copy(c: _RankCall, push: bool) -> None:
     L = c.sb.layout
     H = L.hidden
-    block_h = _largest_pow2_tile(H, 1024)  # H = 128 * m: a power-of-two tile (the interpreter's arange needs one)
+    block_h = largest_pow2_tile(H, 1024)  # H = 128 * m: a power-of-two tile (the interpreter's arange needs one)
     kd.dispatch_copy_kernel[(L.num_ranks, L.num_experts_per_rank)](
         c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank,
         **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_SRC_IDX="src_token_topk_idx", OFF_X="x", OFF_X_SF="x_sf",
@@ -366,7 +366,7 @@ def _combine(c: _RankCall) -> None:
     L = c.sb.layout
     if c.n == 0:
         return
-    block_t, block_h = 16, _largest_pow2_tile(L.hidden, 1024 if interpreting() else 256)
+    block_t, block_h = 16, largest_pow2_tile(L.hidden, 1024 if interpreting() else 256)
     kc.combine_reduce_kernel[(triton.cdiv(c.n, block_t), L.hidden // block_h)](
         c.sb.buffer, c.y, c.n, **_offsets(c.sb, OFF_COMBINE="combine", OFF_TOPK_IDX="topk_idx"),
         T=L.num_max_tokens_per_rank, K=L.num_topk, H=L.hidden, BLOCK_T=block_t, BLOCK_H=block_h)
@@ -382,7 +382,7 @@ def _cleanup(c: _RankCall) -> None:
         E=L.num_experts, R=L.num_ranks, El=L.num_experts_per_rank, HAS_STATS=c.stats is not None, BLOCK=256)
 
 
-def _largest_pow2_tile(n: int, cap: int) -> int:
+def largest_pow2_tile(n: int, cap: int) -> int:
     """Largest power of two <= cap dividing n (n is a multiple of 128)."""
     t = cap
     while n % t:
