@@ -42,13 +42,13 @@ for wgmma's A (sm_90a SASS), so the default stays ``"exact"``.
 import triton
 import triton.language as tl
 
-from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
+from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
 from megamoe.kernels.numerics import (
     bf16_bits_to_f32,
     ceil_ue8m0,
-    e2m1_to_e4m3,
-    e2m1x2_to_e4m3_prmt,
+    e2m1_lut,
+    e2m1x2_lut_prmt,
     f32_to_bf16_bits,
     f32_to_e4m3_bits,
     round_to_bf16,
@@ -220,19 +220,30 @@ def _row_exponent_max(w_sf, rows, N: tl.constexpr, KW: tl.constexpr, BLOCK_KW: t
 
 
 @triton.jit
-def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr, PRMT_DECODE: tl.constexpr,
-                  HW_CVT: tl.constexpr):
+def _fold_tables(lut, w_sf_word, rmax, g: tl.constexpr):
+    """The decode table words ``(lut0, lut1)`` ``[BN, 1]`` of per-32 group ``g`` (0..3) of a 128-wide K step:
+    ``lut`` = ``megamoe.quant.fold_lut`` indexed by the fold shift ``s_row - s_g`` (clamped to the table)."""
+    d = tl.minimum(rmax - ((w_sf_word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
+    return tl.load(lut + 2 * d)[:, None], tl.load(lut + 2 * d + 1)[:, None]
+
+
+@triton.jit
+def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr, lut, PRMT_DECODE: tl.constexpr):
     """Folded FP8 weights of 64-chunk ``c`` (0/1) of the 128-wide K step at ``k0``: two ``[BN, 32]`` tiles
-    (elements ``k0+64c .. +31`` and ``k0+64c+32 .. +63``, see ``transform_weights_for_mega_moe``)."""
+    (elements ``k0+64c .. +31`` and ``k0+64c+32 .. +63``, see ``transform_weights_for_mega_moe``).
+
+    Decode and fold are one byte lookup per value: the per-(row, group) table of ``_fold_tables`` maps the e2m1
+    magnitude straight to ``e4m3(m * 2^(s_g - s_row))``. On the GPU one ``prmt`` serves four values (the table is
+    two registers per row and group), measured 4.3x faster than decoding then folding through fp16 conversions on
+    an H200 (same bits; L1 shape, 48 experts, 1-256 tokens per expert)."""
     packed = tl.load(w + rows[:, None].to(tl.int64) * (K // 2) + (k0 + 64 * c) // 2 + tl.arange(0, 32)[None, :])
+    la0, la1 = _fold_tables(lut, w_sf_word, rmax, 2 * c)
+    lb0, lb1 = _fold_tables(lut, w_sf_word, rmax, 2 * c + 1)
     if PRMT_DECODE:
-        lo, hi = e2m1x2_to_e4m3_prmt(packed)
+        z = tl.zeros(packed.shape, tl.int32)
+        return e2m1x2_lut_prmt(packed, la0 + z, la1 + z, lb0 + z, lb1 + z)
     else:
-        lo = e2m1_to_e4m3(packed.to(tl.int32) & 0xF)
-        hi = e2m1_to_e4m3(packed.to(tl.int32) >> 4)
-    s_lo = _pow2_f32(((w_sf_word >> (16 * c)) & 0xFF) - rmax)
-    s_hi = _pow2_f32(((w_sf_word >> (16 * c + 8)) & 0xFF) - rmax)
-    return _fold_e4m3(lo, s_lo[:, None], HW_CVT), _fold_e4m3(hi, s_hi[:, None], HW_CVT)
+        return e2m1_lut(packed.to(tl.int32) & 0xF, la0, la1), e2m1_lut(packed.to(tl.int32) >> 4, lb0, lb1)
 
 
 @triton.jit
@@ -247,14 +258,14 @@ def _load_a4(acts, rows, mask_m, k0, K: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(acc, w, w_sf, rmax, rows, a0, a1, a2, a3, k0, K: tl.constexpr, N: tl.constexpr,
-              PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr):
+def _mma_step(acc, w, w_sf, rmax, rows, a0, a1, a2, a3, k0, K: tl.constexpr, N: tl.constexpr, lut,
+              PRMT_DECODE: tl.constexpr):
     """acc [BN, BM] += W'[rows, k0:k0+128] . A[:, k0:k0+128]^T as four chained K=32 FP8 MMAs (no promotion)."""
     word = tl.load(w_sf + (k0 // 128) * N + rows)
-    b0, b1 = _decode_chunk(w, word, rmax, rows, k0, 0, K, PRMT_DECODE, HW_CVT)
+    b0, b1 = _decode_chunk(w, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE)
     acc = tl.dot(b0, tl.trans(a0), acc)
     acc = tl.dot(b1, tl.trans(a1), acc)
-    b2, b3 = _decode_chunk(w, word, rmax, rows, k0, 1, K, PRMT_DECODE, HW_CVT)
+    b2, b3 = _decode_chunk(w, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE)
     acc = tl.dot(b2, tl.trans(a2), acc)
     acc = tl.dot(b3, tl.trans(a3), acc)
     return acc
@@ -329,7 +340,7 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
 
 
 @triton.jit
-def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+def _l1_tile_hopper(buf, w1, w1_sf, lut, clamp, expert, rows, sf_rows, mask_m, nt,
                     OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
                     OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
@@ -350,8 +361,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     part_u = tl.zeros([128, BM], dtype=tl.float32)
     for k0 in range(0, H, 128):
         a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, H)
-        part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE, HW_CVT)
-        part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, PRMT_DECODE, HW_CVT)
+        part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE)
+        part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE)
         if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:  # bound the in-MMA accumulation chain
             acc_g += part_g
             acc_u += part_u
@@ -380,7 +391,7 @@ def _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
 
 
 @triton.jit
-def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
+def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, lut, expert, rows, sf_rows, mask_m, nt,
                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
                     T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
@@ -407,7 +418,7 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask
         a1 = _fold_e4m3(a1, sa, HW_CVT)
         a2 = _fold_e4m3(a2, sa, HW_CVT)
         a3 = _fold_e4m3(a3, sa, HW_CVT)
-        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, PRMT_DECODE, HW_CVT)
+        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, lut, PRMT_DECODE)
         if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:
             acc += part
             part = tl.zeros([128, BM], dtype=tl.float32)
@@ -448,7 +459,8 @@ def _rank_ptr(base, tab, i: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def fused_mega_moe_kernel(
-        buf0, y0, w1_0, w1_sf0, w2_0, w2_sf0, stats0, timeline0, args, buffer_ptrs, rank0, G, clamp, timeout_ns,
+        buf0, y0, w1_0, w1_sf0, w2_0, w2_sf0, stats0, timeline0, args, buffer_ptrs, fold_lut, rank0, G, clamp,
+        timeout_ns,
         max_polls,
         OFF_GRID: tl.constexpr, OFF_SIGNAL: tl.constexpr, OFF_STATE: tl.constexpr, OFF_SEND: tl.constexpr,
         OFF_RECV: tl.constexpr, OFF_RECV_SUM: tl.constexpr, OFF_ARRIVAL: tl.constexpr, OFF_L2_MASK: tl.constexpr,
@@ -559,8 +571,8 @@ def fused_mega_moe_kernel(
                                                                          BLOCK_E, LAYOUT_BM, LAYOUT_SF_BM)
                 _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
                 if FOLDED:
-                    _l1_tile_hopper(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF,
-                                    OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
+                    _l1_tile_hopper(buf, w1, w1_sf, fold_lut, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1,
+                                    OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
                                     HW_CVT, KW1_PAD, F64_EXP)
                 else:
                     l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W,
@@ -576,9 +588,9 @@ def fused_mega_moe_kernel(
                 # i.e. before a per-K-block wait could order them (wrong results on an H200 with I/128 > 1).
                 _wait_mask_full(l2_mask + b, N1, state, timeout_ns, max_polls, TIMED)
                 if FOLDED:
-                    _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2,
-                                    OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY, PRMT_DECODE,
-                                    HW_CVT, KW2_PAD)
+                    _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, fold_lut, expert, rows, sf_rows, mask_m, nt,
+                                    OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY,
+                                    PRMT_DECODE, HW_CVT, KW2_PAD)
                 else:
                     l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
                             OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)

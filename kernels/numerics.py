@@ -135,3 +135,33 @@ def e2m1x2_to_e4m3_prmt(packed):
     lo, hi = tl.inline_asm_elementwise(asm=_PRMT_ASM, constraints="=r,=r,r", args=[packed],
                                        dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
     return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+# The same decode with the byte table as operands: per byte lane, e2m1 magnitude code -> byte ``code`` of the pair
+# (lut0 = codes 0..3, lut1 = codes 4..7), then the sign. Operands: $0/$1 outputs (low/high nibbles, 4 lanes each),
+# $2 the packed bytes, then 4 registers per int32 table operand (pack=4; the lanes of a word share one table, so
+# only the first of each is read): $3 low-nibble lut0, $7 low-nibble lut1, $11 high-nibble lut0, $15 high lut1.
+_PRMT_LUT_ASM = tl.constexpr(
+    "{\n.reg .b32 v, m, sel, t, src;\n" + _PRMT_DECODE.format(src="$2", dst="$0").replace("lut0, lut1", "$3, $7")
+    + "shr.b32 src, $2, 4;\n" + _PRMT_DECODE.format(src="src", dst="$1").replace("lut0, lut1", "$11, $15") + "}")
+
+
+@triton.jit
+def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
+    """GPU: both nibbles of uint8 ``packed`` through per-lane byte tables (low nibbles: ``la0``/``la1``, high:
+    ``lb0``/``lb1``, int32 broadcast to ``packed``'s shape; see ``megamoe.quant.fold_lut``). Returns FP8 e4m3
+    (low nibbles, high nibbles)."""
+    lo, hi = tl.inline_asm_elementwise(asm=_PRMT_LUT_ASM, constraints="=r,=r," + "r," * 16 + "r",
+                                       args=[packed, la0, la1, lb0, lb1], dtype=(tl.uint8, tl.uint8),
+                                       is_pure=True, pack=4)
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def e2m1_lut(nibble, lut0, lut1):
+    """Interpreter twin of :func:`e2m1x2_lut_prmt` for one nibble (int32, low 4 bits): the table byte of its
+    magnitude code, then its sign, as FP8 e4m3."""
+    code = nibble & 7
+    word = tl.where(code < 4, lut0, lut1)
+    bits = ((word >> (8 * (code & 3))) & 0xFF) | ((nibble & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

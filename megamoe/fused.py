@@ -27,6 +27,7 @@ import triton
 from megamoe.env import interpreting
 from megamoe.kernels import fused as kf
 from megamoe.ops import largest_pow2_tile
+from megamoe.quant import fold_lut
 
 #: Intra-kernel timeline events, as recorded per program: ``(kind, start ns, end ns)``, kind indexing this tuple.
 TIMELINE_KINDS = kf.EVENT_NAMES
@@ -37,9 +38,10 @@ TIMELINE_MAX_EVENTS = 512
 #: (``results/fused_tune_h200.json`` at 01b60b0: T = 8 / 512 / 2048 -> 1524 / 3732 / 10223 us against 2359 /
 #: 4858 / 12094 us with one 8-warp program of block 64 / 128 / 128 per SM; the staged pipeline: 2509 / 4132 / 10705).
 PROGRAMS_PER_SM = 2
-#: Largest pool block (MMA N) the fused kernel picks: with 8 warps, two [128, 64] fp32 accumulators and their
-#: promotion partials fill the register file (128 spilled at 255 registers, compiled for sm_90a).
-MAX_BLOCK_M = 64
+#: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
+#: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
+#: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
+MAX_BLOCK_M = 32
 #: Pairs per pull task.
 PULL_BLOCK_PAIRS = 16
 #: Polls of a barrier wait without progress before it fails, per second of ``barrier_timeout_s`` (interpreter).
@@ -162,6 +164,17 @@ def _arg_table(calls, timelines) -> torch.Tensor:
     return table
 
 
+_FOLD_LUTS: dict = {}
+
+
+def _fold_lut(device: torch.device) -> torch.Tensor:
+    """``megamoe.quant.fold_lut`` on ``device``, made once per device (no allocation inside a captured call)."""
+    key = str(device)
+    if key not in _FOLD_LUTS:
+        _FOLD_LUTS[key] = fold_lut(device)
+    return _FOLD_LUTS[key]
+
+
 def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config: FusedConfig | None = None):
     """Launch the fused kernel once for every rank of ``calls`` (``megamoe.ops`` bound calls, already validated).
 
@@ -187,7 +200,8 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     kf.fused_mega_moe_kernel[grid](
         c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
         c0.stats if c0.stats is not None else c0.sb.buffer, timelines[0] if timelines[0] is not None else c0.sb.buffer,
-        table, sb0.buffer_ptrs, rank0, cfg.programs_per_rank, float(clamp) if clamp is not None else 0.0,
+        table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
+        float(clamp) if clamp is not None else 0.0,
         int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)), **meta)
     return timelines if timeline else None
 

@@ -282,6 +282,31 @@ def fold_scales(values: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, t
     return folded, row
 
 
+#: Fold shifts the weight decode table holds; e2m1 magnitudes (<= 6) times 2^-13 or less all round to 0 in e4m3,
+#: so every larger shift reads the last entry.
+FOLD_LUT_MAX_SHIFT = 15
+#: The e2m1 magnitudes by 3-bit code.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fold_lut(device=None) -> torch.Tensor:
+    """The fused Hopper kernel's weight-decode table: int32 ``[2 * (FOLD_LUT_MAX_SHIFT + 1)]``.
+
+    Entry pair ``(2d, 2d+1)`` holds, byte ``j`` of the pair's eight bytes (little-endian), the e4m3 bits of
+    ``E2M1_MAGNITUDES[j] * 2^-d`` (RNE, as :func:`fold_scales`): FP4 decode and scale fold in one byte lookup
+    (``prmt`` on the GPU, four values per instruction), with ``d = s_row - s_g`` per weight row and 32-group.
+    Built from torch's own e4m3 cast, so the table is the model and ``tests/test_fused.py`` checks it against
+    :func:`fold_scales` for every shift and code."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    words = []
+    for d in range(FOLD_LUT_MAX_SHIFT + 1):
+        b = (mags * 2.0 ** -d).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+        for half in (b[:4], b[4:]):
+            w = int(half[0] | half[1] << 8 | half[2] << 16 | half[3] << 24)
+            words.append(w - (1 << 32) if w >= 1 << 31 else w)
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
 def fold_to_row_scale_dequant(values: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """``fold_scales`` then dequantised: float32 ``[..., n, k]`` = ``folded * 2^(s_row - 127)`` (exact)."""
     folded, row = fold_scales(values, sf)

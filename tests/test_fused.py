@@ -7,13 +7,16 @@ Both numerics are compared bit for bit with ``megamoe.reference`` in the matchin
 import pytest
 import torch
 
-from megamoe.fused import fused_config
+from megamoe.fused import MAX_BLOCK_M, fused_config
 from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
 from megamoe.programs import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.quant import (
+    E2M1_MAGNITUDES,
+    FOLD_LUT_MAX_SHIFT,
     dequant_fp8,
+    fold_lut,
     fold_scales,
     fold_to_row_scale_dequant,
     pack_ue8m0,
@@ -79,8 +82,9 @@ def test_fused_config_from_shapes():
     L = Layout(8, 384, 8192, 6, 7168, 3072, 128)
     cpu = torch.device("cpu")
     assert fused_config(L, 8, 1, cpu, "hopper").block_m == 16       # 1 expected token per expert
-    assert fused_config(L, 512, 1, cpu, "hopper").block_m == 64     # 64 expected
-    assert fused_config(L, 8192, 1, cpu, "hopper").block_m == 64    # capped (registers)
+    assert fused_config(L, 128, 1, cpu, "hopper").block_m == 16     # 16 expected
+    assert fused_config(L, 256, 1, cpu, "hopper").block_m == 32     # 32 expected
+    assert fused_config(L, 8192, 1, cpu, "hopper").block_m == MAX_BLOCK_M == 32  # capped (registers)
     assert fused_config(L, 8, 1, cpu, "exact").block_m == 64        # tokens on wgmma's M: at least 64
     assert fused_config(Layout(1, 4, 8, 2, 256, 128, 32), 8, 1, cpu, "exact").block_m == 32  # never above the pool's
     assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
@@ -116,6 +120,24 @@ def test_fold_rounds_what_falls_below_the_normal_range():
     # the kernels' integer rounding agrees with torch's cast on the subnormal boundary: 2^-10 is a tie -> 0 (even)
     tie, _ = fold_scales(torch.tensor([[0.5] + [448.0] * 127]), pack_ue8m0(torch.tensor([[2.0**-8, 2.0, 2.0, 2.0]])))
     assert float(tie[0, 0]) == 0.0
+
+
+def test_fold_lut_is_the_fold_of_every_code_at_every_shift():
+    """The fused kernel decodes and folds FP4 weights in one table lookup (``quant.fold_lut``): byte ``code`` of
+    table pair ``d`` must be ``fold_scales`` of that e2m1 magnitude in a group ``d`` exponents below its row's
+    largest (normal, subnormal and flushed-to-zero results alike; shifts past the table flush everything)."""
+    lut = fold_lut().to(torch.int64) & 0xFFFFFFFF
+    assert lut.shape == (2 * (FOLD_LUT_MAX_SHIFT + 1),)
+    for d in range(FOLD_LUT_MAX_SHIFT + 8):
+        words = lut[2 * min(d, FOLD_LUT_MAX_SHIFT):][:2]
+        table = [(int(words[c // 4]) >> (8 * (c % 4))) & 0xFF for c in range(8)]
+        # one row: group 0 at the row's largest scale (2^0), group 1 at 2^-d holding the eight magnitudes
+        values = torch.cat([torch.full((32,), 6.0), torch.tensor(E2M1_MAGNITUDES).repeat(4), torch.zeros(64)])
+        sf = pack_ue8m0(torch.tensor([[1.0, 2.0 ** -d, 1.0, 1.0]]))
+        folded, row = fold_scales(values.unsqueeze(0), sf)
+        assert int(row) == 127
+        assert folded[0, 32:40].view(torch.uint8).tolist() == table, d
+    assert lut[2 * 13:].eq(0).all() and not lut[2 * 12:2 * 13].eq(0).all()  # 6 * 2^-12 is the last non-zero
 
 
 def test_per_128_scales_repeat_in_all_four_bytes():
