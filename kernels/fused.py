@@ -1,6 +1,6 @@
 """The fused Mega MoE kernel: one persistent launch per call (Hopper fast path; also runs under the interpreter).
 
-``G`` resident programs per rank (two per SM on a GPU, ``megamoe.fused.PROGRAMS_PER_SM``; one under the
+``G`` resident programs per rank (3-4 per SM on a GPU, ``megamoe.fused.PROGRAMS_PER_SM``; one under the
 interpreter); with the ``local`` backend one launch holds every local rank's programs, program ``pid`` serving
 local rank ``pid // G``. Every program walks the same phases::
 
@@ -572,8 +572,8 @@ def fused_mega_moe_kernel(
                 _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
                 if FOLDED:
                     _l1_tile_hopper(buf, w1, w1_sf, fold_lut, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1,
-                                    OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE,
-                                    HW_CVT, KW1_PAD, F64_EXP)
+                                    OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY,
+                                    PRMT_DECODE, HW_CVT, KW1_PAD, F64_EXP)
                 else:
                     l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W,
                             OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP, False, tl.float32, PRMT_DECODE, F64_EXP)

@@ -264,10 +264,12 @@ def bench_fused_tune(quick: bool) -> dict:
         for numerics in ("exact", "hopper"):
             base = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
             variants.append(base)
+            # the earlier default: two uncapped programs per SM
             variants.append(FusedConfig(base.block_m, 2 * sms, numerics, base.promote_every, num_warps=4))
             if numerics == "exact":
                 other = 64 if base.block_m == 128 else 128
-                variants.append(FusedConfig(other, 2 * sms, numerics, num_warps=4))
+                variants.append(FusedConfig(other, base.programs_per_rank, numerics, num_warps=4,
+                                            maxnreg=base.maxnreg))
         for cfg in variants:
             y.fill_(float("nan"))
             run_fused(calls, numerics=cfg.numerics, config=cfg)
@@ -283,10 +285,11 @@ def bench_fused_tune(quick: bool) -> dict:
             ms = _median_ms(lambda: run_fused(calls, numerics=cfg.numerics, config=cfg))
             rows.append({"num_tokens_per_rank": n, "numerics": cfg.numerics, "block_m": cfg.block_m,
                          "programs_per_rank": cfg.programs_per_rank, "num_warps": cfg.num_warps,
-                         "num_stages": cfg.num_stages, "us": ms * 1e3, "staged_us": staged_ms * 1e3,
+                         "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg, "us": ms * 1e3,
+                         "staged_us": staged_ms * 1e3,
                          "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             print(f"  T={n:>5} {cfg.numerics:<6} bm={cfg.block_m:<3} programs={cfg.programs_per_rank:<3} "
-                  f"warps={cfg.num_warps}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  "
+                  f"warps={cfg.num_warps} maxnreg={cfg.maxnreg}: {ms * 1e3:8.0f} us (staged {staged_ms * 1e3:6.0f})  "
                   f"err={err['rel_fro']:.1e}",
                   flush=True)
     sb.destroy()

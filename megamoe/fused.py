@@ -11,8 +11,9 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
   key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
   MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``). Never above
   ``layout.block_m``: the pool is sized for it (the largest block it may pick), so every choice fits.
-* programs per rank: ``PROGRAMS_PER_SM`` per SM (GPU; divided among local ranks), 1 under the interpreter (its
-  programs run one after another, so a grid sync between programs could never complete).
+* programs per rank: ``PROGRAMS_PER_SM[numerics]`` per SM with its register cap (GPU; divided among local
+  ranks), 1 under the interpreter (its programs run one after another, so a grid sync between programs could never
+  complete).
 * ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
   inside the persistent launch; ``"hopper"`` its swap-AB tiles with folded scales (``megamoe.kernels.fused``).
 * ``promote_every`` ("hopper"): K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
@@ -33,11 +34,13 @@ from megamoe.quant import fold_lut
 TIMELINE_KINDS = kf.EVENT_NAMES
 #: Events kept per program when a timeline is requested.
 TIMELINE_MAX_EVENTS = 512
-#: Resident programs per SM (all must be resident: they meet in grid syncs). Two 4-warp programs per SM beat one
-#: 8-warp program by 3-35% and block 64 beat block 128 for exact numerics at every size measured on an H200
-#: (``results/fused_tune_h200.json`` at 01b60b0: T = 8 / 512 / 2048 -> 1524 / 3732 / 10223 us against 2359 /
-#: 4858 / 12094 us with one 8-warp program of block 64 / 128 / 128 per SM; the staged pipeline: 2509 / 4132 / 10705).
-PROGRAMS_PER_SM = 2
+#: Resident 4-warp programs per SM and the register cap that lets them all fit (every program must be resident:
+#: they meet in grid syncs), by numerics. Measured on an H200 (``results/fused_tune_h200.json``, and at 6423414 a
+#: sweep of 2/3/4 programs at T = 8 / 128 / 512): "exact" 3 programs capped at 168 registers beat 2 uncapped by
+#: 3-4% (1457 / 2290 / 3548 us against 1512 / 2359 / 3701; 4 at 128 registers spill in its per-32 tiles and lose
+#: 60%); "hopper" 4 programs at 128 registers beat 2 uncapped by 9-13% (1066 / 2247 / 5157 against 1174 / 2596 /
+#: 5726). One 8-warp program of block 64 / 128 per SM was 3-35% slower than two 4-warp programs (01b60b0).
+PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128)}
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
 #: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
@@ -58,6 +61,8 @@ class FusedConfig:
     promote_every: int = 4
     num_warps: int = 4
     num_stages: int = 2
+    #: Register cap per thread (ptxas ``maxnreg``; None = up to 255): what lets more than two programs share an SM.
+    maxnreg: int | None = None
 
 
 def expected_tokens_per_expert(layout, num_tokens: int) -> float:
@@ -84,7 +89,9 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         programs = 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = max(1, PROGRAMS_PER_SM * sms // num_local_ranks)
+        per_sm, maxnreg = PROGRAMS_PER_SM[numerics]
+        programs = max(1, per_sm * sms // num_local_ranks)
+        return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, maxnreg=maxnreg)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics)
 
 
@@ -132,7 +139,7 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
         BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1], F64_EXP=not gpu,
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
 def _arg_table(calls, timelines) -> torch.Tensor:
