@@ -34,10 +34,13 @@ Each fold is exact unless a value drops below e4m3's normal range (2^-6), where 
 subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max. So neither GEMM needs a scale multiply inside its K
 loop: one MMA chain over K, added into an fp32 accumulator every ``PROMOTE_EVERY`` K-steps of 128 to bound the
 tensor cores' limited in-MMA accumulation (~14 bits, DeepSeek-V3 report) -- which changes no rounding of the model,
-only how close the GPU comes to it. Its tiles are swap-AB: 128 weight rows on the MMA's M, ``BM`` (16-64) tokens on
-N. Measured on an H200 it is 2-3x slower than ``"exact"`` in this Triton form (``results/layer_h200.json``): the
-FP4 decode of the register-resident A operand goes through shared memory byte by byte in the layout Triton picks
-for wgmma's A (sm_90a SASS), so the default stays ``"exact"``.
+only how close the GPU comes to it. Its tiles are swap-AB: 128 weight rows on the MMA's M, ``BM`` (16-32) tokens on
+N, and decode FP4 and fold the weight scale in one byte-table lookup (``_decode_chunk``). Measured on an H200
+(``results/layer_h200.json`` at c1f41b1) it is the faster numerics up to 128 tokens per rank (1076 against 1469 us
+at T=8) and slower from 512 on (5132 against 3534 us): its L1 tile keeps gate and up accumulators plus promotion
+partials, which caps BM at 32. Inside this persistent kernel its tiles run ~2x slower than the same tile launched
+standalone (``results/probes/``): 4 programs an SM capped at 128 registers (368 bytes of spills) against 5+, and a
+deeper ``num_stages`` changed nothing -- not profiled further yet. The default stays ``"exact"``.
 """
 import triton
 import triton.language as tl
