@@ -2,8 +2,9 @@
 
 Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
 global figure state), so the same call works headless and in a notebook (which shows the saved PNG).
-:func:`save_figure` writes ``<name>.png`` (150 dpi) and ``<name>.svg`` to ``figures/`` (``$MEGAMOE_FIGURES_DIR``
-overrides it).
+:func:`save_figure` writes ``<name>.png`` (a compact rendering: :data:`PNG_DPI`, 256 colours -- the file the notebooks
+embed, so that a notebook with its figures stays small) and ``<name>.svg`` (full quality) to ``figures/``
+(``$MEGAMOE_FIGURES_DIR`` overrides it).
 
 Benchmark figures read ``results/<name>.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), schema::
 
@@ -73,9 +74,7 @@ class NotebookFigure(Figure):
     which installs matplotlib's own notebook hooks -- was never imported."""
 
     def _repr_png_(self) -> bytes:
-        buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-        return buf.getvalue()
+        return compact_png(self)
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, *, size: tuple[float, float] = (6.0, 4.0), **subplot_kw):
@@ -97,12 +96,36 @@ def results_dir() -> Path:
     return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or REPO_ROOT / "results")
 
 
+#: Resolution of the PNGs (figures/ and the notebooks' embedded images); the SVGs carry full quality.
+PNG_DPI = 110
+#: Colours of the PNG palette: figures are flat colours plus anti-aliasing, which 256 colours keep legible while the
+#: file shrinks about 3x against a true-colour PNG.
+PNG_COLORS = 256
+
+
+def compact_png(fig: Figure, dpi: int = PNG_DPI) -> bytes:
+    """``fig`` as a small PNG: rendered at ``dpi`` (tight bounding box), quantised to a :data:`PNG_COLORS` palette
+    (median cut, no dithering: deterministic, and text stays crisp), saved with ``optimize``. A notebook embeds
+    this, so a figure costs tens of KB instead of a few hundred."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    buf.seek(0)
+    image = Image.open(buf).convert("RGB").quantize(colors=PNG_COLORS, method=Image.Quantize.MEDIANCUT,
+                                                    dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
 def save_figure(fig: Figure, name: str) -> list[Path]:
-    """Write ``<figures_dir>/<name>.png`` (150 dpi) and ``.svg`` (tight bounding box); return both paths."""
+    """Write ``<figures_dir>/<name>.png`` (:func:`compact_png`) and ``.svg`` (tight bounding box, full quality);
+    return both paths."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.svg"]
-    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    paths[0].write_bytes(compact_png(fig))
     fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
     return paths
 

@@ -9,7 +9,8 @@
     Verifies the committed notebooks: every code cell was executed, no error outputs, a ``parameters`` cell, a
     provenance line (the output of ``megamoe.describe_environment()``), no kernel code (``@triton.jit``), and fresh
     outputs: every ``results/*.json`` a notebook read is recorded in its outputs with its hash
-    (``megamoe.figures.read_results``) and still has that hash.
+    (``megamoe.figures.read_results``) and still has that hash; and a size under :data:`MAX_NOTEBOOK_BYTES` with its
+    outputs (figures are embedded as ``megamoe.figures.compact_png`` renderings).
     Exits 1 and lists the problems otherwise.
 ``list``
     Prints the notebooks in order with their titles.
@@ -35,6 +36,8 @@ CELL_TIMEOUT_S = 1800
 #: A provenance line printed by megamoe.describe_environment().
 PROVENANCE_RE = re.compile(r"backend=\S+ device=.+ torch=\S+ triton=\S+ commit=\S+")
 #: Source patterns that mean kernel code was written in a notebook (kernels belong in megamoe/kernels).
+#: Largest committed notebook, outputs included: a reader (or GitHub's viewer) loads it whole.
+MAX_NOTEBOOK_BYTES = 300_000
 KERNEL_CODE_RE = re.compile(r"@triton\.jit|@triton\.autotune|import triton\.language|\btl\.(load|store|program_id)\(")
 
 
@@ -206,6 +209,12 @@ def check_notebook(path: Path) -> list[str]:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:
         return [f"cannot read: {e}"]
+    size = Path(path).stat().st_size
+    if size > MAX_NOTEBOOK_BYTES:
+        images = sum(len(str(o.get("data", {}).get("image/png", ""))) for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+        problems.append(f"{size / 1e3:.0f} KB with outputs (limit {MAX_NOTEBOOK_BYTES / 1e3:.0f} KB; embedded PNGs "
+                        f"{images / 1e3:.0f} KB): re-execute it (figures embed compact renderings) or trim outputs")
     code = [c for c in nb.cells if c.cell_type == "code"]
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in code):
         problems.append("no cell tagged 'parameters'")

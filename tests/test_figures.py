@@ -98,6 +98,22 @@ def test_layout_breakdown_small_layout(dirs):
     assert "<svg" in paths[1].read_text()[:500]
 
 
+def test_saved_png_is_a_compact_palette_rendering(dirs):
+    """The PNG a notebook embeds is a 256-colour rendering at PNG_DPI: a fraction of a true-colour 150 dpi PNG."""
+    import io
+
+    from PIL import Image
+
+    fig = figures.pool_size_sweep()
+    png = figures.save_figure(fig, "sweep")[0]
+    image = Image.open(png)
+    assert image.mode == "P"
+    full = io.BytesIO()
+    fig.savefig(full, format="png", dpi=150, bbox_inches="tight")
+    assert png.stat().st_size < len(full.getvalue()) / 3
+    assert Image.open(io.BytesIO(fig._repr_png_())).mode == "P"  # a figure shown as a cell value is compact too
+
+
 def test_every_result_kind_plots_with_its_own_plotter(dirs, capsys):
     """The layer (per implementation and routing), timeline (Gantt) and fused_tune plotters read the schemas that
     ``megamoe.bench`` writes; only the pre-fused layer schema (no ``impl``) drops to the generic plot."""

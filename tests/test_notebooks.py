@@ -85,15 +85,22 @@ def test_committed_notebook_structure(path):
     assert first_import.source.lstrip().startswith("import megamoe")
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_committed_notebook_is_small(path):
+    """Every committed notebook, outputs included, stays under the limit (figures embed compact PNGs)."""
+    assert path.stat().st_size <= nbs.MAX_NOTEBOOK_BYTES, f"{path.name}: {path.stat().st_size:,} bytes"
+
+
 def test_check_flags_problems(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("@triton.jit\ndef k(x):\n    pass")
     cell.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])]
     nb.cells = [cell]
+    cell.outputs.append(nbformat.v4.new_output("display_data", data={"image/png": "A" * nbs.MAX_NOTEBOOK_BYTES}))
     path = tmp_path / "00_bad.ipynb"
     nbformat.write(nb, path)
     problems = " | ".join(nbs.check_notebook(path))
-    for expected in ("parameters", "error output", "kernel code", "provenance", "never executed"):
+    for expected in ("parameters", "error output", "kernel code", "provenance", "never executed", "limit"):
         assert expected in problems, problems
 
 
