@@ -2,8 +2,9 @@
 
 Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
 global figure state), so the same call works headless and in a notebook (which shows the saved PNG).
-:func:`save_figure` writes ``<name>.png`` (150 dpi) and ``<name>.svg`` to ``figures/`` (``$MEGAMOE_FIGURES_DIR``
-overrides it).
+:func:`save_figure` writes ``<name>.png`` (a compact rendering: :data:`PNG_DPI`, 256 colours -- the file the notebooks
+embed, so that a notebook with its figures stays small) and ``<name>.svg`` (full quality) to ``figures/``
+(``$MEGAMOE_FIGURES_DIR`` overrides it).
 
 Benchmark figures read ``results/<name>.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), schema::
 
@@ -31,7 +32,7 @@ import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from megamoe.env import REPO_ROOT
 from megamoe.layout import MAX_RANKS, Layout
@@ -73,9 +74,7 @@ class NotebookFigure(Figure):
     which installs matplotlib's own notebook hooks -- was never imported."""
 
     def _repr_png_(self) -> bytes:
-        buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-        return buf.getvalue()
+        return compact_png(self)
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, *, size: tuple[float, float] = (6.0, 4.0), **subplot_kw):
@@ -97,12 +96,36 @@ def results_dir() -> Path:
     return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or REPO_ROOT / "results")
 
 
+#: Resolution of the PNGs (figures/ and the notebooks' embedded images); the SVGs carry full quality.
+PNG_DPI = 110
+#: Colours of the PNG palette: figures are flat colours plus anti-aliasing, which 256 colours keep legible while the
+#: file shrinks about 3x against a true-colour PNG.
+PNG_COLORS = 256
+
+
+def compact_png(fig: Figure, dpi: int = PNG_DPI) -> bytes:
+    """``fig`` as a small PNG: rendered at ``dpi`` (tight bounding box), quantised to a :data:`PNG_COLORS` palette
+    (median cut, no dithering: deterministic, and text stays crisp), saved with ``optimize``. A notebook embeds
+    this, so a figure costs tens of KB instead of a few hundred."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    buf.seek(0)
+    image = Image.open(buf).convert("RGB").quantize(colors=PNG_COLORS, method=Image.Quantize.MEDIANCUT,
+                                                    dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
 def save_figure(fig: Figure, name: str) -> list[Path]:
-    """Write ``<figures_dir>/<name>.png`` (150 dpi) and ``.svg`` (tight bounding box); return both paths."""
+    """Write ``<figures_dir>/<name>.png`` (:func:`compact_png`) and ``.svg`` (tight bounding box, full quality);
+    return both paths."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.svg"]
-    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    paths[0].write_bytes(compact_png(fig))
     fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
     return paths
 
@@ -375,6 +398,7 @@ def bench_layer_timing(data: dict) -> Figure:
         ax_steps.legend(ncol=2, fontsize=7, title=styles_note)
     ax_steps.set_ylabel("us per step")
     ax_rate.set_ylabel("TFLOP/s")
+    ax_rate.set_ylim(bottom=0)  # a small difference must not fill the panel
     ax_rate.legend()
     fig.suptitle(_title(data, f"Mega MoE layer: {data.get('kind', '')}"))
     return fig
@@ -444,22 +468,29 @@ def bench_timeline(data: dict) -> Figure:
 
 @needs("num_tokens_per_rank", "numerics", "block_m", "num_warps", "programs_per_rank")
 def bench_fused_tune(data: dict) -> Figure:
-    """``kind = "fused_tune"``: time of each fused launch configuration per token count, the staged pipeline of the
-    same run as a line."""
+    """``kind = "fused_tune"``: time of each fused launch configuration per token count (one panel each, bars
+    labelled with their µs), the staged pipeline of the same run as a dashed line."""
     tokens = sorted({r["num_tokens_per_rank"] for r in data["rows"]})
-    fig, axes = new_figure(1, len(tokens), size=(4.2 * len(tokens), 4.0), sharey=False)
+    fig, axes = new_figure(1, len(tokens), size=(3.6 * len(tokens) + 1.4, 3.6), sharey=False)
     for ax, n in zip(axes[0], tokens):
         rows = [r for r in data["rows"] if r["num_tokens_per_rank"] == n and "us" in r]
         labels = [f"{r['numerics']} bm{r['block_m']} {r['num_warps']}w x{r['programs_per_rank']}" for r in rows]
         ys = np.arange(len(rows))[::-1]
-        ax.barh(ys, [r["us"] for r in rows], height=0.6)
-        ax.axvline(rows[0]["staged_us"], color="k", ls="--", label="staged")
+        ax.barh(ys, [r["us"] for r in rows], height=0.6, color=["#4c72b0" if r["numerics"] == "exact" else "#8172b3"
+                                                                 for r in rows])
+        ax.axvline(rows[0]["staged_us"], color="k", ls="--", label="staged pipeline, same run")
+        for y, r in zip(ys, rows):
+            ax.text(r["us"], y, f" {r['us']:,.0f}", va="center", fontsize=7,
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5))
+        ax.set_xlim(0, max(max(r["us"] for r in rows), rows[0]["staged_us"]) * 1.22)
         ax.set_yticks(ys, labels, fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
         ax.set_xlabel("µs per call")
         ax.set_title(f"T = {n}")
-        ax.legend(fontsize=8)
         ax.grid(axis="y", visible=False)
-    fig.suptitle(_title(data, "Fused kernel launch configurations"))
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center")
+    fig.suptitle(_title(data, "Fused kernel launch configurations (numerics, block_m, warps, programs)"))
     return fig
 
 
@@ -480,24 +511,76 @@ def bench_ceilings(data: dict) -> Figure:
     return fig
 
 
+def variant_label(variant: dict) -> str:
+    """A short name for a launch-config variant: its switches that are on, and its other settings
+    (``{"prmt_decode": True, "prefetch_w": False, "num_warps": 8}`` -> ``"prmt decode, num warps 8"``)."""
+    on = [k.replace("_", " ") for k, v in variant.items() if v is True]
+    other = [f"{k.replace('_', ' ')} {v}" for k, v in variant.items() if not isinstance(v, bool)]
+    return ", ".join(on + other) or "all switches off"
+
+
 @needs("block_m", "num_tokens", "variant")
 def bench_tune(data: dict) -> Figure:
-    """``kind = "tune"``: L1 and L2 step time of every launch-config variant, one panel per (block_m, tokens)."""
+    """``kind = "tune"``: L1 + L2 step time (stacked, total printed at the bar) of every launch-config variant, one
+    panel per (block_m, tokens) sharing the variant axis; a variant is named by the switches it turns on."""
     groups: dict[tuple, list[dict]] = {}
     for r in data["rows"]:
         groups.setdefault((r["block_m"], r["num_tokens"]), []).append(r)
-    fig, axes = new_figure(1, len(groups), size=(4.0 * len(groups), 4.5), sharey=False)
+    labels = list(dict.fromkeys(variant_label(r["variant"]) for r in data["rows"]))
+    fig, axes = new_figure(1, len(groups), size=(3.6 * len(groups) + 2.6, 0.42 * len(labels) + 1.6), sharey=True)
+    ys = {label: i for i, label in enumerate(labels[::-1])}
     for ax, ((block_m, tokens), rows) in zip(axes[0], sorted(groups.items())):
-        labels = [", ".join(f"{k}={v}" for k, v in r["variant"].items()) or "default" for r in rows]
-        ys = np.arange(len(rows))[::-1]
-        for offset, step in ((-0.2, "l1_us"), (0.2, "l2_us")):
-            ax.barh(ys + offset, [r.get(step, np.nan) for r in rows], height=0.4, label=step.replace("_us", ""))
-        ax.set_yticks(ys, labels, fontsize=7)
-        ax.set_xlabel("us")
+        y = [ys[variant_label(r["variant"])] for r in rows]
+        l1 = np.array([r.get("l1_us", np.nan) for r in rows])
+        l2 = np.array([r.get("l2_us", np.nan) for r in rows])
+        ax.barh(y, l1, height=0.6, color="#4c72b0", label="L1 step")
+        ax.barh(y, l2, left=l1, height=0.6, color="#dd8452", label="L2 step")
+        for yy, total in zip(y, l1 + l2):
+            ax.text(total, yy, f" {total:,.0f}", va="center", fontsize=7)
+        ax.set_xlim(0, np.nanmax(l1 + l2) * 1.25)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.set_xlabel("µs (L1 + L2)")
         ax.set_title(f"block_m={block_m}, T={tokens}")
         ax.grid(axis="y", visible=False)
-    axes[0, 0].legend()
+    axes[0, 0].set_yticks(list(ys.values()), list(ys))
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=2)
     fig.suptitle(_title(data, "GEMM launch-config sweep"))
+    return fig
+
+
+@needs("num_tokens_per_rank", "us", "dispatch", "steps_us")
+def bench_pull_push(data: dict) -> Figure:
+    """``kind = "pull_push"``: with one token count, each step's µs for both dispatch modes side by side (log axis,
+    steps of one mode only are shown for that mode) and the totals in the title with their relative difference; with
+    several token counts, :func:`bench_layer_timing`."""
+    sizes = sorted({r["num_tokens_per_rank"] for r in data["rows"]})
+    if len(sizes) > 1:
+        return bench_layer_timing(data)
+    rows = {r["dispatch"]: r for r in data["rows"]}
+    steps = list(dict.fromkeys(s for r in rows.values() for s in r["steps_us"] if not s.endswith("_arrive")))
+    fig, axes = new_figure(size=(7.5, 0.17 * len(steps) * len(rows) + 1.4))
+    ax = axes[0, 0]
+    height = 0.8 / len(rows)
+    for i, (mode, r) in enumerate(rows.items()):
+        ys = [len(steps) - 1 - j + (len(rows) / 2 - i - 0.5) * height for j in range(len(steps))]
+        vals = [r["steps_us"].get(s, np.nan) for s in steps]
+        ax.barh(ys, vals, height=height, label=f"{mode}: {r['us']:,.0f} µs per call", color=f"C{i}")
+        for y, v in zip(ys, vals):
+            if not np.isnan(v):
+                ax.text(v, y, f" {v:,.0f}", va="center", fontsize=6.5)
+    ax.set_yticks(range(len(steps))[::-1], steps)
+    log_axis(ax, "x")
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi * 3)
+    ax.set_xlabel("µs per step (log; the *_arrive steps are left out)")
+    ax.grid(axis="y", visible=False)
+    ax.legend(loc="lower right")
+    totals = [r["us"] for r in rows.values()]
+    spread = (max(totals) - min(totals)) / min(totals)
+    cfg = data.get("config", {})
+    fig.suptitle(_title(data, f"pull vs push dispatch, {cfg.get('num_ranks', '?')} ranks, {sizes[0]} tokens/rank: "
+                              f"totals differ by {spread:.1%}"))
     return fig
 
 
@@ -542,7 +625,7 @@ def bench_xy(data: dict) -> Figure | None:
 
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
-    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_layer_timing,
+    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_pull_push,
     "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth, "timeline": bench_timeline,
     "fused_tune": bench_fused_tune,
 }

@@ -1,15 +1,19 @@
 """Run and check the notebooks: ``python -m megamoe.notebooks {run,check,list}``.
 
-``run [--names 03 05_gemm_swiglu ...] [--world-size N] [--backend B] [--timeout S]``
+``run [--names 03 05_gemm_swiglu ...] [--world-size N] [--backend B] [--param KEY=VALUE ...] [--output-dir D]
+[--timeout S]``
     Re-executes notebooks **in place** with papermill (outputs are kept in the files), injecting the parameters
-    ``world_size`` (default: the number of GPUs when CUDA is present, else 2) and ``backend`` (default ``auto``).
-    Prints ``[3/8] 03_pool_sizing ... 41.2 s`` per notebook and writes the times, with provenance, to
-    ``results/notebook_times_<device>.json``.
+    ``world_size`` (default: the number of GPUs when there are several, 4 local ranks on one GPU, else 2 CPU ranks)
+    and ``backend`` (default ``auto``), plus any ``--param`` (a Python literal, else a string: ``--param
+    routing=one_expert masked_ratio=0.5``). Prints ``[3/8] 03_pool_sizing ... 41.2 s`` per notebook and writes the
+    times, with provenance, to ``results/notebook_times_<device>.json``. With ``--output-dir D`` the executed
+    notebooks (and their times file) go to ``D`` and the committed notebooks are left untouched.
 ``check [--names ...]``
     Verifies the committed notebooks: every code cell was executed, no error outputs, a ``parameters`` cell, a
     provenance line (the output of ``megamoe.describe_environment()``), no kernel code (``@triton.jit``), and fresh
     outputs: every ``results/*.json`` a notebook read is recorded in its outputs with its hash
-    (``megamoe.figures.read_results``) and still has that hash.
+    (``megamoe.figures.read_results``) and still has that hash; and a size under :data:`MAX_NOTEBOOK_BYTES` with its
+    outputs (figures are embedded as ``megamoe.figures.compact_png`` renderings).
     Exits 1 and lists the problems otherwise.
 ``list``
     Prints the notebooks in order with their titles.
@@ -35,6 +39,8 @@ CELL_TIMEOUT_S = 1800
 #: A provenance line printed by megamoe.describe_environment().
 PROVENANCE_RE = re.compile(r"backend=\S+ device=.+ torch=\S+ triton=\S+ commit=\S+")
 #: Source patterns that mean kernel code was written in a notebook (kernels belong in megamoe/kernels).
+#: Largest committed notebook, outputs included: a reader (or GitHub's viewer) loads it whole.
+MAX_NOTEBOOK_BYTES = 300_000
 KERNEL_CODE_RE = re.compile(r"@triton\.jit|@triton\.autotune|import triton\.language|\btl\.(load|store|program_id)\(")
 
 
@@ -126,26 +132,35 @@ def figures(names: list[str] | None = None, world_size: int | None = None, backe
 
 
 def run(names: list[str] | None = None, world_size: int | None = None, backend: str = "auto",
-        timeout_s: float = CELL_TIMEOUT_S, results_dir: Path | None = None) -> dict:
-    """Re-execute notebooks in place (outputs kept), print progress, write ``notebook_times_<device>.json``.
+        timeout_s: float = CELL_TIMEOUT_S, results_dir: Path | None = None, output_dir: Path | None = None,
+        extra_params: dict | None = None) -> dict:
+    """Re-execute notebooks in place (outputs kept), or into ``output_dir``; print progress, write
+    ``notebook_times_<device>.json`` (into ``results_dir``, default ``output_dir`` when given, else ``results/``).
 
-    Returns the written record: ``{"kind": "notebook_times", "provenance", "config", "rows"}``; each row has
-    ``notebook``, ``seconds`` and ``ok``. A failing notebook is reported and the others still run; the return
-    record then has ``"failed"`` set and :func:`main` exits 1.
+    ``extra_params``: more papermill parameters (e.g. ``{"routing": "one_expert"}``) next to ``world_size`` and
+    ``backend``. Returns the written record: ``{"kind": "notebook_times", "provenance", "config", "rows"}``; each
+    row has ``notebook``, ``seconds`` and ``ok``. A failing notebook is reported and the others still run; the
+    return record then has ``"failed"`` set and :func:`main` exits 1.
     """
     from megamoe.env import provenance
 
     paths = notebook_paths(names)
     world_size = default_world_size() if world_size is None else world_size
-    params = {"world_size": world_size, "backend": backend}
-    print(f"executing {len(paths)} notebook(s) in place with {params}", flush=True)
+    params = {"world_size": world_size, "backend": backend, **(extra_params or {})}
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        results_dir = output_dir if results_dir is None else results_dir
+    where = "in place" if output_dir is None else f"into {output_dir}"
+    print(f"executing {len(paths)} notebook(s) {where} with {params}", flush=True)
     rows, failed = [], []
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     for i, path in enumerate(paths, 1):
         head = f"[{i}/{len(paths)}] {path.stem} ..."
         t0 = time.perf_counter()
         try:
-            execute(path, parameters=params, timeout_s=timeout_s)
+            execute(path, output=None if output_dir is None else output_dir / path.name, parameters=params,
+                    timeout_s=timeout_s)
             ok = True
             print(f"{head} {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as e:  # report, keep going with the other notebooks
@@ -206,6 +221,12 @@ def check_notebook(path: Path) -> list[str]:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:
         return [f"cannot read: {e}"]
+    size = Path(path).stat().st_size
+    if size > MAX_NOTEBOOK_BYTES:
+        images = sum(len(str(o.get("data", {}).get("image/png", ""))) for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+        problems.append(f"{size / 1e3:.0f} KB with outputs (limit {MAX_NOTEBOOK_BYTES / 1e3:.0f} KB; embedded PNGs "
+                        f"{images / 1e3:.0f} KB): re-execute it (figures embed compact renderings) or trim outputs")
     code = [c for c in nb.cells if c.cell_type == "code"]
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in code):
         problems.append("no cell tagged 'parameters'")
@@ -273,15 +294,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="re-execute notebooks in place (papermill)")
     p_run.add_argument("--names", nargs="*", help="notebooks to run (default: all), e.g. 03 05_gemm_swiglu")
-    p_run.add_argument("--world-size", type=int, default=None, help="ranks (default: #GPUs, else 2)")
+    p_run.add_argument("--world-size", type=int, default=None,
+                       help=f"ranks (default: the number of GPUs when there are several, {LOCAL_RANKS_ON_ONE_GPU} "
+                            "local ranks on one GPU, else 2 CPU ranks)")
     p_run.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "local"])
+    p_run.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="more notebook parameters, e.g. routing=one_expert masked_ratio=0.5 (Python literals, "
+                            "else strings)")
+    p_run.add_argument("--output-dir", type=Path, default=None,
+                       help="write the executed notebooks (and their times file) here instead of in place")
     p_run.add_argument("--timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
     p_check = sub.add_parser("check", help="verify committed notebooks (outputs, no errors, provenance)")
     p_check.add_argument("--names", nargs="*")
     sub.add_parser("list", help="list the notebooks")
     p_fig = sub.add_parser("figures", help="regenerate figures/ by executing the notebooks into a temp dir")
     p_fig.add_argument("--names", nargs="*")
-    p_fig.add_argument("--world-size", type=int, default=None)
+    p_fig.add_argument("--world-size", type=int, default=None, help="ranks (default: as for run)")
     p_fig.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "local"])
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -292,8 +320,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(check(args.names).values()) else 0
     if args.command == "figures":
         return 1 if figures(args.names, args.world_size, args.backend) else 0
-    record = run(args.names, args.world_size, args.backend, args.timeout)
+    record = run(args.names, args.world_size, args.backend, args.timeout, output_dir=args.output_dir,
+                 extra_params=parse_params(args.param))
     return 1 if record.get("failed") else 0
+
+
+def parse_params(items: list[str]) -> dict:
+    """``["routing=one_expert", "masked_ratio=0.5", "grid_ranks=[1, 2]"]`` -> a parameter dict; each value is a
+    Python literal where it parses as one, else the string itself."""
+    import ast
+
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--param {item!r}: expected KEY=VALUE")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return params
 
 
 if __name__ == "__main__":

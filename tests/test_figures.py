@@ -39,8 +39,13 @@ FUSED_TUNE = {"kind": "fused_tune", "provenance": {"device": "test"}, "config": 
               "rows": [{"num_tokens_per_rank": n, "numerics": "exact", "block_m": bm, "num_warps": w,
                         "programs_per_rank": p, "us": n * w, "staged_us": n * 6.0}
                        for n in (8, 512) for bm, w, p in ((64, 8, 132), (64, 4, 264))]}
+PULL_PUSH = {"kind": "pull_push", "provenance": {"device": "test"}, "config": {"num_ranks": 4},
+             "rows": [{"num_tokens_per_rank": 128, "dispatch": d, "us": 9000.0 * f, "tflops": 44.0 / f,
+                       "steps_us": {"count": 130.0, "barrier1_arrive": 180.0, d: 160.0, "l1": 5600.0 * f}}
+                      for d, f in (("pull", 1.0), ("push", 1.003))]}
 RESULTS = {"pull_bandwidth": PULL, "latency_sweep": GENERIC, "layer_test": LAYER, "ceilings_test": CEILINGS,
-           "tune_test": TUNE, "layer_impls": LAYER_IMPLS, "timeline_test": TIMELINE, "fused_tune_test": FUSED_TUNE}
+           "tune_test": TUNE, "layer_impls": LAYER_IMPLS, "timeline_test": TIMELINE, "fused_tune_test": FUSED_TUNE,
+           "pull_push_test": PULL_PUSH}
 
 
 @pytest.fixture
@@ -96,6 +101,38 @@ def test_layout_breakdown_small_layout(dirs):
     paths = figures.save_figure(fig, "tiny_layout")
     assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.exists() for p in paths)
     assert "<svg" in paths[1].read_text()[:500]
+
+
+def test_bench_figures_save_without_warnings(dirs):
+    """No plotter leaves a warning in a notebook's output (e.g. constrained layout giving up on crowded panels)."""
+    import warnings
+
+    _, res = dirs
+    for name, data in RESULTS.items():
+        (res / f"{name}.json").write_text(json.dumps(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fig = figures.plot_results(name)
+            if fig is not None:
+                figures.save_figure(fig, name)
+    assert figures.variant_label({"prmt_decode": True, "prefetch_w": False, "num_warps": 8}) == \
+        "prmt decode, num warps 8"
+
+
+def test_saved_png_is_a_compact_palette_rendering(dirs):
+    """The PNG a notebook embeds is a 256-colour rendering at PNG_DPI: a fraction of a true-colour 150 dpi PNG."""
+    import io
+
+    from PIL import Image
+
+    fig = figures.pool_size_sweep()
+    png = figures.save_figure(fig, "sweep")[0]
+    image = Image.open(png)
+    assert image.mode == "P"
+    full = io.BytesIO()
+    fig.savefig(full, format="png", dpi=150, bbox_inches="tight")
+    assert png.stat().st_size < len(full.getvalue()) / 3
+    assert Image.open(io.BytesIO(fig._repr_png_())).mode == "P"  # a figure shown as a cell value is compact too
 
 
 def test_every_result_kind_plots_with_its_own_plotter(dirs, capsys):

@@ -1,7 +1,9 @@
 """The notebooks: every one executes on CPU ranks without error, and the committed files are in order.
 
 Execution: papermill runs each notebook into a temporary directory (the committed files are never touched) with
-``world_size=2`` on CPU ranks, and one of them again with ``world_size=4``; figures go to a temporary directory
+``world_size=2`` on CPU ranks, once more with a parameter set of its own that changes what it shows
+(:data:`STORY_PARAMETERS`: other rank counts, routings, masking, sizes -- so every parameter path is proven to run),
+and one of them again with ``world_size=4``; figures go to a temporary directory
 through ``MEGAMOE_FIGURES_DIR``. The static checks read the committed notebooks: outputs present, no error outputs,
 a ``parameters`` cell, a provenance line, no kernel code (see ``megamoe.notebooks.check_notebook``).
 """
@@ -16,6 +18,19 @@ EXPECTED = ["00_overview", "01_symmetric_memory", "02_symbuffer_map", "03_pool_s
             "05_gemm_swiglu", "06_combine", "07_end_to_end", "08_fused_kernel"]
 #: The notebook also executed with four CPU ranks (one process per rank: launch, shm mapping, barriers, e2e).
 FOUR_RANKS = "06_combine"
+#: Per notebook, a non-default parameter set that changes its story, executed once on CPU ranks (CI otherwise only
+#: injects world_size and backend). Sized to cost about what the default run costs.
+STORY_PARAMETERS = {
+    "00_overview": {"world_size": 3, "num_experts": 12, "num_topk": 3},               # odd rank count, top-3
+    "01_symmetric_memory": {"world_size": 1, "num_tokens": 16},                       # one rank: demos use a peer
+    "02_symbuffer_map": {"world_size": 3, "num_experts": 6},                          # three processes, odd deltas
+    "03_pool_sizing": {"world_size": 4, "block_m": 64},
+    "04_dispatch_pull": {"routing": "one_expert", "num_tokens": 16},                  # worst-case pool on rank 0
+    "05_gemm_swiglu": {"hidden": 512, "intermediate": 256, "num_topk": 4},            # two scale words per K row
+    "06_combine": {"masked_ratio": 0.5, "num_topk": 4},                               # half the slots masked
+    "07_end_to_end": {"grid_ranks": [2], "grid_topk": [3], "grid_tokens": 8},         # a different grid
+    "08_fused_kernel": {"routing": "one_expert", "num_tokens": 16},                   # skew at its worst
+}
 
 
 def test_the_nine_notebooks_exist():
@@ -30,11 +45,12 @@ def figures_tmp(tmp_path, monkeypatch):
     return out
 
 
-def _execute(name: str, tmp_path, world_size: int) -> nbformat.NotebookNode:
+def _execute(name: str, tmp_path, world_size: int = 2, **params) -> nbformat.NotebookNode:
     src = nbs.NOTEBOOK_DIR / f"{name}.ipynb"
     before = src.read_bytes()
     out = tmp_path / f"{name}_ws{world_size}.ipynb"
-    nbs.execute(src, out, parameters={"world_size": world_size, "backend": "cpu"}, cwd=tmp_path, timeout_s=600)
+    nbs.execute(src, out, parameters={"world_size": world_size, "backend": "cpu", **params}, cwd=tmp_path,
+                timeout_s=600)
     assert src.read_bytes() == before, "executing must not modify the committed notebook"
     return nbformat.read(out, as_version=4)
 
@@ -54,6 +70,41 @@ def test_notebook_executes_on_two_cpu_ranks(name, tmp_path, figures_tmp):
     assert injected and "world_size = 2" in injected[0].source
     if any(".show_figure(" in c.source for c in nb.cells if c.cell_type == "code"):
         assert list(figures_tmp.glob("*.png")) and list(figures_tmp.glob("*.svg"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_executes_with_a_story_changing_parameter_set(name, tmp_path, figures_tmp):
+    nb = _execute(name, tmp_path, **STORY_PARAMETERS[name])
+    assert not _errors(nb)
+    injected = [c for c in nb.cells if "injected-parameters" in c.get("metadata", {}).get("tags", [])][0].source
+    values: dict = {}
+    exec(injected, values)  # the cell papermill wrote: plain assignments
+    assert {k: values[k] for k in STORY_PARAMETERS[name]} == STORY_PARAMETERS[name], injected
+
+
+def test_story_parameters_exist_in_each_notebook():
+    """Every notebook has a story parameter set, and each of its keys is a parameter of that notebook."""
+    assert sorted(STORY_PARAMETERS) == EXPECTED
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        params = next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])).source
+        declared = {line.split("=")[0].strip() for line in params.splitlines() if "=" in line and
+                    not line.lstrip().startswith("#")}
+        assert set(STORY_PARAMETERS[path.stem]) <= declared, (path.stem, set(STORY_PARAMETERS[path.stem]) - declared)
+        assert STORY_PARAMETERS[path.stem] != {"world_size": 2}
+
+
+def test_run_cli_parses_params_and_writes_into_an_output_dir(tmp_path, monkeypatch):
+    """``run --output-dir`` leaves the committed notebooks alone; ``--param`` values are literals or strings."""
+    assert nbs.parse_params(["routing=one_expert", "masked_ratio=0.5", "grid_ranks=[1, 2]"]) == \
+        {"routing": "one_expert", "masked_ratio": 0.5, "grid_ranks": [1, 2]}
+    calls = []
+    monkeypatch.setattr(nbs, "execute", lambda path, output=None, **kw: calls.append((path, output, kw)) or 0.0)
+    record = nbs.run(["01"], world_size=2, backend="cpu", output_dir=tmp_path, extra_params={"num_tokens": 16})
+    assert calls[0][1] == tmp_path / "01_symmetric_memory.ipynb"
+    assert calls[0][2]["parameters"] == {"world_size": 2, "backend": "cpu", "num_tokens": 16}
+    assert (tmp_path / f"notebook_times_{nbs.device_tag()}.json").exists() and not record.get("failed")
 
 
 @pytest.mark.slow
@@ -85,15 +136,22 @@ def test_committed_notebook_structure(path):
     assert first_import.source.lstrip().startswith("import megamoe")
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_committed_notebook_is_small(path):
+    """Every committed notebook, outputs included, stays under the limit (figures embed compact PNGs)."""
+    assert path.stat().st_size <= nbs.MAX_NOTEBOOK_BYTES, f"{path.name}: {path.stat().st_size:,} bytes"
+
+
 def test_check_flags_problems(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("@triton.jit\ndef k(x):\n    pass")
     cell.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])]
     nb.cells = [cell]
+    cell.outputs.append(nbformat.v4.new_output("display_data", data={"image/png": "A" * nbs.MAX_NOTEBOOK_BYTES}))
     path = tmp_path / "00_bad.ipynb"
     nbformat.write(nb, path)
     problems = " | ".join(nbs.check_notebook(path))
-    for expected in ("parameters", "error output", "kernel code", "provenance", "never executed"):
+    for expected in ("parameters", "error output", "kernel code", "provenance", "never executed", "limit"):
         assert expected in problems, problems
 
 
