@@ -38,9 +38,9 @@ only how close the GPU comes to it. Its tiles are swap-AB: 128 weight rows on th
 N, and decode FP4 and fold the weight scale in one byte-table lookup (``_decode_chunk``). Measured on an H200
 (``results/layer_h200.json`` at c1f41b1) it is the faster numerics up to 128 tokens per rank (1076 against 1469 us
 at T=8) and slower from 512 on (5132 against 3534 us): its L1 tile keeps gate and up accumulators plus promotion
-partials, which caps BM at 32. Inside this persistent kernel its tiles run ~2x slower than the same tile launched
-standalone (``results/probes/``): 4 programs an SM capped at 128 registers (368 bytes of spills) against 5+, and a
-deeper ``num_stages`` changed nothing -- not profiled further yet. The default stays ``"exact"``.
+partials, which caps BM at 32. The tile is bound by the FP4 decode's integer work: launched standalone it
+streams 1.5 TB/s of FP4 where the same tile with FP8 weights streams 4.3 TB/s (``results/probes/``); inside this
+kernel (4 programs an SM at 128 registers) ~1.25 TB/s. The default stays ``"exact"``.
 """
 import triton
 import triton.language as tl
