@@ -42,9 +42,39 @@ def kernel_device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def default_backend() -> str:
-    """``"cuda"`` when a GPU is present, else ``"cpu"`` (one process per rank, POSIX shared memory)."""
-    return "cuda" if cuda_available() else "cpu"
+#: What a caller may ask for: ``local`` runs every rank in this process (one GPU, or CPU tensors in lock-step).
+BACKENDS = ("auto", "cpu", "cuda", "local")
+
+
+def resolve_backend(backend: str = "auto", world_size: int = 1, *, local: bool = True) -> str:
+    """The one backend resolver: ``backend`` for ``world_size`` ranks -> ``"cpu"``, ``"cuda"`` or ``"local"``.
+
+    ``cpu``: one process per rank, gloo + POSIX shared memory + Triton's interpreter. ``cuda``: one process per GPU,
+    NCCL + ``torch.distributed._symmetric_memory`` (needs ``world_size`` GPUs). ``local``: every rank in this
+    process (lock-step), for callers that can run ranks that way (``local=True``; ``megamoe.launch`` cannot).
+    ``auto``: ``cuda`` when at least ``world_size`` GPUs exist; with fewer GPUs ``local`` (all ranks on one GPU)
+    where allowed, else ``cpu``; ``cpu`` without a GPU.
+    """
+    allowed = BACKENDS if local else tuple(b for b in BACKENDS if b != "local")
+    if backend not in allowed:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(map(repr, allowed))}")
+    import torch
+
+    gpus = torch.cuda.device_count() if cuda_available() else 0
+    if backend == "auto":
+        return "cuda" if gpus >= world_size else "local" if gpus and local else "cpu"
+    if backend == "cuda" and gpus < world_size:
+        raise ValueError(f"backend='cuda' needs {world_size} GPUs, found {gpus}")
+    return backend
+
+
+def device_tag() -> str:
+    """``cpu``, or the GPU's name in lower case with dashes (``h200``): the suffix of result file names."""
+    import torch
+
+    if not cuda_available():
+        return "cpu"
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 @lru_cache(maxsize=1)
@@ -88,5 +118,5 @@ def provenance(command: str | None = None) -> dict:
 def describe_environment() -> str:
     """One line: backend, device and versions (printed by ``make setup`` and by the notebooks)."""
     p = provenance()
-    return (f"backend={default_backend()} device={p['device']} torch={p['torch']} triton={p['triton']} "
+    return (f"backend={resolve_backend(local=False)} device={p['device']} torch={p['torch']} triton={p['triton']} "
             f"commit={p['git_commit'][:12]}{'-dirty' if p['git_commit'].endswith('-dirty') else ''}")

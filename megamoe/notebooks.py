@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamoe.env import REPO_ROOT
+from megamoe.env import REPO_ROOT, device_tag
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "python3"
@@ -64,15 +64,6 @@ def default_world_size() -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return gpus if gpus > 1 else LOCAL_RANKS_ON_ONE_GPU if gpus == 1 else 2
-
-
-def device_tag() -> str:
-    """``cpu`` or the GPU's name in lower case with dashes (``h200``), for result file names."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 def title(path: Path) -> str:

@@ -5,8 +5,8 @@ reference bit for bit on these sizes, which the `bitwise` fraction reported in f
 """
 import pytest
 
+from megamoe.cases import MoECase, run_case_local, run_case_rank
 from megamoe.launch import launch
-from megamoe.programs import MoECase, run_case_local, run_case_rank
 
 
 def _check(reports):

@@ -84,7 +84,7 @@ def test_tests_and_notebooks_import_only_declared_distributions():
 def test_package_imports_only_declared_distributions():
     """megamoe and megamoe.kernels: the core dependencies, plus the extras' packages they import lazily (cupy: gpu;
     papermill, nbformat, IPython: notebook)."""
-    sources = [*ROOT.glob("megamoe/*.py"), *ROOT.glob("kernels/*.py")]
+    sources = [*ROOT.glob("megamoe/**/*.py"), *ROOT.glob("kernels/*.py")]
     assert _undeclared(sources, _declared(*EXTRAS, "gpu")) == {}
 
 
@@ -101,3 +101,11 @@ def test_kernels_installed_as_subpackage():
     assert Path(megamoe.kernels.__file__).resolve().parent == ROOT / "kernels"
     cuh = sorted(p.name for p in (ROOT / "kernels" / "cuda").glob("*.cuh"))
     assert cuh == ["barrier.cuh", "sym_buffer.cuh", "tma_pull.cuh"]
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists its packages by hand: every folder of megamoe with an ``__init__.py`` must be among them."""
+    found = {"megamoe", "megamoe.kernels"} | {
+        "megamoe." + ".".join(p.parent.relative_to(ROOT / "megamoe").parts)
+        for p in (ROOT / "megamoe").glob("*/**/__init__.py")}
+    assert set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]) == found

@@ -1,0 +1,330 @@
+"""Figures of benchmark results (``results/<name>.json``), dispatched on the file's ``kind``.
+
+``kind`` (top level, else ``config["kind"]``, else the file name) picks the plotter in :data:`BENCH_PLOTS`; any
+other kind is drawn by :func:`bench_xy` from the hints ``config["x"]``, ``config["y"]`` (a column or a list),
+``config["series"]`` (a column splitting rows into lines), ``config["xlog"]`` / ``config["ylog"]`` and
+``config["title"]``, or, without hints, the first numeric column against the other numeric columns.
+Also the roofline of a ``layer`` result against the measured ``ceilings`` (notebook 05).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+
+from megamoe.figures.results import load_results, results_kind
+from megamoe.figures.style import log_axis, new_figure
+
+
+def needs(*row_keys: str, config: tuple[str, ...] = ()) -> Callable:
+    """Declare what a benchmark plotter reads: keys every row has, and keys of ``config``. :func:`plot_results`
+    checks them first and falls back to :func:`bench_xy` when the results lack one (the schema moved on)."""
+    def declare(plotter: Callable) -> Callable:
+        plotter.row_keys, plotter.config_keys = frozenset(row_keys), frozenset(config)
+        return plotter
+    return declare
+
+
+def missing_keys(plotter: Callable, data: dict) -> list[str]:
+    """The keys :func:`needs` declared for ``plotter`` that ``data`` lacks (``config.<key>`` for config keys)."""
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return ["rows"]
+    missing = {k for r in rows for k in getattr(plotter, "row_keys", ()) if k not in r}
+    config = data.get("config") or {}
+    missing |= {f"config.{k}" for k in getattr(plotter, "config_keys", ()) if k not in config}
+    return sorted(missing)
+
+
+def _title(data: dict, default: str) -> str:
+    device = data.get("provenance", {}).get("device", "unknown device")
+    return f"{data.get('config', {}).get('title', default)} ({device})"
+
+
+@needs("row_bytes", "gb_s")
+def bench_pull_bandwidth(data: dict) -> Figure:
+    """``kind = "pull_bandwidth"`` (``cupy_prims.bench_pull``): GB/s against row size, one line per ``op``."""
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    for op in sorted({r.get("op", "pull") for r in data["rows"]}):
+        rows = sorted((r for r in data["rows"] if r.get("op", "pull") == op), key=lambda r: r["row_bytes"])
+        ax.plot([r["row_bytes"] for r in rows], [r["gb_s"] for r in rows], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("row bytes")
+    ax.set_ylabel("payload GB/s")
+    ax.legend()
+    where = "two ranks emulated on one GPU" if data.get("config", {}).get("emulated_ranks") else "peer over NVLink"
+    ax.set_title(_title(data, f"1-D bulk copy through shared memory, {where}"))
+    return fig
+
+
+@needs("num_tokens_per_rank", "us", "tflops")
+def bench_layer_timing(data: dict) -> Figure:
+    """``kind = "layer"`` or ``"pull_push"`` (``megamoe.bench``): total time, per-step time and TFLOP/s against
+    tokens per rank, one line style per ``dispatch`` mode. Rows need ``num_tokens_per_rank``, ``us``, ``tflops``
+    and may carry ``dispatch`` and ``steps_us`` ({step: us})."""
+    fig, axes = new_figure(1, 3, size=(14.0, 4.2))
+    ax_total, ax_steps, ax_rate = axes[0]
+    styles = ["-", "--", ":", "-."]
+    modes = sorted({r.get("dispatch", "") for r in data["rows"]})
+    step_colors: dict[str, str] = {}
+    for style, mode in zip(styles * len(modes), modes):
+        rows = sorted((r for r in data["rows"] if r.get("dispatch", "") == mode),
+                      key=lambda r: r["num_tokens_per_rank"])
+        xs = [r["num_tokens_per_rank"] for r in rows]
+        tag = f" ({mode})" if mode else ""
+        ax_total.plot(xs, [r["us"] for r in rows], ls=style, marker="o", label=f"total{tag}")
+        ax_rate.plot(xs, [r["tflops"] for r in rows], ls=style, marker="o", label=f"TFLOP/s{tag}")
+        for step in (rows[0].get("steps_us") or {}) if rows else {}:
+            line, = ax_steps.plot(xs, [r["steps_us"][step] for r in rows], ls=style, marker=".",
+                                  color=step_colors.get(step), label=step if step not in step_colors else None)
+            step_colors[step] = line.get_color()
+    for ax in (ax_total, ax_steps, ax_rate):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+    log_axis(ax_total)
+    ax_total.set_ylabel("us per call")
+    ax_total.legend()
+    if step_colors:
+        log_axis(ax_steps)
+        styles_note = " / ".join(f"{m} {s}" for m, s in zip(modes, styles)) if len(modes) > 1 else None
+        ax_steps.legend(ncol=2, fontsize=7, title=styles_note)
+    ax_steps.set_ylabel("us per step")
+    ax_rate.set_ylabel("TFLOP/s")
+    ax_rate.legend()
+    fig.suptitle(_title(data, f"Mega MoE layer: {data.get('kind', '')}"))
+    return fig
+
+
+@needs("impl", "num_tokens_per_rank", "us")
+def bench_layer_impls(data: dict) -> Figure:
+    """``kind = "layer"`` (``megamoe.bench``, one row per implementation and size): µs per call and % of the
+    run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of panels per
+    ``routing``. Rows need ``impl``, ``num_tokens_per_rank``, ``us``; ``roofline_pct`` where known."""
+    routings = sorted({r.get("routing", "uniform") for r in data["rows"]}, key=lambda x: x != "uniform")
+    fig, axes = new_figure(2, len(routings), size=(6.0 * len(routings), 7.5), sharey=False)
+    series = sorted({(r["impl"], r.get("numerics")) for r in data["rows"]}, key=str)
+    color = {key: f"C{i}" for i, key in enumerate(series)}  # one colour per implementation in every panel
+    for col, routing in enumerate(routings):
+        ax_us, ax_pct = axes[0, col], axes[1, col]
+        for impl, numerics in series:
+            rows = sorted((r for r in data["rows"] if (r["impl"], r.get("numerics")) == (impl, numerics)
+                           and r.get("routing", "uniform") == routing), key=lambda r: r["num_tokens_per_rank"])
+            if not rows:
+                continue
+            label = impl + (f" ({numerics})" if numerics else "")
+            xs = [r["num_tokens_per_rank"] for r in rows]
+            ax_us.plot(xs, [r["us"] for r in rows], marker="o", label=label, color=color[impl, numerics])
+            pct = [(r["num_tokens_per_rank"], r["roofline_pct"]) for r in rows if r.get("roofline_pct") is not None]
+            if pct:
+                ax_pct.plot(*zip(*pct), marker="o", label=label, color=color[impl, numerics])
+        for ax in (ax_us, ax_pct):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per rank")
+        log_axis(ax_us)
+        ax_us.set_ylabel("µs per call")
+        ax_us.set_title(f"{routing} routing")
+        ax_us.legend(fontsize=8)
+        ax_pct.set_ylabel("% of roofline (this run's ceilings)")
+    fig.suptitle(_title(data, "Mega MoE layer, one EP8 rank's 48 V4-Pro experts"))
+    return fig
+
+
+@needs("num_tokens_per_rank", "block_m", "span_us", "events", config=("kinds",))
+def bench_timeline(data: dict) -> Figure:
+    """``kind = "timeline"`` (``megamoe.bench --suite timeline``): one Gantt chart per recorded run of the fused
+    kernel -- a row per program, a bar per task coloured by kind (pull, L1, L2, ...) -- so the overlap of the pull
+    with the GEMMs, and of L2 with L1, is visible."""
+    kinds = data["config"]["kinds"]
+    runs = data["rows"]
+    fig, axes = new_figure(len(runs), 1, size=(11.0, 3.2 * len(runs)), sharey=False)
+    colors = dict(zip(kinds, ["#8c8c8c", "#222222", "#dd8452", "#4c72b0", "#55a868", "#222222", "#c44e52", "#222222"]))
+    for ax, run in zip(axes[:, 0], runs):
+        for kind in kinds:
+            k = kinds.index(kind)
+            for p, events in enumerate(run["events"]):
+                spans = [(a / 1e3, max(b - a, 1) / 1e3) for kk, a, b in events if kk == k]
+                if spans:
+                    ax.broken_barh(spans, (p, 0.9), facecolors=colors[kind], rasterized=True)  # thousands of bars
+        ax.set_xlabel("µs since the first event")
+        ax.set_ylabel("program")
+        ax.set_title(f"{run.get('numerics', '')} numerics, {run['num_tokens_per_rank']} tokens, block_m "
+                     f"{run['block_m']}, span {run['span_us']:.0f} µs", fontsize=9)
+        handles = [matplotlib.patches.Patch(color=colors[k], label=k)
+                   for k in kinds if k in ("pull", "l1", "l2", "combine")]
+        ax.legend(handles=handles, fontsize=8, loc="upper right")
+        ax.grid(axis="y", visible=False)
+    fig.suptitle(_title(data, "Fused kernel: one launch, per-program tasks over time"))
+    return fig
+
+
+@needs("num_tokens_per_rank", "numerics", "block_m", "num_warps", "programs_per_rank")
+def bench_fused_tune(data: dict) -> Figure:
+    """``kind = "fused_tune"``: time of each fused launch configuration per token count, the staged pipeline of the
+    same run as a line."""
+    tokens = sorted({r["num_tokens_per_rank"] for r in data["rows"]})
+    fig, axes = new_figure(1, len(tokens), size=(4.2 * len(tokens), 4.0), sharey=False)
+    for ax, n in zip(axes[0], tokens):
+        rows = [r for r in data["rows"] if r["num_tokens_per_rank"] == n and "us" in r]
+        labels = [f"{r['numerics']} bm{r['block_m']} {r['num_warps']}w x{r['programs_per_rank']}" for r in rows]
+        ys = np.arange(len(rows))[::-1]
+        ax.barh(ys, [r["us"] for r in rows], height=0.6)
+        ax.axvline(rows[0]["staged_us"], color="k", ls="--", label="staged")
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xlabel("µs per call")
+        ax.set_title(f"T = {n}")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", visible=False)
+    fig.suptitle(_title(data, "Fused kernel launch configurations"))
+    return fig
+
+
+@needs("what")
+def bench_ceilings(data: dict) -> Figure:
+    """``kind = "ceilings"``: one bar per measured ceiling, labelled with its rate (``tflops`` / ``tb_per_s`` /
+    ``gb_s``)."""
+    metrics = {"tflops": "TFLOP/s", "tb_per_s": "TB/s", "gb_s": "GB/s"}
+    rows = [(r["what"], m, r[m]) for r in data["rows"] for m in metrics if m in r]
+    fig, axes = new_figure(1, len(rows), size=(3.2 * len(rows), 3.2))
+    for ax, (what, metric, value) in zip(axes[0], rows):
+        ax.bar([0], [value], color="#4c72b0", width=0.6)
+        ax.text(0, value, f"{value:,.0f}" if value >= 100 else f"{value:.3g}", ha="center", va="bottom")
+        ax.set_xticks([0], [what])
+        ax.set_ylabel(metrics[metric])
+        ax.grid(axis="x", visible=False)
+    fig.suptitle(_title(data, "Measured ceilings"))
+    return fig
+
+
+@needs("block_m", "num_tokens", "variant")
+def bench_tune(data: dict) -> Figure:
+    """``kind = "tune"``: L1 and L2 step time of every launch-config variant, one panel per (block_m, tokens)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in data["rows"]:
+        groups.setdefault((r["block_m"], r["num_tokens"]), []).append(r)
+    fig, axes = new_figure(1, len(groups), size=(4.0 * len(groups), 4.5), sharey=False)
+    for ax, ((block_m, tokens), rows) in zip(axes[0], sorted(groups.items())):
+        labels = [", ".join(f"{k}={v}" for k, v in r["variant"].items()) or "default" for r in rows]
+        ys = np.arange(len(rows))[::-1]
+        for offset, step in ((-0.2, "l1_us"), (0.2, "l2_us")):
+            ax.barh(ys + offset, [r.get(step, np.nan) for r in rows], height=0.4, label=step.replace("_us", ""))
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xlabel("us")
+        ax.set_title(f"block_m={block_m}, T={tokens}")
+        ax.grid(axis="y", visible=False)
+    axes[0, 0].legend()
+    fig.suptitle(_title(data, "GEMM launch-config sweep"))
+    return fig
+
+
+def _numeric_columns(rows: list[dict]) -> list[str]:
+    return [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def bench_xy(data: dict) -> Figure | None:
+    """Any other kind: ``config`` hints x / y / series / xlog / ylog / title, else first numeric column vs the rest.
+
+    Returns None (and prints why) when the rows have nothing numeric to plot.
+    """
+    rows, cfg = data.get("rows") or [], data.get("config", {})
+    numeric = _numeric_columns(rows) if rows else []
+    x = cfg.get("x") or (numeric[0] if numeric else None)
+    ys = cfg.get("y") or [c for c in numeric if c != x]
+    ys = [ys] if isinstance(ys, str) else list(ys)
+    if x is None or not ys:
+        print(f"figures: results of kind {data.get('kind')!r} have no numeric columns to plot, skipping")
+        return None
+    series_key = cfg.get("series")
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault("" if series_key is None else f"{series_key}={r.get(series_key)}", []).append(r)
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    for group, members in groups.items():
+        members = sorted(members, key=lambda r: r[x])
+        for y in ys:
+            label = " ".join(p for p in (group, y if len(ys) > 1 or not group else "") if p)
+            ax.plot([r[x] for r in members], [r[y] for r in members], marker="o", label=label or y)
+    if cfg.get("xlog"):
+        ax.set_xscale("log", base=2)
+    if cfg.get("ylog"):
+        log_axis(ax)
+    ax.set_xlabel(x)
+    ax.set_ylabel(ys[0] if len(ys) == 1 else "value")
+    ax.legend()
+    ax.set_title(_title(data, str(data.get("kind", "benchmark"))))
+    return fig
+
+
+#: ``kind`` -> plotting function for results/*.json.
+BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
+    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_layer_timing,
+    "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth, "timeline": bench_timeline,
+    "fused_tune": bench_fused_tune,
+}
+
+
+
+def plot_results(name: str) -> Figure | None:
+    """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot.
+
+    When the results lack a key the kind's plotter declared (:func:`needs`; the schema moved on), the generic
+    :func:`bench_xy` draws them instead. Any error of the plotter itself is raised.
+    """
+    data = load_results(name)
+    if data is None:
+        return None
+    kind = results_kind(data, name)
+    plotter = BENCH_PLOTS.get(kind, bench_xy)
+    missing = missing_keys(plotter, data) if plotter is not bench_xy else []
+    if missing:
+        print(f"figures: {name}: the {kind!r} plotter needs {', '.join(missing)}; using the generic x/y plot")
+        return bench_xy(data)
+    return plotter(data)
+
+
+def roofline_rows(layer: dict, ceilings: dict | None, impl: str = "staged", routing: str = "uniform") -> list[dict]:
+    """Per row of a ``layer`` result of implementation ``impl`` (rows without ``impl`` count as staged) and
+    ``routing``: measured TFLOP/s against the roofline from a ``ceilings`` result (measured FP8 matmul TFLOP/s and
+    device copy TB/s): ``time >= max(flops / peak, touched weight bytes / bandwidth)``."""
+    peak = bw = None
+    for r in (ceilings or {}).get("rows", []):
+        if "tflops" in r:
+            peak = r["tflops"]
+        if "tb_per_s" in r:
+            bw = r["tb_per_s"]
+    rows = []
+    for r in layer.get("rows", []):
+        if r.get("impl", "staged") != impl or r.get("routing", "uniform") != routing:
+            continue
+        row = {"tokens/rank": r.get("num_tokens_per_rank"), "ranks": r.get("num_ranks"), "us": r.get("us"),
+               "TFLOP/s": r.get("tflops")}
+        if peak and bw and r.get("flops"):
+            t_compute = r["flops"] / (peak * 1e12)
+            t_memory = r.get("weight_bytes_touched", 0) / (bw * 1e12)
+            bound = max(t_compute, t_memory)
+            row.update({"roofline us": bound * 1e6, "roofline TFLOP/s": r["flops"] / bound / 1e12,
+                        "bound by": "compute" if t_compute >= t_memory else "weights (HBM)",
+                        "fraction of roofline": bound / (r["us"] * 1e-6)})
+        rows.append(row)
+    return rows
+
+
+def roofline_figure(rows: Sequence[dict], title: str):
+    """Measured TFLOP/s (and the roofline when known) against tokens per rank."""
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    xs = [r["tokens/rank"] for r in rows]
+    ax.plot(xs, [r["TFLOP/s"] for r in rows], "o-", label="measured")
+    if all("roofline TFLOP/s" in r for r in rows):
+        ax.plot(xs, [r["roofline TFLOP/s"] for r in rows], "s--", color="k", label="roofline (measured ceilings)")
+    ax.set_xscale("log", base=2)
+    log_axis(ax)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend()
+    return fig
+
