@@ -1,18 +1,27 @@
 """Where megamoe runs: backend detection, the Triton interpreter switch, and provenance for results.
 
-On a machine without CUDA every Triton kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
-tensors at their real addresses. The switch must be set before the kernels are decorated, so
-:func:`ensure_interpreter_if_no_cuda` is called by ``megamoe.kernels`` on import.
+The interpreter switch, in one place: on a machine without CUDA every Triton kernel runs under Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors at their real addresses. Triton reads the switch when it *defines* a
+function: its own library (``tl.sum``, ``tl.cdiv``, ...) when ``triton`` is first imported, megamoe's kernels when
+``megamoe.kernels`` is imported. So importing ``megamoe`` sets it (:func:`ensure_interpreter_if_no_cuda`: the one
+process-wide setting megamoe changes, and only without CUDA; spawned CPU ranks inherit it). When ``triton`` was
+imported before ``megamoe`` on such a machine, everything but the kernels still works (layout, quant, reference,
+sim, figures, ...); importing ``megamoe.kernels`` raises :func:`require_interpreted_triton`'s ImportError, which
+names the fix: import megamoe before triton, or set ``TRITON_INTERPRET=1`` in the environment.
 """
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Whether ``triton`` was already imported when megamoe was (then the interpreter switch came too late for Triton's
+#: own library, see the module docstring).
+TRITON_IMPORTED_FIRST = "triton" in sys.modules
 
 
 def cuda_available() -> bool:
@@ -26,6 +35,22 @@ def ensure_interpreter_if_no_cuda() -> None:
     """Set ``TRITON_INTERPRET=1`` when no CUDA device exists (an explicit setting is left alone)."""
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def require_interpreted_triton() -> None:
+    """Under the interpreter, raise an ImportError with the fix when Triton's own library was defined for the
+    compiler (``triton`` imported before the switch was set); called by ``megamoe.kernels`` before its kernels."""
+    if not interpreting():
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        raise ImportError(
+            "megamoe's kernels run under Triton's interpreter here (no CUDA), but Triton was imported before the "
+            "interpreter was switched on, so its own library was built for the compiler. Fix: import megamoe before "
+            "triton, or set TRITON_INTERPRET=1 in the environment."
+            + (" (triton was imported before megamoe)" if TRITON_IMPORTED_FIRST else ""))
 
 
 def interpreting() -> bool:

@@ -3,11 +3,15 @@ cover what the package, the tests and the notebooks import; kernels/ is installe
 import ast
 import importlib.metadata
 import json
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,3 +113,24 @@ def test_every_subpackage_is_installed():
         "megamoe." + ".".join(p.parent.relative_to(ROOT / "megamoe").parts)
         for p in (ROOT / "megamoe").glob("*/**/__init__.py")}
     assert set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]) == found
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only matters without CUDA")
+def test_triton_imported_before_megamoe():
+    """Without CUDA: megamoe's host modules work when triton was imported first; its kernels refuse with the fix
+    (``megamoe.env``); with TRITON_INTERPRET=1 set beforehand the kernels work after triton too."""
+    def run(code: str, **env) -> subprocess.CompletedProcess:
+        environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ,
+                              cwd=ROOT, timeout=120)
+
+    host = run("import triton, megamoe, sys; from megamoe import figures, layout, quant, reference, sim, testing; "
+               "assert 'megamoe.kernels' not in sys.modules; print(megamoe.describe_environment())")
+    assert host.returncode == 0, host.stderr
+    kernels = run("import triton, megamoe.kernels")
+    assert kernels.returncode != 0
+    assert "ImportError" in kernels.stderr
+    assert "import megamoe before triton, or set TRITON_INTERPRET=1" in kernels.stderr
+    preset = run("import triton, torch; from megamoe.kernels.pool import pool_schedule; "
+                 "print(pool_schedule(torch.tensor([[3, 5]]), 4)[1].tolist())", TRITON_INTERPRET="1")
+    assert preset.returncode == 0 and preset.stdout.strip() == "[1, 2]", preset.stderr
