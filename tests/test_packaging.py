@@ -134,3 +134,16 @@ def test_triton_imported_before_megamoe():
     preset = run("import triton, torch; from megamoe.kernels.pool import pool_schedule; "
                  "print(pool_schedule(torch.tensor([[3, 5]]), 4)[1].tolist())", TRITON_INTERPRET="1")
     assert preset.returncode == 0 and preset.stdout.strip() == "[1, 2]", preset.stderr
+
+
+def test_cupy_kernels_source_is_the_file_next_to_the_headers():
+    """The CUDA translation unit CuPy compiles is read from ``kernels/cuda/cupy_kernels.cu`` (installed as package
+    data), with every ``extern "C"`` kernel the launchers look up and a hash of the headers (CuPy's cache key)."""
+    from megamoe.kernels import cupy_prims
+
+    source = cupy_prims.kernel_source()
+    assert source.startswith((ROOT / "kernels" / "cuda" / "cupy_kernels.cu").read_text())
+    assert all(f"\n{name}(" in source for name in cupy_prims.KERNEL_NAMES)
+    assert all(f'#include "{h}"' in source for h in cupy_prims.HEADERS) and "// headers sha1 " in source
+    assert "cuda/*.cu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "megamoe.kernels"]

@@ -22,6 +22,20 @@ def _barrier_snapshot(sb: SymmBuffer, step: str) -> dict:
             "barrier_signal": sb.view("barrier_signal").tolist()}
 
 
+def _wait_for_tag3(sb: SymmBuffer, wait, timeout_s: float) -> dict | None:
+    """``wait(sb, tag 3)`` (a whole barrier, or the wait half after a lock-step arrive) with ``timeout_s``: the
+    :class:`~megamoe.kernels.symm.BarrierTimeout` it raised, as a dict, or None when every rank arrived."""
+    sb.barrier_timeout_s = timeout_s
+    start = time.monotonic()
+    try:
+        wait(sb, ks.TAG_AFTER_WORKSPACE_CLEAN)
+        ks.check_barrier_state(sb)
+    except ks.BarrierTimeout as e:
+        return {"rank": e.rank, "tag": e.tag, "missing_rank": e.missing_rank, "message": str(e),
+                "waited_s": round(time.monotonic() - start, 2)}
+    return None
+
+
 def barrier_demo_rank(rank: int, world_size: int, shape: dict, absent_rank: int, timeout_s: float) -> dict:
     """Barriers tag 1 and 2 on every rank, then tag 3 which ``absent_rank`` skips; the others wait ``timeout_s``
     and catch the :class:`~megamoe.kernels.symm.BarrierTimeout`. Returns the barrier words after every step."""
@@ -33,14 +47,7 @@ def barrier_demo_rank(rank: int, world_size: int, shape: dict, absent_rank: int,
             trace.append(_barrier_snapshot(sb, f"after barrier tag {tag}"))
         error = None
         if rank != absent_rank:
-            sb.barrier_timeout_s = timeout_s
-            start = time.monotonic()
-            try:
-                ks.barrier(sb, ks.TAG_AFTER_WORKSPACE_CLEAN)
-                ks.check_barrier_state(sb)
-            except ks.BarrierTimeout as e:
-                error = {"rank": e.rank, "tag": e.tag, "missing_rank": e.missing_rank, "message": str(e),
-                         "waited_s": round(time.monotonic() - start, 2)}
+            error = _wait_for_tag3(sb, ks.barrier, timeout_s)
             trace.append(_barrier_snapshot(sb, "barrier tag 3 (timed out)" if error else "barrier tag 3"))
         sync(sb)
         dist.barrier()  # a host-side rendezvous: nobody unmaps its buffer while a peer may still touch it
@@ -75,14 +82,7 @@ def _barrier_demo_local(world_size: int, shape: dict, absent_rank: int, timeout_
         for sb, tr in zip(sbs, traces):
             if sb.rank == absent_rank:
                 continue
-            sb.barrier_timeout_s = timeout_s
-            start = time.monotonic()
-            try:
-                ks.barrier_wait(sb, ks.TAG_AFTER_WORKSPACE_CLEAN)
-                ks.check_barrier_state(sb)
-            except ks.BarrierTimeout as e:
-                errors[sb.rank] = {"rank": e.rank, "tag": e.tag, "missing_rank": e.missing_rank, "message": str(e),
-                                   "waited_s": round(time.monotonic() - start, 2)}
+            errors[sb.rank] = _wait_for_tag3(sb, ks.barrier_wait, timeout_s)
             tr.append(_barrier_snapshot(sb, "barrier tag 3 (timed out)" if errors[sb.rank] else "barrier tag 3"))
         traces[absent_rank].append(_barrier_snapshot(sbs[absent_rank],
                                                      "skipped barrier tag 3 (seen after the others gave up)"))
