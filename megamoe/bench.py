@@ -26,13 +26,11 @@ from pathlib import Path
 import torch
 
 from megamoe.cases import MoECase, expected_recv_counts, prepare_rank
-from megamoe.env import REPO_ROOT, device_tag, provenance
+from megamoe.env import RESULTS_DIR, device_tag, provenance
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
 from megamoe.stepping import time_steps
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
-
-RESULTS_DIR = REPO_ROOT / "results"
 
 
 def _median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:

@@ -19,6 +19,9 @@ from functools import lru_cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where benchmarks write ``results/*.json`` and figures read them (``$MEGAMOE_RESULTS_DIR`` overrides it for readers:
+#: ``megamoe.figures.results_dir``).
+RESULTS_DIR = REPO_ROOT / "results"
 #: Whether ``triton`` was already imported when megamoe was (then the interpreter switch came too late for Triton's
 #: own library, see the module docstring).
 TRITON_IMPORTED_FIRST = "triton" in sys.modules

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamoe.env import REPO_ROOT, device_tag
+from megamoe.env import REPO_ROOT, RESULTS_DIR, device_tag
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "python3"
@@ -146,7 +146,7 @@ def run(names: list[str] | None = None, world_size: int | None = None, backend: 
                   f"{str(e).strip()[:2000]}", flush=True)
         rows.append({"notebook": path.stem, "seconds": round(time.perf_counter() - t0, 2), "ok": ok,
                      "run_at": stamp})
-    out_dir = Path(results_dir) if results_dir else REPO_ROOT / "results"
+    out_dir = Path(results_dir) if results_dir else RESULTS_DIR
     out = out_dir / f"notebook_times_{device_tag()}.json"
     rows = _merge_rows(out, rows, params)
     record = {"kind": "notebook_times",

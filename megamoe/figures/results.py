@@ -17,12 +17,12 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from megamoe.env import REPO_ROOT
+from megamoe.env import RESULTS_DIR
 
 
 def results_dir() -> Path:
     """Benchmark results folder: ``$MEGAMOE_RESULTS_DIR`` or ``<repo>/results``."""
-    return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or REPO_ROOT / "results")
+    return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or RESULTS_DIR)
 
 
 
@@ -38,7 +38,7 @@ def results_sha(path: Path) -> str:
 
 def read_results(path: Path) -> dict:
     """A results file as a dict; prints ``read results/<file> sha256:<16 hex>`` so that outputs made from it can be
-    checked for freshness later. The one reader of ``results/*.json`` (figures, notebooks, walkthrough)."""
+    checked for freshness later. The one reader of ``results/*.json`` (figures and notebooks)."""
     path = Path(path)
     print(f"read results/{path.name} sha256:{results_sha(path)}")
     with open(path) as f:
