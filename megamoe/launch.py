@@ -335,10 +335,6 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
-def _rank_of(proc) -> int:
-    return int(proc.name.removeprefix("megamoe-rank"))
-
-
 def _stop(procs, grace_s: float) -> None:
     """Give the children ``grace_s`` to exit, then terminate, then kill the rest; reap all; remove the shm files
     of dead children (a child killed while setting up a SymmBuffer could not unlink its own)."""
