@@ -61,6 +61,17 @@ def exchange_rows(sb: SymmBuffer) -> None:
                      dst_segment="l1_acts", block_bytes=COPY_BLOCK_BYTES)
 
 
+def exchange_rows_lockstep(sbs: list[SymmBuffer]) -> None:
+    """The local backend's copy test: :func:`fill_x` on every rank, lock-step barrier tag 1, :func:`exchange_rows`
+    on every rank, lock-step barrier tag 2 (on the ranks' device, CPU or GPU)."""
+    for sb in sbs:
+        fill_x(sb)
+    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_DISPATCH_PULL)
+    for sb in sbs:
+        exchange_rows(sb)
+    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_COMBINE_REDUCE)
+
+
 def count_bad_bytes(sb: SymmBuffer) -> int:
     """Bytes of ``l1_acts`` that differ from what :func:`exchange_rows` on every rank should have left."""
     R = sb.num_ranks
