@@ -115,6 +115,7 @@ def test_every_subpackage_is_installed():
     assert set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]) == found
 
 
+@pytest.mark.slow  # three fresh interpreters importing torch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only matters without CUDA")
 def test_triton_imported_before_megamoe():
     """Without CUDA: megamoe's host modules work when triton was imported first; its kernels refuse with the fix
