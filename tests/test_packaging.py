@@ -115,7 +115,7 @@ def test_every_subpackage_is_installed():
     assert set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]) == found
 
 
-@pytest.mark.slow  # three fresh interpreters importing torch
+@pytest.mark.slow  # two fresh interpreters importing torch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only matters without CUDA")
 def test_triton_imported_before_megamoe():
     """Without CUDA: megamoe's host modules work when triton was imported first; its kernels refuse with the fix
@@ -126,12 +126,10 @@ def test_triton_imported_before_megamoe():
                               cwd=ROOT, timeout=120)
 
     host = run("import triton, megamoe, sys; from megamoe import figures, layout, quant, reference, sim, testing; "
-               "assert 'megamoe.kernels' not in sys.modules; print(megamoe.describe_environment())")
+               "assert 'megamoe.kernels' not in sys.modules; print(megamoe.describe_environment())\n"
+               "try:\n    import megamoe.kernels\nexcept ImportError as e:\n    print('refused:', e)")
     assert host.returncode == 0, host.stderr
-    kernels = run("import triton, megamoe.kernels")
-    assert kernels.returncode != 0
-    assert "ImportError" in kernels.stderr
-    assert "import megamoe before triton, or set TRITON_INTERPRET=1" in kernels.stderr
+    assert "refused: " in host.stdout and "import megamoe before triton, or set TRITON_INTERPRET=1" in host.stdout
     preset = run("import triton, torch; from megamoe.kernels.pool import pool_schedule; "
                  "print(pool_schedule(torch.tensor([[3, 5]]), 4)[1].tolist())", TRITON_INTERPRET="1")
     assert preset.returncode == 0 and preset.stdout.strip() == "[1, 2]", preset.stderr
