@@ -17,7 +17,7 @@ Step 2 ``dispatch_copy`` with ``PUSH=False`` (Mega MoE): program ``(src, e)`` on
 import triton
 import triton.language as tl
 
-from megamoe.kernels.pool import expert_blocks, interleaved_position, pick
+from megamoe.kernels.pool import expert_blocks, interleaved_position, pick, sf_row
 from megamoe.kernels.symm import sym_map
 
 
@@ -104,8 +104,7 @@ def dispatch_copy_kernel(buf, buffer_ptrs, me,
         w = tl.arange(0, BLOCK_W)
         mw = mj[:, None] & (w[None, :] < H // 128)
         sf = tl.load(x_sf + token[:, None] * (H // 128) + w[None, :], mask=mw)
-        sf_row = (row // BLOCK_M) * SF_BLOCK_M + row % BLOCK_M
-        tl.store(l1_sf + w[None, :].to(tl.int64) * SP + sf_row[:, None], sf, mask=mw)
+        tl.store(l1_sf + w[None, :].to(tl.int64) * SP + sf_row(row, BLOCK_M, SF_BLOCK_M)[:, None], sf, mask=mw)
         tl.store(l1_w + row, tl.load(topk_w + pair, mask=mj), mask=mj)
         tl.store(meta + row * 3, tl.full([BLOCK_J], 0, tl.int32) + source, mask=mj)
         tl.store(meta + row * 3 + 1, token, mask=mj)

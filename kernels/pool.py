@@ -11,6 +11,7 @@ by the source ranks before barrier 1), so no schedule needs to be stored or broa
   of source ``r`` sits at ``sum_r' min(c[r'], j) + #{r' < r : c[r'] > j}``, so consecutive rows come from different
   ranks and the pull spreads its NVLink reads over all peers.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -49,6 +50,12 @@ def locate_block(block, n, blocks, cum, BLOCK_M: tl.constexpr, BLOCK_E: tl.const
 
 
 @triton.jit
+def sf_row(row, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr):
+    """Scale row of pool row ``row`` (the device side of ``megamoe.layout.Layout.sf_row``)."""
+    return (row // BLOCK_M) * SF_BLOCK_M + row % BLOCK_M
+
+
+@triton.jit
 def interleaved_position(counts, src, j, BLOCK_R: tl.constexpr):
     """Row offset inside an expert of pair ``j`` (int32 [BLOCK_J]) of source rank ``src``; ``counts`` (int32
     [BLOCK_R]) = pairs each source rank sends to this expert. Round-robin over sources, shortest lists drop out."""
@@ -56,3 +63,27 @@ def interleaved_position(counts, src, j, BLOCK_R: tl.constexpr):
     before = tl.sum(tl.minimum(counts[None, :], j[:, None]), axis=1)
     ahead = tl.sum(((r[None, :] < src) & (counts[None, :] > j[:, None])).to(tl.int32), axis=1)
     return before + ahead
+
+
+@triton.jit
+def schedule_kernel(recv_count_ptr, out_ptr, R: tl.constexpr, El, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_E: tl.constexpr):
+    """One program: :func:`expert_blocks` of ``recv_count_ptr``, stored as int32 ``out[3, El]`` = (n, blocks,
+    first pool row) per local expert."""
+    n, blocks, cum = expert_blocks(recv_count_ptr, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    mask = e < El
+    tl.store(out_ptr + e, n, mask=mask)
+    tl.store(out_ptr + El + e, blocks, mask=mask)
+    tl.store(out_ptr + 2 * El + e, (cum - blocks) * BLOCK_M, mask=mask)
+
+
+def pool_schedule(recv_count: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The schedule the kernels use, read back to the host: ``(n, blocks, first_row)``, int32 ``[El]`` each, from
+    ``recv_count`` (int64 ``[R, El]``, e.g. a rank's ``expert_recv_count`` view) by the same device function
+    (:func:`expert_blocks`) every pool kernel calls."""
+    R, El = recv_count.shape
+    out = torch.empty(3, El, dtype=torch.int32, device=recv_count.device)
+    schedule_kernel[(1,)](recv_count.contiguous(), out, R, El, BLOCK_M=block_m,
+                          BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_E=max(2, triton.next_power_of_2(El)))
+    return out[0].cpu(), out[1].cpu(), out[2].cpu()

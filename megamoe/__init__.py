@@ -10,8 +10,8 @@ Public API (mirrors DeepGEMM's names where they exist)::
     fp8_fp4_mega_moe, MegaMoE                                               # megamoe.ops
 
 Attributes are imported lazily and CuPy is never imported on CPU paths. Importing megamoe on a machine without
-CUDA switches Triton to its interpreter (``TRITON_INTERPRET=1``); that must happen before Triton itself is imported,
-so import megamoe before triton.
+CUDA switches Triton to its interpreter (``TRITON_INTERPRET=1``); the kernels need that before Triton itself is
+imported (``megamoe.env`` explains why and what happens otherwise).
 """
 from __future__ import annotations
 

@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from megamoe.env import REPO_ROOT, provenance
+from megamoe.cases import MoECase, expected_recv_counts, prepare_rank
+from megamoe.env import RESULTS_DIR, device_tag, provenance
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
-from megamoe.programs import MoECase, expected_recv_counts, prepare_rank
+from megamoe.stepping import time_steps
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
-
-RESULTS_DIR = REPO_ROOT / "results"
-
-
-def _device_tag() -> str:
-    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 def _median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
@@ -70,23 +64,6 @@ def bench_ceilings() -> dict:
                      {"what": "copy_1GiB", "ms": ms_copy, "tb_per_s": 2 * 2**30 / ms_copy / 1e9}]}
 
 
-def _step_times_us(calls, dispatch: str, iters: int = 20) -> dict[str, float]:
-    """Median time of every pipeline step (all ranks of ``calls`` in lock-step), via events between launches."""
-    steps = pipeline_steps(dispatch)
-    samples: dict[str, list[float]] = {name: [] for name, _ in steps}
-    for _ in range(iters):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
-        events[0].record()
-        for i, (_, step) in enumerate(steps):
-            for c in calls:
-                step(c)
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        for i, (name, _) in enumerate(steps):
-            samples[name].append(events[i].elapsed_time(events[i + 1]) * 1e3)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[SymmBuffer]) -> list[dict]:
     """Time ``case`` (staged pipeline, per-step times) for each tokens/rank in ``num_tokens`` on pre-allocated
     (local) buffers; the pull/push suite's rows."""
@@ -106,7 +83,7 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
         recv = [int(v) for s in stats for v in s.tolist()]
         ms = _median_ms(lambda: fp8_fp4_mega_moe(*args, dispatch=case.dispatch, check=False, impl="staged"))
         calls = bind_calls(*args, None, "swiglu", None, case.dispatch, False)
-        steps = _step_times_us(calls, case.dispatch)
+        steps = time_steps(calls, pipeline_steps(case.dispatch))
         pairs = sum(recv)
         flops = layer_flops(pairs, case.hidden, case.intermediate)
         rows.append({"impl": "staged", "num_tokens_per_rank": n, "num_ranks": case.num_ranks,
@@ -358,7 +335,7 @@ def bench_tune(quick: bool) -> dict:
                     ops.GEMM_CONFIG[step] = {**base[step], **{k: x for k, x in v.items() if not k.endswith("_only")}}
                 fp8_fp4_mega_moe(y, l1, l2, sbs[0])
                 calls = bind_calls(y, l1, l2, sbs[0], None, "swiglu", None, "pull", False)
-                steps = _step_times_us(calls, "pull", iters=10)
+                steps = time_steps(calls, pipeline_steps("pull"), repeats=10)
                 row = {"block_m": block_m, "num_tokens": n, "variant": {k: x for k, x in v.items()},
                        "l1_us": steps["l1"], "l2_us": steps["l2"],
                        "config": {k: dict(x) for k, x in ops.GEMM_CONFIG.items()}}
@@ -390,7 +367,7 @@ __doc__ = __doc__.replace("--suite SUITE|all", f"--suite {'|'.join([*SUITES, 'al
 
 def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_DIR) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{kind}_{_device_tag()}.json"
+    path = out_dir / f"{kind}_{device_tag()}.json"
     payload = {"kind": kind, "provenance": provenance(command), **result}
     path.write_text(json.dumps(payload, indent=1))
     return path

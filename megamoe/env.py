@@ -1,18 +1,30 @@
 """Where megamoe runs: backend detection, the Triton interpreter switch, and provenance for results.
 
-On a machine without CUDA every Triton kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
-tensors at their real addresses. The switch must be set before the kernels are decorated, so
-:func:`ensure_interpreter_if_no_cuda` is called by ``megamoe.kernels`` on import.
+The interpreter switch, in one place: on a machine without CUDA every Triton kernel runs under Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors at their real addresses. Triton reads the switch when it *defines* a
+function: its own library (``tl.sum``, ``tl.cdiv``, ...) when ``triton`` is first imported, megamoe's kernels when
+``megamoe.kernels`` is imported. So importing ``megamoe`` sets it (:func:`ensure_interpreter_if_no_cuda`: the one
+process-wide setting megamoe changes, and only without CUDA; spawned CPU ranks inherit it). When ``triton`` was
+imported before ``megamoe`` on such a machine, everything but the kernels still works (layout, quant, reference,
+sim, figures, ...); importing ``megamoe.kernels`` raises :func:`require_interpreted_triton`'s ImportError, which
+names the fix: import megamoe before triton, or set ``TRITON_INTERPRET=1`` in the environment.
 """
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where benchmarks write ``results/*.json`` and figures read them (``$MEGAMOE_RESULTS_DIR`` overrides it for readers:
+#: ``megamoe.figures.results_dir``).
+RESULTS_DIR = REPO_ROOT / "results"
+#: Whether ``triton`` was already imported when megamoe was (then the interpreter switch came too late for Triton's
+#: own library, see the module docstring).
+TRITON_IMPORTED_FIRST = "triton" in sys.modules
 
 
 def cuda_available() -> bool:
@@ -26,6 +38,22 @@ def ensure_interpreter_if_no_cuda() -> None:
     """Set ``TRITON_INTERPRET=1`` when no CUDA device exists (an explicit setting is left alone)."""
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def require_interpreted_triton() -> None:
+    """Under the interpreter, raise an ImportError with the fix when Triton's own library was defined for the
+    compiler (``triton`` imported before the switch was set); called by ``megamoe.kernels`` before its kernels."""
+    if not interpreting():
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        raise ImportError(
+            "megamoe's kernels run under Triton's interpreter here (no CUDA), but Triton was imported before the "
+            "interpreter was switched on, so its own library was built for the compiler. Fix: import megamoe before "
+            "triton, or set TRITON_INTERPRET=1 in the environment."
+            + (" (triton was imported before megamoe)" if TRITON_IMPORTED_FIRST else ""))
 
 
 def interpreting() -> bool:
@@ -42,9 +70,39 @@ def kernel_device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def default_backend() -> str:
-    """``"cuda"`` when a GPU is present, else ``"cpu"`` (one process per rank, POSIX shared memory)."""
-    return "cuda" if cuda_available() else "cpu"
+#: What a caller may ask for: ``local`` runs every rank in this process (one GPU, or CPU tensors in lock-step).
+BACKENDS = ("auto", "cpu", "cuda", "local")
+
+
+def resolve_backend(backend: str = "auto", world_size: int = 1, *, local: bool = True) -> str:
+    """The one backend resolver: ``backend`` for ``world_size`` ranks -> ``"cpu"``, ``"cuda"`` or ``"local"``.
+
+    ``cpu``: one process per rank, gloo + POSIX shared memory + Triton's interpreter. ``cuda``: one process per GPU,
+    NCCL + ``torch.distributed._symmetric_memory`` (needs ``world_size`` GPUs). ``local``: every rank in this
+    process (lock-step), for callers that can run ranks that way (``local=True``; ``megamoe.launch`` cannot).
+    ``auto``: ``cuda`` when at least ``world_size`` GPUs exist; with fewer GPUs ``local`` (all ranks on one GPU)
+    where allowed, else ``cpu``; ``cpu`` without a GPU.
+    """
+    allowed = BACKENDS if local else tuple(b for b in BACKENDS if b != "local")
+    if backend not in allowed:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(map(repr, allowed))}")
+    import torch
+
+    gpus = torch.cuda.device_count() if cuda_available() else 0
+    if backend == "auto":
+        return "cuda" if gpus >= world_size else "local" if gpus and local else "cpu"
+    if backend == "cuda" and gpus < world_size:
+        raise ValueError(f"backend='cuda' needs {world_size} GPUs, found {gpus}")
+    return backend
+
+
+def device_tag() -> str:
+    """``cpu``, or the GPU's name in lower case with dashes (``h200``): the suffix of result file names."""
+    import torch
+
+    if not cuda_available():
+        return "cpu"
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 @lru_cache(maxsize=1)
@@ -88,5 +146,5 @@ def provenance(command: str | None = None) -> dict:
 def describe_environment() -> str:
     """One line: backend, device and versions (printed by ``make setup`` and by the notebooks)."""
     p = provenance()
-    return (f"backend={default_backend()} device={p['device']} torch={p['torch']} triton={p['triton']} "
+    return (f"backend={resolve_backend(local=False)} device={p['device']} torch={p['torch']} triton={p['triton']} "
             f"commit={p['git_commit'][:12]}{'-dirty' if p['git_commit'].endswith('-dirty') else ''}")

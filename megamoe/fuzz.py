@@ -1,6 +1,6 @@
 """Seeded random configurations of the whole layer, for the fuzz tests (``tests/test_fuzz.py``, ``make fuzz``).
 
-:func:`fuzz_cases` draws :class:`~megamoe.programs.MoECase` objects over ranks 1/2/4, top-k 1-6, block_m, routing
+:func:`fuzz_cases` draws :class:`~megamoe.cases.MoECase` objects over ranks 1/2/4, top-k 1-6, block_m, routing
 (uniform / skewed / all-to-one), masked slots, clamp, pull/push, hidden and intermediate sizes that are multiples of
 128 but mostly not powers of two (384, 640, 1536, 7168), ranks with no tokens and one or two calls per buffer. Sizes
 are drawn so that one case costs about a second under Triton's interpreter: large H or I only with 1-2 tokens.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from megamoe.programs import MoECase
+from megamoe.cases import MoECase
 from megamoe.testing import ROUTINGS
 
 #: Sizes drawn for H and I in ordinary cases (multiples of 128; 384 and 640 are not powers of two).

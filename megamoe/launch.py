@@ -119,7 +119,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                          "spawned ranks cannot import: move the rank function into a module and import it")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
-    backend = _resolve_backend(backend, world_size)
+    from megamoe.env import resolve_backend
+
+    backend = resolve_backend(backend, world_size, local=False)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="megamoe-launch-")
     env = _child_env(backend, world_size) | {LAUNCH_DIR_ENV: store_dir}
@@ -157,19 +159,6 @@ def init_from_env() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
-def _resolve_backend(backend: str, world_size: int) -> str:
-    if backend not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'cpu' or 'cuda'")
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "cuda" if gpus >= world_size else "cpu"
-    if backend == "cuda" and gpus < world_size:
-        raise ValueError(f"backend='cuda' needs {world_size} GPUs, found {gpus}")
-    return backend
-
-
 def _child_env(backend: str, world_size: int) -> dict[str, str]:
     """Variables the children inherit (set around ``Process.start``, since spawn copies the environment)."""
     env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -344,10 +333,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return str(signum)
-
-
-def _rank_of(proc) -> int:
-    return int(proc.name.removeprefix("megamoe-rank"))
 
 
 def _stop(procs, grace_s: float) -> None:

@@ -220,6 +220,13 @@ class Layout:
         """Byte offset of segment ``name`` from the start of the buffer."""
         return self.segments[name].offset
 
+    def sf_row(self, pool_row):
+        """Row of the pool's scale segments (``l1_acts_sf``, ``l2_acts_sf``) holding the scales of pool row
+        ``pool_row`` (an int or an integer tensor): pool block ``b`` of ``block_m`` rows owns scale rows
+        ``[b * sf_block_m, b * sf_block_m + block_m)``, ``sf_block_m`` being ``block_m`` aligned up to 128 (the
+        scale rows of a block are padded for TMA, as in DeepGEMM)."""
+        return (pool_row // self.block_m) * self.sf_block_m + pool_row % self.block_m
+
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """Typed view of segment ``name`` inside ``buffer`` (a 1-D uint8/int8 tensor of ``num_bytes``)."""
         if buffer.dim() != 1 or buffer.element_size() != 1 or buffer.numel() < self.num_bytes:

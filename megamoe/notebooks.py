@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamoe.env import REPO_ROOT
+from megamoe.env import REPO_ROOT, RESULTS_DIR, device_tag
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "python3"
@@ -70,15 +70,6 @@ def default_world_size() -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return gpus if gpus > 1 else LOCAL_RANKS_ON_ONE_GPU if gpus == 1 else 2
-
-
-def device_tag() -> str:
-    """``cpu`` or the GPU's name in lower case with dashes (``h200``), for result file names."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 def title(path: Path) -> str:
@@ -170,7 +161,7 @@ def run(names: list[str] | None = None, world_size: int | None = None, backend: 
                   f"{str(e).strip()[:2000]}", flush=True)
         rows.append({"notebook": path.stem, "seconds": round(time.perf_counter() - t0, 2), "ok": ok,
                      "run_at": stamp})
-    out_dir = Path(results_dir) if results_dir else REPO_ROOT / "results"
+    out_dir = Path(results_dir) if results_dir else RESULTS_DIR
     out = out_dir / f"notebook_times_{device_tag()}.json"
     rows = _merge_rows(out, rows, params)
     record = {"kind": "notebook_times",

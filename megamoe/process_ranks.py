@@ -33,8 +33,8 @@ def rank_info() -> dict:
 
 
 def case_rank(rank: int, world_size: int, case) -> dict:
-    """:func:`megamoe.programs.run_case_rank` plus :func:`rank_info` (one process per rank, via ``launch``)."""
-    from megamoe.programs import run_case_rank
+    """:func:`megamoe.cases.run_case_rank` plus :func:`rank_info` (one process per rank, via ``launch``)."""
+    from megamoe.cases import run_case_rank
 
     return {**run_case_rank(rank, world_size, case), **rank_info()}
 

@@ -366,3 +366,26 @@ def reference_counts(topk_idx, num_experts: int):
     link = src[valid] * num_ranks + idx[valid] // experts_per_rank
     pairs = torch.bincount(link, minlength=num_ranks * num_ranks).view(num_ranks, num_ranks)
     return recv, pairs
+
+
+def route_to_one_rank(counts: Sequence[int], num_ranks: int, num_tokens_per_rank: int, num_topk: int) -> np.ndarray:
+    """int32 ``[R, T, k]`` routing in which **every** (token, slot) pair of every rank goes to rank 0's experts,
+    local expert ``e`` receiving ``counts[e]`` pairs (``sum(counts) == R*T*k``): the situation the worst-case pool
+    bound is sized for, with a chosen spread over the experts.
+
+    Pairs are laid out expert by expert and dealt to tokens column-wise (pair ``p`` -> token ``p % (R*T)``, slot
+    ``p // (R*T)``), so a token's ``k`` experts are ``R*T`` pairs apart in that list: distinct whenever every count
+    is at most ``R*T`` (checked).
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    n_tok = num_ranks * num_tokens_per_rank
+    if counts.sum() != n_tok * num_topk:
+        raise ValueError(f"counts sum to {counts.sum()}, expected R*T*k = {n_tok * num_topk}")
+    if counts.max() > n_tok:
+        raise ValueError(f"an expert can receive at most R*T = {n_tok} pairs (one per token), got {counts.max()}")
+    experts = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    p = np.arange(n_tok * num_topk)
+    topk = np.empty((n_tok, num_topk), dtype=np.int32)
+    topk[p % n_tok, p // n_tok] = experts
+    assert (np.diff(np.sort(topk, axis=1), axis=1) > 0).all(), "a token got the same expert twice"
+    return topk.reshape(num_ranks, num_tokens_per_rank, num_topk)

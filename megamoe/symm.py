@@ -29,7 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from megamoe.env import cuda_available, kernel_device
+from megamoe.env import cuda_available, kernel_device, resolve_backend
 from megamoe.layout import MIN_BLOCK_M, Layout
 
 #: The views DeepGEMM's SymmBuffer exposes as attributes.
@@ -129,7 +129,7 @@ def _group_info(group) -> tuple[int, int, str]:
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
-        return 0, 1, "cuda" if cuda_available() else "cpu"
+        return 0, 1, resolve_backend(local=False)
     group = group or dist.group.WORLD
     pg_backend = str(dist.get_backend(group)).lower()
     backend = "cuda" if "nccl" in pg_backend or (pg_backend != "gloo" and cuda_available()) else "cpu"

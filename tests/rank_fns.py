@@ -61,6 +61,17 @@ def exchange_rows(sb: SymmBuffer) -> None:
                      dst_segment="l1_acts", block_bytes=COPY_BLOCK_BYTES)
 
 
+def exchange_rows_lockstep(sbs: list[SymmBuffer]) -> None:
+    """The local backend's copy test: :func:`fill_x` on every rank, lock-step barrier tag 1, :func:`exchange_rows`
+    on every rank, lock-step barrier tag 2 (on the ranks' device, CPU or GPU)."""
+    for sb in sbs:
+        fill_x(sb)
+    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_DISPATCH_PULL)
+    for sb in sbs:
+        exchange_rows(sb)
+    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_COMBINE_REDUCE)
+
+
 def count_bad_bytes(sb: SymmBuffer) -> int:
     """Bytes of ``l1_acts`` that differ from what :func:`exchange_rows` on every rank should have left."""
     R = sb.num_ranks
@@ -306,14 +317,14 @@ def leaked_shm_files() -> list[str]:
 # ---------------------------------------------------------------------------------------------------- reliability
 #: The Mega MoE case of the progress / stuck-rank tests: every token routed to rank 0, which does all the GEMM work.
 def reliability_case(timeout_s: float):
-    from megamoe.programs import MoECase
+    from megamoe.cases import MoECase
 
     return MoECase(num_ranks=2, num_tokens=[16, 16], hidden=128, intermediate=128, num_experts=4, num_topk=2,
                    routing="one_expert", block_m=16, seed=21, extra={"barrier_timeout_s": timeout_s})
 
 
 def _moe_rank_setup(rank: int, case):
-    from megamoe.programs import prepare_rank
+    from megamoe.cases import prepare_rank
 
     sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
                     block_m=case.block_m, barrier_timeout_s=case.extra["barrier_timeout_s"])

@@ -7,11 +7,11 @@ Both numerics are compared bit for bit with ``megamoe.reference`` in the matchin
 import pytest
 import torch
 
+from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.fused import MAX_BLOCK_M, fused_config
 from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
-from megamoe.programs import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.quant import (
     E2M1_MAGNITUDES,
     FOLD_LUT_MAX_SHIFT,

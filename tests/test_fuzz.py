@@ -9,9 +9,9 @@ import os
 
 import pytest
 
+from megamoe.cases import MoECase, run_case_local, run_case_rank
 from megamoe.fuzz import MAX_COST, describe, fuzz_cases
 from megamoe.launch import launch
-from megamoe.programs import MoECase, run_case_local, run_case_rank
 
 COUNT = int(os.environ.get("MEGAMOE_FUZZ_COUNT", "20"))
 SEED = int(os.environ.get("MEGAMOE_FUZZ_SEED", "0"))

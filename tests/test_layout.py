@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from megamoe.kernels.pool import pool_schedule
 from megamoe.layout import SEGMENT_ALIGNMENT, Layout, get_num_max_pool_tokens, get_num_padded_sf_pool_tokens
 
 SEED = dict(num_ranks=8, num_max_tokens_per_rank=8192, num_topk=6, num_experts_per_rank=48, block_m=192)
@@ -9,27 +10,40 @@ SEED = dict(num_ranks=8, num_max_tokens_per_rank=8192, num_topk=6, num_experts_p
 
 def test_seed_example_pool_formula():
     # DeepGEMM's formula: align(R*T*min(k, El) + El*(block_m - 1), block_m)
-    assert 8 * 8192 * 6 + 48 * 191 == 402_384
     assert get_num_max_pool_tokens(**SEED) == 402_432
-    assert get_num_padded_sf_pool_tokens(402_432, 192) == 2_096 * 256 == 536_576
+    assert get_num_padded_sf_pool_tokens(402_432, 192) == 536_576   # 2,096 blocks of 256 (192 aligned to 128)
+
+
+def _pool_rows(recv_count: list[list[int]], block_m: int) -> int:
+    """Pool rows the kernels' schedule uses for ``recv_count`` [R][El]: the end of the last expert's blocks."""
+    n, blocks, first = pool_schedule(torch.tensor(recv_count, dtype=torch.int64), block_m)
+    return int(first[-1] + blocks[-1] * block_m)
 
 
 def test_seed_stated_numbers_are_one_block_of_padding_and_too_small():
     # The seed note states 393,408 / 524,544 for the same inputs. Its SF number follows from its pool number ...
     assert get_num_padded_sf_pool_tokens(393_408, 192) == 524_544
-    # ... but 393,408 = R*T*k + one block: only El*(block_m-1) rows of padding are a true worst case.
-    assert 393_408 == (8 * 8192 * 6 // 192 + 1) * 192
-    # Even perfectly uniform routing (48 experts x 8192 pairs each, 8192 % 192 = 128) overflows 393,408 rows:
-    uniform_rows = 48 * -(-8192 // 192) * 192
-    assert uniform_rows == 396_288 > 393_408
+    # ... but 393,408 rows hold R*T*k pairs plus one block: only El*(block_m-1) rows of padding are a true worst
+    # case. Even perfectly uniform routing (8 ranks send 1,024 pairs to each of the 48 experts) overflows it:
+    uniform_rows = _pool_rows([[1024] * 48] * 8, 192)
+    assert uniform_rows > 393_408
     assert uniform_rows <= get_num_max_pool_tokens(**SEED)
 
 
 @pytest.mark.parametrize("counts", [[1] * 48, [191 + 192 * 3] * 48, [8192 * 6 * 8 - 47] + [1] * 47])
 def test_bound_holds_for_ragged_counts(counts):
-    need = sum(-(-c // 192) * 192 for c in counts)
     assert sum(counts) <= 8 * 8192 * 6
-    assert need <= get_num_max_pool_tokens(**SEED)
+    assert _pool_rows([counts], 192) <= get_num_max_pool_tokens(**SEED)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 128, 192])
+def test_sf_rows_of_the_pool_are_distinct_block_major_and_in_bounds(block_m):
+    L = Layout(2, 8, 64, 2, 256, 128, block_m=block_m)
+    rows = torch.arange(L.num_max_pool_tokens)
+    sf = L.sf_row(rows)
+    assert sf.unique().numel() == rows.numel() and int(sf.max()) < L.num_padded_sf_pool_tokens
+    assert [L.sf_row(int(p)) for p in rows[:3 * block_m:block_m]] == [0, L.sf_block_m, 2 * L.sf_block_m]
+    assert bool((sf.diff()[rows[1:] % block_m != 0] == 1).all())   # consecutive inside a block
 
 
 def test_segments_in_seed_order_aligned_and_disjoint():

@@ -3,11 +3,15 @@ cover what the package, the tests and the notebooks import; kernels/ is installe
 import ast
 import importlib.metadata
 import json
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +88,7 @@ def test_tests_and_notebooks_import_only_declared_distributions():
 def test_package_imports_only_declared_distributions():
     """megamoe and megamoe.kernels: the core dependencies, plus the extras' packages they import lazily (cupy: gpu;
     papermill, nbformat, IPython: notebook)."""
-    sources = [*ROOT.glob("megamoe/*.py"), *ROOT.glob("kernels/*.py")]
+    sources = [*ROOT.glob("megamoe/**/*.py"), *ROOT.glob("kernels/*.py")]
     assert _undeclared(sources, _declared(*EXTRAS, "gpu")) == {}
 
 
@@ -101,3 +105,44 @@ def test_kernels_installed_as_subpackage():
     assert Path(megamoe.kernels.__file__).resolve().parent == ROOT / "kernels"
     cuh = sorted(p.name for p in (ROOT / "kernels" / "cuda").glob("*.cuh"))
     assert cuh == ["barrier.cuh", "sym_buffer.cuh", "tma_pull.cuh"]
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists its packages by hand: every folder of megamoe with an ``__init__.py`` must be among them."""
+    found = {"megamoe", "megamoe.kernels"} | {
+        "megamoe." + ".".join(p.parent.relative_to(ROOT / "megamoe").parts)
+        for p in (ROOT / "megamoe").glob("*/**/__init__.py")}
+    assert set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]) == found
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only matters without CUDA")
+def test_triton_imported_before_megamoe():
+    """Without CUDA: megamoe's host modules work when triton was imported first; its kernels refuse with the fix
+    (``megamoe.env``); with TRITON_INTERPRET=1 set beforehand the kernels work after triton too."""
+    def run(code: str, **env) -> subprocess.CompletedProcess:
+        environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ,
+                              cwd=ROOT, timeout=120)
+
+    host = run("import triton, megamoe, sys; from megamoe import figures, layout, quant, reference, sim, testing; "
+               "assert 'megamoe.kernels' not in sys.modules; print(megamoe.describe_environment())\n"
+               "try:\n    import megamoe.kernels\nexcept ImportError as e:\n    print('refused:', e)")
+    assert host.returncode == 0, host.stderr
+    assert "refused: " in host.stdout and "import megamoe before triton, or set TRITON_INTERPRET=1" in host.stdout
+    preset = run("import triton, torch; from megamoe.kernels.pool import pool_schedule; "
+                 "print(pool_schedule(torch.tensor([[3, 5]]), 4)[1].tolist())", TRITON_INTERPRET="1")
+    assert preset.returncode == 0 and preset.stdout.strip() == "[1, 2]", preset.stderr
+
+
+def test_cupy_kernels_source_is_the_file_next_to_the_headers():
+    """The CUDA translation unit CuPy compiles is read from ``kernels/cuda/cupy_kernels.cu`` (installed as package
+    data), with every ``extern "C"`` kernel the launchers look up and a hash of the headers (CuPy's cache key)."""
+    from megamoe.kernels import cupy_prims
+
+    source = cupy_prims.kernel_source()
+    assert source.startswith((ROOT / "kernels" / "cuda" / "cupy_kernels.cu").read_text())
+    assert all(f"\n{name}(" in source for name in cupy_prims.KERNEL_NAMES)
+    assert all(f'#include "{h}"' in source for h in cupy_prims.HEADERS) and "// headers sha1 " in source
+    assert "cuda/*.cu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "megamoe.kernels"]

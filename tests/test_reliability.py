@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rank_fns  # noqa: E402
 
 from megamoe import ops  # noqa: E402
+from megamoe.cases import MoECase, prepare_rank  # noqa: E402
 from megamoe.kernels import symm as ks  # noqa: E402
 from megamoe.launch import launch  # noqa: E402
-from megamoe.programs import MoECase, prepare_rank  # noqa: E402
 from megamoe.quant import TransformedWeights, transform_weights_for_mega_moe  # noqa: E402
 from megamoe.symm import SymmBuffer  # noqa: E402
 

@@ -278,12 +278,7 @@ def test_local_backend_copy_and_lockstep_barrier():
     assert [sb.rank for sb in sbs] == list(range(R)) and {sb.backend for sb in sbs} == {"local"}
     assert all(torch.equal(sb.buffer_ptrs, sbs[0].buffer_ptrs) for sb in sbs)
     assert sbs[0].buffer_ptrs.tolist() == [sb.buffer.data_ptr() for sb in sbs]
-    for sb in sbs:
-        rank_fns.fill_x(sb)
-    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_DISPATCH_PULL)
-    for sb in sbs:
-        rank_fns.exchange_rows(sb)
-    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_COMBINE_REDUCE)
+    rank_fns.exchange_rows_lockstep(sbs)
     assert [rank_fns.count_bad_bytes(sb) for sb in sbs] == [0] * R
     assert [sb.view("barrier_state").tolist() for sb in sbs] == [[2, 0, -1, 0]] * R
 

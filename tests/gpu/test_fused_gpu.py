@@ -4,10 +4,10 @@ and a rank that never arrives (named by the timeout)."""
 import pytest
 import torch
 
+from megamoe.cases import MoECase, assert_reports, prepare_rank, run_case_local
 from megamoe.fused import TIMELINE_KINDS, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe
-from megamoe.programs import MoECase, assert_reports, prepare_rank, run_case_local
 from megamoe.symm import SymmBuffer
 from megamoe.testing import assert_moe_close
 

@@ -5,8 +5,8 @@ Run: `make test-gpu` (or `pytest tests/gpu -q -s` to see the error report lines)
 import pytest
 import torch
 
+from megamoe.cases import MoECase, assert_reports, run_case_local, run_case_rank
 from megamoe.launch import launch
-from megamoe.programs import MoECase, assert_reports, run_case_local, run_case_rank
 
 REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m=128)
 

@@ -6,7 +6,7 @@ import torch
 
 from megamoe import fused as mfused
 from megamoe import ops
-from megamoe.programs import MoECase, prepare_rank
+from megamoe.cases import MoECase, prepare_rank
 from megamoe.symm import SymmBuffer
 
 CASE = MoECase(num_ranks=2, num_tokens=[24, 9], hidden=256, intermediate=256, num_experts=4, num_topk=2,

@@ -25,12 +25,7 @@ def test_local_backend_copy_and_barrier_on_one_gpu():
     R = 4
     sbs = SymmBuffer.local(R, 2 * R, **SHAPE, device="cuda", barrier_timeout_s=0.5)
     assert {sb.device.type for sb in sbs} == {"cuda"} and sbs[0].buffer_ptrs.is_cuda
-    for sb in sbs:
-        rank_fns.fill_x(sb)
-    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_DISPATCH_PULL)
-    for sb in sbs:
-        rank_fns.exchange_rows(sb)
-    ks.barrier_lockstep(sbs, ks.TAG_BEFORE_COMBINE_REDUCE)
+    rank_fns.exchange_rows_lockstep(sbs)
     for sb in sbs:
         ks.check_barrier_state(sb)
     assert [rank_fns.count_bad_bytes(sb) for sb in sbs] == [0] * R

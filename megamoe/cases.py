@@ -1,16 +1,21 @@
-"""Per-rank programs: one Mega MoE case run end to end and checked against the reference.
+"""Mega MoE cases: one configuration (:class:`MoECase`) run end to end on ranks and checked against the reference.
 
-Used by the tests (CPU ranks under ``megamoe.launch``, local ranks in one process), by ``tests/gpu`` at real sizes
-and by the notebooks. Functions that run inside launched rank processes live here, in an importable module,
-because spawned processes cannot import functions defined in a notebook or a test file.
+:func:`run_case` runs a case on a backend (:func:`run_case_local` with every rank in this process, or
+:func:`run_case_rank` on one process per rank through ``megamoe.launch``) and returns one report per rank:
+error statistics against the reference, the tolerance verdict, bitwise equality and the recv stats.
+Used by the tests (CPU ranks, local ranks), by ``tests/gpu`` at real sizes, by the benchmarks and the notebooks.
+Functions that run inside launched rank processes live here, in an importable module, because spawned processes
+cannot import functions defined in a notebook or a test file.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from megamoe.harness import on_ranks
 from megamoe.ops import fp8_fp4_mega_moe, load_inputs
 from megamoe.quant import transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
@@ -147,3 +152,10 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         return _report(case, problem, rank, y, ref, stats, seconds, case.numerics)
     finally:
         sb.destroy()
+
+
+def run_case(case: MoECase, backend: str = "auto", device=None) -> list[dict]:
+    """``case`` on ``backend`` (``megamoe.env.resolve_backend``): :func:`run_case_local` (on ``device``) for
+    ``local``, else :func:`run_case_rank` on ``case.num_ranks`` processes. One report per rank, in rank order."""
+    return on_ranks(run_case_rank, functools.partial(run_case_local, device=device), case.num_ranks, case,
+                    backend=backend)

@@ -1,328 +1,24 @@
-"""Figure functions called by the notebooks (``make figures`` re-executes the notebooks, the one source of figures/).
-
-Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
-global figure state), so the same call works headless and in a notebook (which shows the saved PNG).
-:func:`save_figure` writes ``<name>.png`` (a compact rendering: :data:`PNG_DPI`, 256 colours -- the file the notebooks
-embed, so that a notebook with its figures stays small) and ``<name>.svg`` (full quality) to ``figures/``
-(``$MEGAMOE_FIGURES_DIR`` overrides it).
-
-Benchmark figures read ``results/<name>.json`` (``$MEGAMOE_RESULTS_DIR`` overrides the folder), schema::
-
-    {"kind": "...", "provenance": {...},            # megamoe.env.provenance()
-     "config": {...},                               # what was run; optional plot hints below
-     "rows": [{...}, ...]}                          # one flat dict per measurement
+"""Figures of benchmark results (``results/<name>.json``), dispatched on the file's ``kind``.
 
 ``kind`` (top level, else ``config["kind"]``, else the file name) picks the plotter in :data:`BENCH_PLOTS`; any
 other kind is drawn by :func:`bench_xy` from the hints ``config["x"]``, ``config["y"]`` (a column or a list),
 ``config["series"]`` (a column splitting rows into lines), ``config["xlog"]`` / ``config["ylog"]`` and
 ``config["title"]``, or, without hints, the first numeric column against the other numeric columns.
+Also the roofline of a ``layer`` result against the measured ``ceilings`` (notebook 05).
 """
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import os
-import re
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import MaxNLocator
 
-from megamoe.env import REPO_ROOT
-from megamoe.layout import MAX_RANKS, Layout
-
-GiB = 2**30
-MiB = 2**20
-
-#: DeepGEMM's two test shapes (tests/test_mega_moe.py and PR #316).
-SHAPES = {
-    "V4-Flash": dict(num_experts=256, hidden=4096, intermediate_hidden=2048),
-    "V4-Pro": dict(num_experts=384, hidden=7168, intermediate_hidden=3072),
-}
-#: The point every sweep of :func:`pool_size_sweep` varies one parameter around (DeepGEMM's EP8 test).
-BASE = dict(num_ranks=8, num_max_tokens_per_rank=8192, num_topk=6, block_m=128)
-SWEEPS = {
-    "num_ranks": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 72),
-    "num_max_tokens_per_rank": (128, 512, 1024, 2048, 4096, 8192, 16384, 32768),
-    "num_topk": (1, 2, 4, 6, 8, 12, 16),
-    "block_m": (16, 32, 64, 96, 128, 192, 256),
-}
-SWEEP_LABELS = {"num_ranks": "ranks (EP size)", "num_max_tokens_per_rank": "tokens per rank",
-                "num_topk": "top-k", "block_m": "block_m"}
-REGION_COLORS = {"workspace": "#8c8c8c", "input": "#4c72b0", "pool": "#dd8452", "combine": "#55a868"}
+from megamoe.figures.results import load_results, results_kind
+from megamoe.figures.style import log_axis, new_figure
 
 
-# ---------------------------------------------------------------------------------------------------- plumbing
-def apply_style() -> None:
-    """The project's matplotlib style (rcParams): small fonts, light grid, no top/right spines, deterministic SVG."""
-    matplotlib.rcParams.update({
-        "figure.dpi": 100, "savefig.dpi": 150, "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9,
-        "legend.fontsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.grid": True, "grid.alpha": 0.3,
-        "axes.spines.top": False, "axes.spines.right": False, "lines.linewidth": 1.6, "lines.markersize": 4,
-        "svg.hashsalt": "megamoe", "svg.fonttype": "none",
-    })
-
-
-class NotebookFigure(Figure):
-    """A Figure that shows itself as PNG when it is a notebook cell's value (``_repr_png_``), even when pyplot --
-    which installs matplotlib's own notebook hooks -- was never imported."""
-
-    def _repr_png_(self) -> bytes:
-        return compact_png(self)
-
-
-def new_figure(nrows: int = 1, ncols: int = 1, *, size: tuple[float, float] = (6.0, 4.0), **subplot_kw):
-    """(Figure on an Agg canvas, axes array of shape [nrows, ncols]) in the project style."""
-    apply_style()
-    fig = NotebookFigure(figsize=size, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw)
-    return fig, axes
-
-
-def figures_dir() -> Path:
-    """Output folder: ``$MEGAMOE_FIGURES_DIR`` or ``<repo>/figures``."""
-    return Path(os.environ.get("MEGAMOE_FIGURES_DIR") or REPO_ROOT / "figures")
-
-
-def results_dir() -> Path:
-    """Benchmark results folder: ``$MEGAMOE_RESULTS_DIR`` or ``<repo>/results``."""
-    return Path(os.environ.get("MEGAMOE_RESULTS_DIR") or REPO_ROOT / "results")
-
-
-#: Resolution of the PNGs (figures/ and the notebooks' embedded images); the SVGs carry full quality.
-PNG_DPI = 110
-#: Colours of the PNG palette: figures are flat colours plus anti-aliasing, which 256 colours keep legible while the
-#: file shrinks about 3x against a true-colour PNG.
-PNG_COLORS = 256
-
-
-def compact_png(fig: Figure, dpi: int = PNG_DPI) -> bytes:
-    """``fig`` as a small PNG: rendered at ``dpi`` (tight bounding box), quantised to a :data:`PNG_COLORS` palette
-    (median cut, no dithering: deterministic, and text stays crisp), saved with ``optimize``. A notebook embeds
-    this, so a figure costs tens of KB instead of a few hundred."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    buf.seek(0)
-    image = Image.open(buf).convert("RGB").quantize(colors=PNG_COLORS, method=Image.Quantize.MEDIANCUT,
-                                                    dither=Image.Dither.NONE)
-    out = io.BytesIO()
-    image.save(out, format="PNG", optimize=True)
-    return out.getvalue()
-
-
-def save_figure(fig: Figure, name: str) -> list[Path]:
-    """Write ``<figures_dir>/<name>.png`` (:func:`compact_png`) and ``.svg`` (tight bounding box, full quality);
-    return both paths."""
-    out = figures_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.png", out / f"{name}.svg"]
-    paths[0].write_bytes(compact_png(fig))
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
-    return paths
-
-
-def _short_number(v: float) -> str:
-    """3 -> "3", 20000 -> "20k", 1500000 -> "1.5M", 0.1 -> "0.1"."""
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(v) >= scale:
-            return f"{v / scale:g}{suffix}"
-    return f"{v:g}"
-
-
-def log_axis(ax, axis: str = "y", base: int = 10) -> None:
-    """Log scale on ``axis`` (call after plotting) with short plain labels ("20k", not "2x10^4"); over less than
-    two decades the 2x and 5x minor ticks are labelled too."""
-    getattr(ax, f"set_{axis}scale")("log", base=base)
-    if base != 10:
-        return
-    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    label_minor = hi < 100 * lo
-
-    def minor(v, _pos):
-        mantissa = v / 10 ** np.floor(np.log10(v) + 1e-9)
-        return _short_number(v) if label_minor and round(mantissa) in (2, 5) else ""
-
-    target = ax.yaxis if axis == "y" else ax.xaxis
-    target.set_major_formatter(FuncFormatter(lambda v, _pos: _short_number(v)))
-    target.set_minor_formatter(FuncFormatter(minor))
-
-
-def _fmt_bytes(n: float) -> str:
-    """1536 -> "1.5 KiB" (binary units, 3 significant digits)."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-# ---------------------------------------------------------------------------------------------------- layout figures
-def _layout(shape: str, **overrides) -> Layout:
-    kw = {**BASE, **SHAPES[shape], **overrides}
-    return Layout(kw["num_ranks"], kw["num_experts"], kw["num_max_tokens_per_rank"], kw["num_topk"],
-                  kw["hidden"], kw["intermediate_hidden"], kw["block_m"])
-
-
-def _sweep_values(param: str, shape: str) -> list[int]:
-    """Values of ``param`` valid for ``shape`` (the rank count must divide the experts)."""
-    experts = SHAPES[shape]["num_experts"]
-    if param == "num_ranks":
-        return [r for r in SWEEPS[param] if experts % r == 0 and r <= MAX_RANKS]
-    return list(SWEEPS[param])
-
-
-def pool_size_sweep() -> Figure:
-    """Symmetric buffer size (GiB, top row) and pool rows per rank (bottom row) of both DeepGEMM shapes, varying
-    ranks, tokens per rank, top-k and block_m one at a time around EP8, T=8192, top-6, block_m=128."""
-    fig, axes = new_figure(2, 4, size=(13.0, 6.0))
-    for col, param in enumerate(SWEEPS):
-        ys: tuple[list[float], list[float]] = ([], [])
-        for shape in SHAPES:
-            xs = _sweep_values(param, shape)
-            layouts = [_layout(shape, **{param: x}) for x in xs]
-            for row, values in enumerate(([lay.num_bytes / GiB for lay in layouts],
-                                          [lay.num_max_pool_tokens for lay in layouts])):
-                axes[row, col].plot(xs, values, marker="o", label=shape)
-                ys[row].extend(values)
-        for row in range(2):
-            ax = axes[row, col]
-            if max(ys[row]) > 10 * min(ys[row]):
-                log_axis(ax)
-            if param in ("num_ranks", "num_max_tokens_per_rank"):
-                log_axis(ax, "x", base=2)
-            ax.axvline(BASE[param], color="k", lw=0.8, ls=":")
-        axes[1, col].set_xlabel(SWEEP_LABELS[param])
-    axes[0, 0].set_ylabel("symmetric buffer per rank (GiB)")
-    axes[1, 0].set_ylabel("pool rows per rank (worst case)")
-    axes[0, 0].legend()
-    fig.suptitle("Mega MoE symmetric buffer, first-release sizing (no ring): one parameter varied around "
-                 "EP8, T=8192, top-6, block_m=128 (dotted)")
-    return fig
-
-
-def layout_breakdown(layout: Layout) -> Figure:
-    """Bytes of every segment (left, log scale, coloured by region) and the regions stacked (right, GiB)."""
-    fig, axes = new_figure(1, 2, size=(11.0, 4.5), width_ratios=[3, 1])
-    ax = axes[0, 0]
-    segs = list(layout)
-    ys = np.arange(len(segs))[::-1]
-    ax.barh(ys, [max(s.nbytes, 1) for s in segs], color=[REGION_COLORS[s.region] for s in segs])
-    ax.set_yticks(ys, [s.name for s in segs])
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes")
-    for y, s in zip(ys, segs):
-        ax.text(max(s.nbytes, 1) * 1.15, y, _fmt_bytes(s.nbytes), va="center", fontsize=7)
-    ax.set_xlim(right=max(s.nbytes for s in segs) * 40)
-    ax.grid(axis="y", visible=False)
-
-    ax = axes[0, 1]
-    bottom = 0.0
-    for region, nbytes in layout.region_bytes().items():
-        ax.bar(0, nbytes / GiB, bottom=bottom, color=REGION_COLORS[region], label=f"{region} {_fmt_bytes(nbytes)}")
-        bottom += nbytes / GiB
-    ax.set_xticks([])
-    ax.set_ylabel("GiB")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02))
-    ax.grid(axis="x", visible=False)
-    fig.suptitle(f"Symmetric buffer of one rank: R={layout.num_ranks}, E={layout.num_experts}, "
-                 f"T={layout.num_max_tokens_per_rank}, top-{layout.num_topk}, H={layout.hidden}, "
-                 f"I={layout.intermediate_hidden}, block_m={layout.block_m} -> {_fmt_bytes(layout.num_bytes)}")
-    return fig
-
-
-# --------------------------------------------------------------------------------------------------- simulation figures
-def occupancy_sweep(ranks: Sequence[int] = (8, 16, 24, 32, 48, 64, 72), *, num_experts: int = 576,
-                    num_tokens_per_rank: int = 8192, num_topk: int = 8, hidden: int = 7168,
-                    intermediate_hidden: int = 3072, block_m: int = 128, zipf_alpha: float = 1.0,
-                    seed: int = 0) -> list:
-    """Simulations feeding :func:`occupancy_vs_bound`: uniform and Zipf routing at each rank count.
-
-    576 experts divide every rank count from 8 to 72 (8 experts per rank at NVL72). Returns ``SimResult``\\ s.
-    """
-    from megamoe.sim import simulate_routing
-
-    out = []
-    for routing in ("uniform", "zipf"):
-        for r in ranks:
-            out.append(simulate_routing(r, num_tokens_per_rank, num_experts, num_topk, hidden=hidden,
-                                        intermediate_hidden=intermediate_hidden, block_m=block_m, routing=routing,
-                                        zipf_alpha=zipf_alpha, seed=seed))
-    return out
-
-
-def occupancy_vs_bound(results: Sequence) -> Figure:
-    """Pool rows per rank (left, log) and worst-rank occupancy (right) against the buffer's worst-case bound.
-
-    ``results``: ``SimResult``\\ s of one shape at several rank counts, any mix of routings (one line each).
-    """
-    fig, axes = new_figure(1, 2, size=(11.0, 4.2))
-    ax_rows, ax_occ = axes[0]
-    by_routing: dict[str, list] = {}
-    for res in sorted(results, key=lambda r: r.num_ranks):
-        label = res.routing if res.routing != "zipf" else f"zipf a={res.zipf_alpha:g}"
-        by_routing.setdefault(label, []).append(res)
-    for label, group in by_routing.items():
-        xs = [r.num_ranks for r in group]
-        worst = [r.pool_rows.max(axis=1).mean() for r in group]
-        line, = ax_rows.plot(xs, worst, marker="o", label=f"{label}: busiest rank")
-        ax_rows.plot(xs, [r.pool_rows.mean() for r in group], ls="--", color=line.get_color(),
-                     label=f"{label}: mean rank")
-        ax_occ.plot(xs, [100 * r.occupancy.max(axis=1).mean() for r in group], marker="o", label=label)
-    first = next(iter(by_routing.values()))
-    ax_rows.plot([r.num_ranks for r in first], [r.pool_bound for r in first], color="k", marker="s",
-                 label="bound (buffer size)")
-    log_axis(ax_rows)
-    lo, hi = ax_rows.get_ylim()
-    ax_rows.set_ylim(lo, hi * 12)   # a decade of headroom for the legend
-    ax_rows.set_xlabel("ranks")
-    ax_rows.set_ylabel("pool rows per rank")
-    ax_rows.legend(loc="upper left", ncol=2)
-    log_axis(ax_occ)
-    ax_occ.set_xlabel("ranks")
-    ax_occ.set_ylabel("busiest rank's pool / bound (%)")
-    ax_occ.legend()
-    r0 = first[0]
-    fig.suptitle(f"Realized pool vs worst-case bound: E={r0.num_experts}, T={r0.num_tokens_per_rank}, "
-                 f"top-{r0.num_topk}, block_m={r0.block_m}")
-    return fig
-
-
-def traffic_heatmap(result, trial: int = 0) -> Figure:
-    """Dispatch and combine bytes between every pair of ranks (MiB; row = sender, column = receiver).
-
-    ``result``: a ``SimResult``; the diagonal is local (no NVLink). Cells are annotated up to 16 ranks.
-    """
-    fig, axes = new_figure(1, 2, size=(11.0, 4.8))
-    mats = {"dispatch (pulled by the expert's rank)": result.dispatch_bytes[trial],
-            "combine (written back to the token's rank)": result.combine_bytes[trial]}
-    for ax, (title, m) in zip(axes[0], mats.items()):
-        mib = m / MiB
-        im = ax.imshow(mib, cmap="viridis")
-        fig.colorbar(im, ax=ax, label="MiB", shrink=0.85)
-        ax.set_title(title)
-        ax.set_xlabel("receiver rank")
-        ax.set_ylabel("sender rank")
-        ax.grid(False)
-        if result.num_ranks <= 16:
-            for (i, j), v in np.ndenumerate(mib):
-                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6,
-                        color="w" if v < mib.max() / 2 else "k")
-    alpha = f" a={result.zipf_alpha:g}" if result.routing == "zipf" else ""
-    fig.suptitle(f"Traffic of one call: R={result.num_ranks}, E={result.num_experts}, "
-                 f"T={result.num_tokens_per_rank}, top-{result.num_topk}, H={result.hidden}, "
-                 f"{result.routing}{alpha} routing; load imbalance {result.load_imbalance[trial]:.2f}")
-    return fig
-
-
-# ---------------------------------------------------------------------------------------------------- benchmark figures
 def needs(*row_keys: str, config: tuple[str, ...] = ()) -> Callable:
     """Declare what a benchmark plotter reads: keys every row has, and keys of ``config``. :func:`plot_results`
     checks them first and falls back to :func:`bench_xy` when the results lack one (the schema moved on)."""
@@ -631,39 +327,6 @@ BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
 }
 
 
-#: The line :func:`read_results` prints for every results file it reads: notebooks carry it in their outputs, and
-#: ``python -m megamoe.notebooks check`` compares the hash with the file as committed (a stale output fails).
-RESULTS_READ_RE = re.compile(r"read results/(?P<name>[\w.\-/]+\.json) sha256:(?P<sha>[0-9a-f]{16})")
-
-
-def results_sha(path: Path) -> str:
-    """The first 16 hex digits of a results file's SHA-256 (what :data:`RESULTS_READ_RE` records)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-def read_results(path: Path) -> dict:
-    """A results file as a dict; prints ``read results/<file> sha256:<16 hex>`` so that outputs made from it can be
-    checked for freshness later. The one reader of ``results/*.json`` (figures, notebooks, walkthrough)."""
-    path = Path(path)
-    print(f"read results/{path.name} sha256:{results_sha(path)}")
-    with open(path) as f:
-        return json.load(f)
-
-
-def load_results(name: str) -> dict | None:
-    """``results/<name>.json`` as a dict (through :func:`read_results`), or None (with a printed line) when the
-    file does not exist."""
-    path = results_dir() / f"{name}.json"
-    if not path.exists():
-        print(f"figures: no {path}, skipping")
-        return None
-    return read_results(path)
-
-
-def results_kind(data: dict, name: str) -> str:
-    """The ``kind`` of a results dict: top-level, else in ``config``, else the file name."""
-    return data.get("kind") or data.get("config", {}).get("kind") or name
-
 
 def plot_results(name: str) -> Figure | None:
     """The figure of ``results/<name>.json``, dispatched on its ``kind``; None when there is nothing to plot.
@@ -683,6 +346,46 @@ def plot_results(name: str) -> Figure | None:
     return plotter(data)
 
 
-# ---------------------------------------------------------------------------------------------------- make figures
-if __name__ == "__main__":
-    sys.exit("figures are made by the notebooks: run `make figures` (python -m megamoe.notebooks figures)")
+def roofline_rows(layer: dict, ceilings: dict | None, impl: str = "staged", routing: str = "uniform") -> list[dict]:
+    """Per row of a ``layer`` result of implementation ``impl`` (rows without ``impl`` count as staged) and
+    ``routing``: measured TFLOP/s against the roofline from a ``ceilings`` result (measured FP8 matmul TFLOP/s and
+    device copy TB/s): ``time >= max(flops / peak, touched weight bytes / bandwidth)``."""
+    peak = bw = None
+    for r in (ceilings or {}).get("rows", []):
+        if "tflops" in r:
+            peak = r["tflops"]
+        if "tb_per_s" in r:
+            bw = r["tb_per_s"]
+    rows = []
+    for r in layer.get("rows", []):
+        if r.get("impl", "staged") != impl or r.get("routing", "uniform") != routing:
+            continue
+        row = {"tokens/rank": r.get("num_tokens_per_rank"), "ranks": r.get("num_ranks"), "us": r.get("us"),
+               "TFLOP/s": r.get("tflops")}
+        if peak and bw and r.get("flops"):
+            t_compute = r["flops"] / (peak * 1e12)
+            t_memory = r.get("weight_bytes_touched", 0) / (bw * 1e12)
+            bound = max(t_compute, t_memory)
+            row.update({"roofline us": bound * 1e6, "roofline TFLOP/s": r["flops"] / bound / 1e12,
+                        "bound by": "compute" if t_compute >= t_memory else "weights (HBM)",
+                        "fraction of roofline": bound / (r["us"] * 1e-6)})
+        rows.append(row)
+    return rows
+
+
+def roofline_figure(rows: Sequence[dict], title: str):
+    """Measured TFLOP/s (and the roofline when known) against tokens per rank."""
+    fig, axes = new_figure(size=(6.5, 4.0))
+    ax = axes[0, 0]
+    xs = [r["tokens/rank"] for r in rows]
+    ax.plot(xs, [r["TFLOP/s"] for r in rows], "o-", label="measured")
+    if all("roofline TFLOP/s" in r for r in rows):
+        ax.plot(xs, [r["roofline TFLOP/s"] for r in rows], "s--", color="k", label="roofline (measured ceilings)")
+    ax.set_xscale("log", base=2)
+    log_axis(ax)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend()
+    return fig
+

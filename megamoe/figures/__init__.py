@@ -1,0 +1,80 @@
+"""Figure functions called by the notebooks (``make figures`` re-executes the notebooks, the one source of figures/).
+
+Every figure function returns a :class:`matplotlib.figure.Figure` drawn on an Agg canvas (no pyplot, no GUI, no
+global figure state), so the same call works headless and in a notebook (which shows the saved PNG).
+:func:`save_figure` writes ``<name>.png`` (a compact rendering: ``PNG_DPI``, 256 colours -- the file the
+notebooks embed, so that a notebook with its figures stays small) and ``<name>.svg`` (full quality) to
+``figures/`` (``$MEGAMOE_FIGURES_DIR`` overrides it). One module per subject, all re-exported here
+(``from megamoe import figures; figures.X``):
+
+* :mod:`~megamoe.figures.style` -- style, :func:`new_figure`, :func:`save_figure`, :func:`log_axis`;
+* :mod:`~megamoe.figures.results` -- the one reader of ``results/*.json`` (:func:`read_results`,
+  :func:`load_results`) and the result listings the notebooks show;
+* :mod:`~megamoe.figures.sizing` -- buffer size sweeps, the layout breakdown, simulated occupancy and traffic;
+* :mod:`~megamoe.figures.diagrams` -- data flow, pipeline and pool pictures;
+* :mod:`~megamoe.figures.formats` -- the number formats and their quantisation errors;
+* :mod:`~megamoe.figures.bench` -- benchmark results by ``kind`` (:func:`plot_results`) and the roofline.
+"""
+from megamoe.figures.bench import (
+    BENCH_PLOTS,
+    bench_ceilings,
+    bench_fused_tune,
+    bench_layer_impls,
+    bench_layer_timing,
+    bench_pull_bandwidth,
+    bench_pull_push,
+    bench_timeline,
+    bench_tune,
+    bench_xy,
+    missing_keys,
+    needs,
+    plot_results,
+    roofline_figure,
+    roofline_rows,
+    variant_label,
+)
+from megamoe.figures.diagrams import dataflow_figure, pipeline_figure, pool_figure
+from megamoe.figures.formats import quantization_figure
+from megamoe.figures.results import (
+    RESULTS_READ_RE,
+    flatten_rows,
+    load_results,
+    read_results,
+    results_dir,
+    results_files,
+    results_kind,
+    results_overview,
+    results_sha,
+)
+from megamoe.figures.sizing import (
+    BASE,
+    SHAPES,
+    SWEEPS,
+    layout_breakdown,
+    occupancy_sweep,
+    occupancy_vs_bound,
+    pool_size_sweep,
+    traffic_heatmap,
+)
+from megamoe.figures.style import (
+    PNG_COLORS,
+    PNG_DPI,
+    apply_style,
+    compact_png,
+    figures_dir,
+    fmt_bytes,
+    log_axis,
+    new_figure,
+    save_figure,
+)
+
+__all__ = [
+    "BASE", "BENCH_PLOTS", "PNG_COLORS", "PNG_DPI", "RESULTS_READ_RE", "SHAPES", "SWEEPS", "apply_style",
+    "bench_ceilings", "bench_fused_tune", "bench_layer_impls", "bench_layer_timing", "bench_pull_bandwidth",
+    "bench_pull_push", "bench_timeline", "bench_tune", "bench_xy", "compact_png", "dataflow_figure", "figures_dir",
+    "flatten_rows", "fmt_bytes", "layout_breakdown", "load_results", "log_axis", "missing_keys", "needs",
+    "new_figure", "occupancy_sweep", "occupancy_vs_bound", "pipeline_figure", "plot_results", "pool_figure",
+    "pool_size_sweep", "quantization_figure", "read_results", "results_dir", "results_files", "results_kind",
+    "results_overview", "results_sha", "roofline_figure", "roofline_rows", "save_figure", "traffic_heatmap",
+    "variant_label",
+]
