@@ -69,14 +69,10 @@ def _cut(source: str, start: str | None, end: str | None) -> tuple[str, int]:
 
 def cuda_text(name: str) -> str:
     """A CUDA source of the repo: ``kernels/cuda/<name>`` (a header), or ``"cupy_prims"`` for the translation unit
-    that ``megamoe.kernels.cupy_prims`` compiles (its kernels, without the appended header hash)."""
-    if name == "cupy_prims":
-        from megamoe.kernels import cupy_prims
-
-        return cupy_prims._KERNELS
+    that ``megamoe.kernels.cupy_prims`` compiles (``cuda/cupy_kernels.cu``)."""
     from megamoe.kernels import cupy_prims
 
-    return (cupy_prims.CUDA_DIR / name).read_text()
+    return (cupy_prims.CUDA_DIR / (cupy_prims.SOURCE if name == "cupy_prims" else name)).read_text()
 
 
 def _display(code: str, lang: str, caption: str) -> None:
