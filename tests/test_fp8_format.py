@@ -183,3 +183,128 @@ def test_check_weights_names_the_argument():
         check_moe_weights_fp8(l1, (l2[0][:, :, :0], l2[1]))
     assert check_moe_weights_fp8(l1, l2) == (1, 128, 128)
     assert FP8_BLOCK == 128
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference (megamoe.reference.reference_fp8_mega_moe) against float64
+# ---------------------------------------------------------------------------------------------------------
+
+BF16_REL = 2.0**-8  # RNE to bf16 (8 significant bits): |error| <= 2^-8 |value|
+E4M3_REL = 2.0**-4  # RNE to e4m3 normals (4 significant bits): |error| <= 2^-4 |value|
+E4M3_SUB_ABS = 2.0**-10  # e4m3 subnormal spacing 2^-9: |error| <= 2^-10 (times the scale)
+FP32_EPS = 2.0**-24
+
+
+def _fp8_problem(**kw):
+    from megamoe.testing_fp8 import make_fp8_problem
+
+    args = dict(num_ranks=1, num_tokens=24, hidden=256, intermediate=256, num_experts=4, num_topk=2, seed=1)
+    args.update(kw)
+    return make_fp8_problem(**args)
+
+
+def _float64_layer(p, clamp=None):
+    """The layer in float64 on the same quantised inputs, with no rounding at all between the GEMMs, plus a
+    per-element bound on how far the reference's roundings may move y (derived from the formats, see below)."""
+    x = torch.cat(p.x)
+    a = dequant_fp8_per_token_128(x, torch.cat(p.x_sf), torch.float64)
+    idx, tw = torch.cat(p.topk_idx), torch.cat(p.topk_weights).double()
+    w1 = dequant_fp8_block(*p.l1_weights, dtype=torch.float64)
+    w2 = dequant_fp8_block(*p.l2_weights, dtype=torch.float64)
+    I = p.intermediate
+    y = torch.zeros(x.shape[0], p.hidden, dtype=torch.float64)
+    bound = torch.zeros_like(y)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if e < 0:
+                continue
+            h = w1[e] @ a[t]
+            s1 = w1[e].abs() @ a[t].abs()  # sum |w a|: scale of the float32 accumulation error
+            # L1 output: fp32 block accumulation (<= (128 + K/128 + 3) eps * s1), then bf16 (<= 2^-8 relative)
+            e1 = (128 + p.hidden / 128 + 3) * FP32_EPS * s1
+            e1 = e1 + BF16_REL * (h.abs() + e1)
+            g, u = h[:I], h[I:]
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            sig = torch.sigmoid(g)
+            act = g * sig * u * tw[t, j]
+            # first-order propagation of the L1 error through silu(g) * u (|d silu / dg| <= 1.1) plus float32 slack
+            ea = (1.1 * e1[:I] * u.abs() + (g * sig).abs() * e1[I:]) * tw[t, j] + 8 * FP32_EPS * act.abs()
+            # the FP8 requant of act (per 128 columns, scale amax/448): 2^-4 relative, or 2^-10 scale if subnormal
+            amax = (act.abs() + ea).unflatten(0, (-1, 128)).amax(-1).clamp(min=1e-4).repeat_interleave(128)
+            ea = ea + E4M3_REL * (act.abs() + ea) + E4M3_SUB_ABS * amax / 448
+            o = w2[e] @ act
+            eo = w2[e].abs() @ ea + (128 + I / 128 + 3) * FP32_EPS * (w2[e].abs() @ (act.abs() + ea))
+            eo = eo + BF16_REL * (o.abs() + eo)
+            y[t] += o
+            bound[t] += eo + 2 * FP32_EPS * (y[t].abs() + eo)
+    bound += BF16_REL * (y.abs() + bound)
+    return y, bound
+
+
+@pytest.mark.parametrize("clamp", [None, 0.5])
+def test_reference_fp8_within_format_bounds_of_float64(clamp):
+    from megamoe.reference import reference_fp8_mega_moe
+
+    p = _fp8_problem(masked_ratio=0.2)
+    y = reference_fp8_mega_moe(p.x[0], p.x_sf[0], p.topk_idx[0], p.topk_weights[0], p.l1_weights, p.l2_weights,
+                               activation_clamp=clamp)
+    y64, bound = _float64_layer(p, clamp)
+    err = (y.double() - y64).abs()
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
+    # That bound is a worst case (errors of one sign on every term). Statistically the rounding errors of the I
+    # terms of an L2 dot are independent and zero-mean, each at most 2^-4 of its term (the FP8 requant dominates):
+    # the error's norm is then at most ~2^-4 of the output's.
+    rel_fro = ((y.double() - y64).norm() / y64.norm()).item()
+    assert 1e-4 < rel_fro < E4M3_REL, rel_fro
+    # masked tokens (every slot -1) give exactly 0
+    dead = (p.topk_idx[0] < 0).all(dim=1)
+    assert bool((y[dead] == 0).all())
+
+
+def test_reference_fp8_detects_a_wrong_scale_block():
+    """The bound above is tight enough to catch a swapped gate/up scale block (the test can fail)."""
+    from megamoe.reference import reference_fp8_mega_moe
+
+    p = _fp8_problem(seed=4)
+    w1, sf1 = p.l1_weights
+    I = p.intermediate
+    swapped = torch.cat([sf1[:, I // 128:], sf1[:, :I // 128]], dim=1) * 4  # gate <-> up blocks, and off by 4x
+    y_bad = reference_fp8_mega_moe(p.x[0], p.x_sf[0], p.topk_idx[0], p.topk_weights[0], (w1, swapped),
+                                   p.l2_weights)
+    y64, bound = _float64_layer(p)
+    assert not bool(((y_bad.double() - y64).abs() <= bound).all())
+    assert ((y_bad.double() - y64).norm() / y64.norm()).item() > E4M3_REL
+
+
+def test_reference_fp8_ep_equals_single_rank_and_intermediates():
+    from megamoe.reference import reference_fp8_mega_moe, reference_fp8_mega_moe_ep
+
+    p = _fp8_problem(num_ranks=2, num_tokens=[5, 0], num_experts=4, masked_ratio=0.3, seed=2)
+    ys = reference_fp8_mega_moe_ep(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.l1_weights, p.l2_weights, 2)
+    y, inter = reference_fp8_mega_moe(torch.cat(p.x), torch.cat(p.x_sf), torch.cat(p.topk_idx),
+                                      torch.cat(p.topk_weights), p.l1_weights, p.l2_weights,
+                                      return_intermediates=True)
+    assert [t.shape[0] for t in ys] == [5, 0]
+    assert torch.equal(torch.cat(ys), y)
+    assert int(inter["expert_recv_count"].sum()) == int((torch.cat(p.topk_idx) >= 0).sum())
+    for l2_in, l2_sf in inter["l2_in"]:
+        assert l2_in.dtype == torch.float8_e4m3fn and l2_sf.dtype == torch.float32
+        assert l2_sf.shape == (l2_in.shape[0], p.intermediate // 128)
+
+
+def test_reference_fp8_rejects_wrong_inputs_by_name():
+    from megamoe.reference import reference_fp8_mega_moe
+
+    p = _fp8_problem(num_tokens=3)
+    args = (p.x[0], p.x_sf[0], p.topk_idx[0], p.topk_weights[0])
+    with pytest.raises(TypeError, match="x_sf: expected torch.float32"):
+        reference_fp8_mega_moe(p.x[0], p.x_sf[0].view(torch.int32), *args[2:], p.l1_weights, p.l2_weights)
+    t1, t2 = transform_weights_for_mega_moe_sm90(p.l1_weights, p.l2_weights)
+    with pytest.raises(TypeError, match="l1_weights: the reference takes untransformed weights"):
+        reference_fp8_mega_moe(*args, t1, t2)
+    with pytest.raises(TypeError, match="l1_weights: expected \\(float8_e4m3fn, float32\\)"):
+        from megamoe.quant import cast_grouped_weights_to_fp4
+
+        reference_fp8_mega_moe(*args, cast_grouped_weights_to_fp4(torch.zeros(4, 512, 256)), p.l2_weights)
