@@ -308,3 +308,23 @@ def test_reference_fp8_rejects_wrong_inputs_by_name():
         from megamoe.quant import cast_grouped_weights_to_fp4
 
         reference_fp8_mega_moe(*args, cast_grouped_weights_to_fp4(torch.zeros(4, 512, 256)), p.l2_weights)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SymmBuffer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_symm_buffer_takes_the_format():
+    from megamoe.symm import SymmBuffer, get_symm_buffer_for_mega_moe
+
+    sbs = SymmBuffer.local(2, 4, 16, 2, 256, 128, block_m=16, device="cpu", format="fp8")
+    assert sbs[0].layout.format == "fp8" and sbs[1].x_sf.dtype == torch.float32
+    assert sbs[0].l2_acts_sf.dtype == torch.float32 and sbs[0].l2_acts_sf.shape[1] == 1
+    assert SymmBuffer.local(1, 4, 16, 2, 256, 128, block_m=16, device="cpu")[0].x_sf.dtype == torch.int32
+    sb = get_symm_buffer_for_mega_moe(None, 4, 16, 2, 256, 128, block_m=16, backend="cpu", mma_type="fp8xfp8")
+    assert sb.layout.format == "fp8" and sb.x_sf.dtype == torch.float32
+    with pytest.raises(ValueError, match="mma_type='fp8xfp4' does not match format='fp8'"):
+        SymmBuffer.local(1, 4, 16, 2, 256, 128, device="cpu", format="fp8", mma_type="fp8xfp4")
+    with pytest.raises(ValueError, match="format='int4' must be one of"):
+        SymmBuffer.local(1, 4, 16, 2, 256, 128, device="cpu", format="int4")
