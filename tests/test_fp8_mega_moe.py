@@ -28,6 +28,14 @@ def test_ranks_match_the_reference_bitwise(num_ranks, num_topk, num_experts, tok
                                       num_tokens=tokens, block_m=16, seed=num_ranks)))
 
 
+def test_four_ranks_and_several_scale_blocks_along_n_and_k():
+    """H = 384 (three K blocks in L1, three N tiles in L2) and I = 256: two L1 tiles of 128 intermediate columns,
+    tile t reading gate scale block t and up block I/128 + t (a kernel that read block 0 for both tiles, or
+    interleaved the scale rows, fails here; with I = 128 it would not)."""
+    _check(run_fp8_case_local(MoECase(num_ranks=4, num_tokens=[6, 0, 9, 4], hidden=384, intermediate=256,
+                                      num_topk=3, num_experts=8, masked_ratio=0.2, block_m=16, seed=11)))
+
+
 def test_masks_an_empty_rank_and_clamp():
     reports = run_fp8_case_local(MoECase(num_ranks=2, num_tokens=[23, 0], num_topk=2, num_experts=4,
                                          masked_ratio=0.3, activation_clamp=0.25, block_m=16, seed=3))
