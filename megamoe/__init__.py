@@ -8,6 +8,10 @@ Public API (mirrors DeepGEMM's names where they exist)::
     SymmBuffer, get_symm_buffer_for_mega_moe                                # megamoe.symm
     launch                                                                  # megamoe.launch
     fp8_fp4_mega_moe, MegaMoE                                               # megamoe.ops
+    fp8_mega_moe, get_symm_buffer_for_mega_moe_sm90                         # megamoe.ops_fp8 (SM90 FP8 x FP8)
+    per_token_cast_to_fp8_128, per_block_cast_to_fp8, transform_weights_for_mega_moe_sm90,
+        TransformedWeightsSM90                                              # megamoe.quant_fp8
+    reference_fp8_mega_moe, reference_fp8_mega_moe_ep                       # megamoe.reference
 
 Attributes are imported lazily and CuPy is never imported on CPU paths. Importing megamoe on a machine without
 CUDA switches Triton to its interpreter (``TRITON_INTERPRET=1``); the kernels need that before Triton itself is
@@ -38,6 +42,14 @@ _EXPORTS = {
     "launch": "launch",
     "fp8_fp4_mega_moe": "ops",
     "MegaMoE": "ops",
+    "fp8_mega_moe": "ops_fp8",
+    "get_symm_buffer_for_mega_moe_sm90": "ops_fp8",
+    "per_token_cast_to_fp8_128": "quant_fp8",
+    "per_block_cast_to_fp8": "quant_fp8",
+    "transform_weights_for_mega_moe_sm90": "quant_fp8",
+    "TransformedWeightsSM90": "quant_fp8",
+    "reference_fp8_mega_moe": "reference",
+    "reference_fp8_mega_moe_ep": "reference",
     "describe_environment": "env",
 }
 

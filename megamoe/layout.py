@@ -8,6 +8,13 @@ This module computes that layout: an ordered list of :class:`Segment` objects (o
 
 following the order of DeepGEMM's ``get_symm_buffer_size_for_mega_moe`` (first release, no ring buffer).
 
+Two formats (:data:`FORMATS`) share this layout. ``"fp8_fp4"`` (``fp8_fp4_mega_moe``) stores activation scales as
+packed UE8M0 bytes, one per 32 columns, four per int32; ``"fp8"`` (DeepGEMM SM90's ``fp8_mega_moe``) stores one
+float32 per 128 columns. Both take 4 bytes per 128 columns, so offsets, sizes and the pool formula are identical and
+only the dtype of ``x_sf``, ``l1_acts_sf`` and ``l2_acts_sf`` differs -- as in DeepGEMM's SM90 build, whose
+``slice_input_buffers`` only switches the view dtype (``kInt`` -> ``kFloat32``; its per-64 L2 scale variant, which we
+do not use, doubles ``l2_acts_sf``).
+
 Shapes use ``R`` ranks, ``E`` experts, ``El = E / R`` experts per rank, ``T`` = num_max_tokens_per_rank, ``k`` =
 num_topk, ``H`` = hidden, ``I`` = intermediate_hidden, ``P`` = :func:`get_num_max_pool_tokens`, ``Pb = P / block_m``
 pool blocks and ``SP`` = :func:`get_num_padded_sf_pool_tokens`.
@@ -47,6 +54,16 @@ MAX_TOPK = 32
 #: The smallest M tile of the kernels: the pool padding granularity (``block_m``) is a power of two at least this
 #: large, and the fused kernel's per-pool-block arrival counters are sized for blocks this small.
 MIN_BLOCK_M = 16
+#: The number formats a layout can hold, named after their ops: ``"fp8_fp4"`` (``fp8_fp4_mega_moe``: activation
+#: scales are packed UE8M0 per 32 columns, four per int32) and ``"fp8"`` (DeepGEMM SM90's ``fp8_mega_moe``: one
+#: float32 scale per 128 columns, :mod:`megamoe.quant_fp8`). Both spend 4 bytes per 128 columns of a row, so the two
+#: layouts have the same segments, offsets and size; only the scale segments' dtype (and meaning) differ.
+FORMATS = ("fp8_fp4", "fp8")
+#: Per format: (dtype of the activation scale segments ``x_sf``/``l1_acts_sf``/``l2_acts_sf``, a description).
+SCALE_FORMATS = {
+    "fp8_fp4": (torch.int32, "per-32 UE8M0 scales, 4 per int32"),
+    "fp8": (torch.float32, "per-128 float32 scales (amax/448)"),
+}
 
 
 def _align(x: int, a: int) -> int:
@@ -107,10 +124,12 @@ class Layout:
         hidden: H, multiple of 128.
         intermediate_hidden: I, multiple of 128.
         block_m: pool padding granularity per expert (the GEMM's BLOCK_M).
+        format: one of :data:`FORMATS` (``"fp8_fp4"``, the default, or ``"fp8"``): the dtype of the activation
+            scale segments (:data:`SCALE_FORMATS`). The pool formula and every offset are the same for both.
     """
 
     def __init__(self, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                 hidden: int, intermediate_hidden: int, block_m: int = 128):
+                 hidden: int, intermediate_hidden: int, block_m: int = 128, format: str = "fp8_fp4"):
         _check_int("num_ranks", num_ranks, 1, MAX_RANKS)
         _check_int("num_experts", num_experts, 1)
         _check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
@@ -118,6 +137,8 @@ class Layout:
         _check_int("hidden", hidden, 128)
         _check_int("intermediate_hidden", intermediate_hidden, 128)
         _check_int("block_m", block_m, 1)
+        if format not in FORMATS:
+            raise ValueError(f"format={format!r} must be one of {FORMATS}")
         if num_experts % num_ranks:
             raise ValueError(f"num_experts={num_experts} must be divisible by num_ranks={num_ranks}")
         if num_topk > num_experts:
@@ -134,6 +155,7 @@ class Layout:
         self.hidden = hidden
         self.intermediate_hidden = intermediate_hidden
         self.block_m = block_m
+        self.format = format
         self.num_max_pool_tokens = get_num_max_pool_tokens(num_ranks, num_max_tokens_per_rank, num_topk,
                                                            self.num_experts_per_rank, block_m)
         self.num_max_pool_blocks = self.num_max_pool_tokens // block_m
@@ -189,20 +211,22 @@ class Layout:
                   "[local expert][src rank][i]: token*k + slot of the i-th pair that rank sends (written remotely)")
         self._add("token_src_metadata", ws, torch.int32, (P, 3),
                   "per pool row: (src rank, src token, top-k slot), used by the L2 epilogue to address combine")
+        sf_dtype, sf_doc = SCALE_FORMATS[self.format]
         inp = "input"
         self._add("x", inp, torch.float8_e4m3fn, (T, H), "input tokens, FP8 e4m3")
-        self._add("x_sf", inp, torch.int32, (T, H // 128), "per-32 UE8M0 scales of x, 4 per int32, K-major")
+        self._add("x_sf", inp, sf_dtype, (T, H // 128), f"{sf_doc} of x, K-major")
         self._add("topk_idx", inp, torch.int64, (T, k), "expert of each (token, slot); -1 = masked")
         self._add("topk_weights", inp, torch.float32, (T, k), "router weight of each (token, slot)")
         pool = "pool"
         self._add("l1_acts", pool, torch.float8_e4m3fn, (P, H),
                   "L1 pool: pulled tokens, expert-major, each expert padded to block_m")
-        self._add("l1_acts_sf", pool, torch.int32, (SP, H // 128),
-                  "L1 pool scales, MN-major: pool block b's rows start at b*align(block_m,128)", mn_major=True)
+        self._add("l1_acts_sf", pool, sf_dtype, (SP, H // 128),
+                  f"L1 pool scales ({sf_doc}), MN-major: pool block b's rows start at b*align(block_m,128)",
+                  mn_major=True)
         self._add("l1_topk_weights", pool, torch.float32, (P,), "router weight of each pool row")
         self._add("l2_acts", pool, torch.float8_e4m3fn, (P, I), "L2 pool: SwiGLU(L1)*weight, requantized FP8")
-        self._add("l2_acts_sf", pool, torch.int32, (SP, I // 128), "L2 pool scales, MN-major like l1_acts_sf",
-                  mn_major=True)
+        self._add("l2_acts_sf", pool, sf_dtype, (SP, I // 128), f"L2 pool scales ({sf_doc}), MN-major like "
+                  "l1_acts_sf", mn_major=True)
         self._add("combine", "combine", torch.bfloat16, (k, T, H),
                   "[slot][token]: BF16 expert outputs written by the owning rank straight into the source rank")
         self.num_bytes = _align(self._cursor, SEGMENT_ALIGNMENT)
@@ -251,7 +275,7 @@ class Layout:
     def table(self) -> str:
         """A printable table of every segment: offset, bytes, dtype, shape."""
         lines = [f"Layout R={self.num_ranks} E={self.num_experts} T={self.num_max_tokens_per_rank} k={self.num_topk} "
-                 f"H={self.hidden} I={self.intermediate_hidden} block_m={self.block_m}: "
+                 f"H={self.hidden} I={self.intermediate_hidden} block_m={self.block_m} format={self.format}: "
                  f"pool {self.num_max_pool_tokens:,} rows, sf pool {self.num_padded_sf_pool_tokens:,} rows",
                  f"{'segment':<22}{'region':<11}{'offset':>16}{'bytes':>16}  {'dtype':<15}shape"]
         for s in self:
@@ -266,7 +290,7 @@ class Layout:
 
     #: The constructor arguments that define a layout (every rank of a group must agree on them).
     FINGERPRINT_FIELDS = ("num_ranks", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden",
-                          "intermediate_hidden", "block_m")
+                          "intermediate_hidden", "block_m", "format")
 
     def fingerprint(self) -> dict:
         """The defining fields (:data:`FINGERPRINT_FIELDS`) plus ``num_bytes``: equal fingerprints mean equal
@@ -276,7 +300,8 @@ class Layout:
     def __repr__(self) -> str:
         return (f"Layout(num_ranks={self.num_ranks}, num_experts={self.num_experts}, "
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, num_topk={self.num_topk}, "
-                f"hidden={self.hidden}, intermediate_hidden={self.intermediate_hidden}, block_m={self.block_m}) "
+                f"hidden={self.hidden}, intermediate_hidden={self.intermediate_hidden}, block_m={self.block_m}, "
+                f"format={self.format!r}) "
                 f"-> {self.num_bytes:,} bytes")
 
 

@@ -453,6 +453,10 @@ def bind_calls(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, 
     ``for name, step in pipeline_steps(dispatch): for c in calls: step(c)`` (without the interruption guard of
     :func:`run_steps`)."""
     buffers, is_list = _check_buffers(sym_buffer)
+    for i, sb in enumerate(buffers):
+        if sb.layout.format != "fp8_fp4":
+            raise ValueError(f"sym_buffer{f'[{i}]' if is_list else ''} was made for format {sb.layout.format!r}; "
+                             "fp8_fp4_mega_moe needs a format='fp8_fp4' SymmBuffer (megamoe.fp8_mega_moe runs 'fp8')")
     if activation != "swiglu":
         raise ValueError(f"activation={activation!r}: only 'swiglu' is supported")
     if dispatch not in ("pull", "push"):

@@ -73,10 +73,12 @@ def _check_tokens(
     hidden: int,
     num_experts: int,
     names: tuple[str, str, str, str] = ("x", "x_sf", "topk_idx", "topk_weights"),
+    sf_dtype: torch.dtype = torch.int32,
 ) -> None:
-    """Check one rank's inputs against the weights' ``hidden`` and ``num_experts``; errors use ``names``."""
+    """Check one rank's inputs against the weights' ``hidden`` and ``num_experts``; errors use ``names``.
+    ``sf_dtype``: int32 (packed UE8M0, the FP8 x FP4 format) or float32 (the SM90 FP8 format)."""
     tensors = (x, x_sf, topk_idx, topk_weights)
-    dtypes = (torch.float8_e4m3fn, torch.int32, torch.int64, torch.float32)
+    dtypes = (torch.float8_e4m3fn, sf_dtype, torch.int64, torch.float32)
     for t, dtype, name in zip(tensors, dtypes, names):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -334,3 +336,134 @@ def reference_mega_moe_ep(
                 for buffer, (token, slot), part in zip(buffers, rows, out.out.split(counts)):
                     buffer[slot, token] = part
     return [combine(buffer, idx) for buffer, idx in zip(buffers, topk_idxs)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The SM90 FP8 x FP8 format (DeepGEMM ``fp8_mega_moe``, recipe (128, 128, 128)); see megamoe.quant_fp8
+# ----------------------------------------------------------------------------------------------------------
+
+
+def block_scaled_matmul(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM SM90's FP8 GEMM with per-128 promotion: float32 ``[m, n]``.
+
+    ``a`` float32 ``[m, K]`` (FP8 values), ``sa`` float32 ``[m, K/128]``; ``w`` float32 ``[n, K]`` (FP8 values),
+    ``sw`` float32 ``[n, K/128]`` (each row's block scale per K block). For each K block ``b`` of 128 in order:
+    ``acc += (sa[:, b] * sw[:, b]) * (a[:, b] @ w[:, b].T)``, the block dot in float32 (its products are exact: two
+    4-bit significands) and the promotion in float32 -- ``final_accum += scale_a * sb * accum`` of
+    ``sm90_fp8_mega_moe.cuh``. A kernel may sum inside a block in any order."""
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
+    with _ieee_fp32_matmul():
+        for b in range(a.shape[1] // 128):
+            cols = slice(128 * b, 128 * (b + 1))
+            acc = acc + (sa[:, b, None] * sw[None, :, b]) * (a[:, cols] @ w[:, cols].T)
+    return acc
+
+
+def _fp8_expert_forward(a, sa, weights, w1, sw1, w2, sw2, activation_clamp) -> _ExpertOutput:
+    """One expert on ``m`` rows in the SM90 format (FP8 values as float32, per-row block scales ``[n, K/128]``)."""
+    from megamoe.quant_fp8 import per_token_cast_to_fp8_128
+
+    l1_out = block_scaled_matmul(a, sa, w1, sw1).to(torch.bfloat16)
+    act = swiglu(l1_out, activation_clamp) * weights.unsqueeze(1)
+    l2_in, l2_in_sf = per_token_cast_to_fp8_128(act)
+    out = block_scaled_matmul(l2_in.float(), l2_in_sf, w2, sw2).to(torch.bfloat16)
+    return _ExpertOutput(l1_out, l2_in, l2_in_sf, out)
+
+
+def reference_fp8_mega_moe(
+    x: torch.Tensor,
+    x_sf: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l1_weights,
+    l2_weights,
+    *,
+    activation_clamp: float | None = None,
+    return_intermediates: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
+    """The SM90 ``fp8_mega_moe`` layer on one rank holding all ``E`` experts.
+
+    As :func:`reference_mega_moe` (steps 1-7 of the module docstring) with the SM90 formats of
+    :mod:`megamoe.quant_fp8`: both GEMMs are :func:`block_scaled_matmul` (one float32 promotion per K block of 128,
+    activation scale per token x weight scale per 128x128 block), and the L2 input is requantised with
+    :func:`megamoe.quant_fp8.per_token_cast_to_fp8_128` (fp32 scale ``amax/448`` per 128 columns).
+
+    Args:
+        x: float8_e4m3fn ``[n, H]``; x_sf: float32 ``[n, H/128]`` (one scale per token and 128 columns).
+        topk_idx: int64 ``[n, k]`` (-1 = masked); topk_weights: float32 ``[n, k]``.
+        l1_weights: ``(float8_e4m3fn [E, 2I, H], float32 [E, 2I/128, H/128])``, rows gate then up, untransformed
+            (a :class:`~megamoe.quant_fp8.TransformedWeightsSM90` is rejected: its rows are interleaved).
+        l2_weights: ``(float8_e4m3fn [E, H, I], float32 [E, H/128, I/128])``.
+        activation_clamp, return_intermediates: as :func:`reference_mega_moe` (``l2_in`` scales are float32
+            ``[m_e, I/128]``).
+    """
+    from megamoe.quant_fp8 import TransformedWeightsSM90, check_moe_weights_fp8
+
+    for name, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        if isinstance(pair, TransformedWeightsSM90):
+            raise TypeError(f"{name}: the reference takes untransformed weights (rows gate then up); got the output "
+                            "of transform_weights_for_mega_moe_sm90 (untransform_weights_for_mega_moe_sm90 inverts it)")
+    num_experts, hidden, _ = check_moe_weights_fp8(l1_weights, l2_weights)
+    _check_tokens(x, x_sf, topk_idx, topk_weights, hidden=hidden, num_experts=num_experts, sf_dtype=torch.float32)
+    _check_clamp(activation_clamp)
+    if x.device != l1_weights[0].device:
+        raise ValueError(f"x: on {x.device} but the weights are on {l1_weights[0].device}")
+
+    (w1, sf1), (w2, sf2) = l1_weights, l2_weights
+    a = x.float()
+    buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
+    rows_per_expert, outputs = [], []
+    for e in range(num_experts):
+        rows = (topk_idx == e).nonzero()
+        token, slot = rows.unbind(1)
+        out = _fp8_expert_forward(a[token], x_sf[token], topk_weights[token, slot],
+                                  w1[e].float(), sf1[e].repeat_interleave(128, dim=0),
+                                  w2[e].float(), sf2[e].repeat_interleave(128, dim=0), activation_clamp)
+        buffer[slot, token] = out.out
+        rows_per_expert.append(rows)
+        outputs.append(out)
+    y = combine(buffer, topk_idx)
+    if not return_intermediates:
+        return y
+    return y, {
+        "expert_recv_count": torch.tensor([len(r) for r in rows_per_expert], dtype=torch.int64),
+        "expert_rows": rows_per_expert,
+        "l1_out": [o.l1_out for o in outputs],
+        "l2_in": [(o.l2_in, o.l2_in_sf) for o in outputs],
+        "combine": buffer,
+    }
+
+
+def reference_fp8_mega_moe_ep(
+    xs: list[torch.Tensor],
+    x_sfs: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    topk_weights_list: list[torch.Tensor],
+    l1_weights,
+    l2_weights,
+    num_ranks: int,
+    *,
+    activation_clamp: float | None = None,
+) -> list[torch.Tensor]:
+    """:func:`reference_fp8_mega_moe` in expert-parallel form (as :func:`reference_mega_moe_ep`): per-rank ``y``.
+
+    Each expert sees its rows in (source rank, token, slot) order either way, so this is the single-rank reference
+    on the concatenated tokens, split back per rank -- bitwise the same rows."""
+    from megamoe.quant_fp8 import check_moe_weights_fp8
+
+    num_experts, _, _ = check_moe_weights_fp8(l1_weights, l2_weights)
+    if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_ranks: must be a positive divisor of the number of experts {num_experts}, got {num_ranks}"
+        )
+    lists = {"xs": xs, "x_sfs": x_sfs, "topk_idxs": topk_idxs, "topk_weights_list": topk_weights_list}
+    for name, values in lists.items():
+        if not isinstance(values, (list, tuple)) or len(values) != num_ranks:
+            raise ValueError(f"{name}: expected a list of num_ranks={num_ranks} tensors")
+    for r in range(num_ranks):
+        if topk_idxs[r].dim() != 2 or topk_idxs[r].shape[1] != topk_idxs[0].shape[1]:
+            raise ValueError(f"topk_idxs[{r}]: shape {tuple(topk_idxs[r].shape)} differs from rank 0's num_topk")
+    y = reference_fp8_mega_moe(torch.cat(list(xs)), torch.cat(list(x_sfs)), torch.cat(list(topk_idxs)),
+                               torch.cat(list(topk_weights_list)), l1_weights, l2_weights,
+                               activation_clamp=activation_clamp)
+    return list(y.split([x.shape[0] for x in xs]))

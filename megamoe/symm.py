@@ -106,14 +106,21 @@ def sweep_stale_shm(min_age_s: float = STALE_SHM_MIN_AGE_S) -> list[str]:
     return removed
 
 
-def _check_config(block_m, mma_type, activation, barrier_timeout_s, backend) -> None:
-    """Arguments that :class:`Layout` does not check (it validates the shapes)."""
+#: DeepGEMM's ``mma_type`` of each :data:`megamoe.layout.FORMATS` entry.
+MMA_TYPES = {"fp8_fp4": "fp8xfp4", "fp8": "fp8xfp8"}
+
+
+def _check_config(block_m, mma_type, activation, barrier_timeout_s, backend, format="fp8_fp4") -> None:
+    """Arguments that :class:`Layout` does not check (it validates the shapes). ``mma_type`` None = the format's."""
     if isinstance(block_m, bool) or not isinstance(block_m, int):
         raise TypeError(f"block_m must be an int, got {type(block_m).__name__}")
     if block_m < MIN_BLOCK_M or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m} must be a power of two >= {MIN_BLOCK_M}")
-    if mma_type != "fp8xfp4":
-        raise ValueError(f"mma_type={mma_type!r} is not supported (only 'fp8xfp4')")
+    if format not in MMA_TYPES:
+        raise ValueError(f"format={format!r} must be one of {tuple(MMA_TYPES)}")
+    if mma_type is not None and mma_type != MMA_TYPES[format]:
+        raise ValueError(f"mma_type={mma_type!r} does not match format={format!r} (which is "
+                         f"{MMA_TYPES[format]!r}; mma_type may be left None)")
     if activation != "swiglu":
         raise ValueError(f"activation={activation!r} is not supported (only 'swiglu')")
     if isinstance(barrier_timeout_s, bool) or not isinstance(barrier_timeout_s, (int, float)):
@@ -157,7 +164,10 @@ class SymmBuffer:
         num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m: see ``Layout``.
         backend: "cuda", "cpu" or None (auto: "cuda" for an NCCL group / a CUDA machine, "cpu" for gloo).
         barrier_timeout_s: how long a barrier waits for a missing rank before failing.
-        mma_type, activation: only "fp8xfp4" and "swiglu" exist.
+        format: ``"fp8_fp4"`` (default; ``fp8_fp4_mega_moe``) or ``"fp8"`` (DeepGEMM SM90's ``fp8_mega_moe``: float32
+            activation scales per 128 columns); it is part of the layout and of its fingerprint.
+        mma_type: DeepGEMM's name for the format, None (default) = the format's: "fp8xfp4" or "fp8xfp8".
+        activation: only "swiglu".
 
     Attributes: ``layout``, ``rank``, ``num_ranks``, ``group``, ``backend``, ``device``, ``buffer`` (u8
     ``[layout.num_bytes]``, zeroed), ``buffer_ptrs`` (int64 ``[R]`` on ``device``), ``barrier_timeout_s`` and the
@@ -175,12 +185,14 @@ class SymmBuffer:
 
     def __init__(self, group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                  intermediate_hidden: int, *, block_m: int = 128, backend: str | None = None,
-                 barrier_timeout_s: float = 30.0, mma_type: str = "fp8xfp4", activation: str = "swiglu"):
-        _check_config(block_m, mma_type, activation, barrier_timeout_s, backend)
+                 barrier_timeout_s: float = 30.0, mma_type: str | None = None, activation: str = "swiglu",
+                 format: str = "fp8_fp4"):
+        _check_config(block_m, mma_type, activation, barrier_timeout_s, backend, format)
         if backend == "local":
             raise ValueError("backend='local' runs every rank in one process: use SymmBuffer.local(num_ranks, ...)")
         rank, world, auto = _group_info(group)
-        layout = Layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m)
+        layout = Layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, block_m,
+                        format)
         self._init_fields(layout, rank, group, backend or auto, barrier_timeout_s)
         if world > 1:
             _check_same_layout(layout, rank, group)
@@ -196,15 +208,16 @@ class SymmBuffer:
     @classmethod
     def local(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
               intermediate_hidden: int, *, block_m: int = 128, device=None, barrier_timeout_s: float = 30.0,
-              mma_type: str = "fp8xfp4", activation: str = "swiglu") -> list["SymmBuffer"]:
+              mma_type: str | None = None, activation: str = "swiglu",
+              format: str = "fp8_fp4") -> list["SymmBuffer"]:
         """``num_ranks`` buffers in this process on one device (default: the kernel device), rank = list index.
 
         Every rank's ``buffer_ptrs`` holds the same addresses; drive the ranks in lock-step (e.g. arrive for all,
         then wait for all: ``megamoe.kernels.symm.barrier_lockstep``).
         """
-        _check_config(block_m, mma_type, activation, barrier_timeout_s, None)
+        _check_config(block_m, mma_type, activation, barrier_timeout_s, None, format)
         layout = Layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                        block_m)
+                        block_m, format)
         device = torch.device(device) if device is not None else kernel_device()
         buffers = [torch.zeros(layout.num_bytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
         ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
@@ -395,9 +408,12 @@ def _map_file(path: str, num_bytes: int) -> mmap.mmap:
 
 def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                                  intermediate_hidden: int, *, block_m: int = 128, backend: str | None = None,
-                                 barrier_timeout_s: float = 30.0, mma_type: str = "fp8xfp4",
-                                 activation: str = "swiglu") -> SymmBuffer:
-    """DeepGEMM's factory name for :class:`SymmBuffer` (same arguments)."""
+                                 barrier_timeout_s: float = 30.0, mma_type: str | None = None,
+                                 activation: str = "swiglu", format: str = "fp8_fp4") -> SymmBuffer:
+    """DeepGEMM's factory name for :class:`SymmBuffer` (same arguments; ``format="fp8"`` or
+    ``mma_type="fp8xfp8"`` gives the buffer of DeepGEMM SM90's ``fp8_mega_moe``)."""
+    if mma_type is not None and format == "fp8_fp4":
+        format = {v: k for k, v in MMA_TYPES.items()}.get(mma_type, format)
     return SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
                       block_m=block_m, backend=backend, barrier_timeout_s=barrier_timeout_s, mma_type=mma_type,
-                      activation=activation)
+                      activation=activation, format=format)

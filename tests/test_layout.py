@@ -97,3 +97,41 @@ def test_bad_arguments_are_named(kwargs, match):
 def test_wrong_types_are_named():
     with pytest.raises(TypeError, match="hidden must be an int"):
         Layout(2, 8, 64, 2, 256.0, 128)
+
+
+# ---------------------------------------------------------------------------------------------------- formats
+def test_fp8_format_has_float32_scale_segments_at_the_same_offsets():
+    """The SM90 ``fp8`` format: fp32 scales per 128 columns take the 4 bytes per 128 columns that 4 packed UE8M0
+    bytes take, so every segment keeps its offset and size; only the three scale segments change dtype."""
+    args = (8, 384, 8192, 6, 7168, 3072)
+    a, b = Layout(*args, block_m=192), Layout(*args, block_m=192, format="fp8")
+    assert a.format == "fp8_fp4" and b.format == "fp8"
+    assert a.num_bytes == b.num_bytes and a.num_max_pool_tokens == b.num_max_pool_tokens
+    scale_segments = {"x_sf", "l1_acts_sf", "l2_acts_sf"}
+    for sa, sb in zip(a, b):
+        assert (sa.name, sa.offset, sa.nbytes, sa.shape, sa.mn_major) == (sb.name, sb.offset, sb.nbytes, sb.shape,
+                                                                           sb.mn_major)
+        if sa.name in scale_segments:
+            assert (sa.dtype, sb.dtype) == (torch.int32, torch.float32)
+            assert "float32" in sb.doc and "UE8M0" in sa.doc
+        else:
+            assert sa.dtype == sb.dtype
+    assert b["x_sf"].shape == (8192, 7168 // 128) and b["l2_acts_sf"].shape == (b.num_padded_sf_pool_tokens, 24)
+    assert a.fingerprint() != b.fingerprint() and b.fingerprint()["format"] == "fp8"
+    assert "format=fp8" in b.table() and "format='fp8'" in repr(b)
+
+
+def test_fp8_format_views_are_float32_and_mn_major():
+    L = Layout(2, 4, 16, 2, 256, 128, block_m=16, format="fp8")
+    buf = torch.zeros(L.num_bytes, dtype=torch.uint8)
+    x_sf, l1_sf = L.view(buf, "x_sf"), L.view(buf, "l1_acts_sf")
+    assert x_sf.dtype == torch.float32 and x_sf.shape == (16, 2) and x_sf.is_contiguous()
+    assert l1_sf.dtype == torch.float32 and l1_sf.stride() == (1, L.num_padded_sf_pool_tokens)
+    l1_sf[3, 1] = 0.25
+    raw = buf[L.offset("l1_acts_sf"):].view(torch.float32)
+    assert raw[1 * L.num_padded_sf_pool_tokens + 3] == 0.25
+
+
+def test_unknown_format_is_rejected_by_name():
+    with pytest.raises(ValueError, match="format='fp4' must be one of"):
+        Layout(1, 4, 16, 2, 128, 128, format="fp4")

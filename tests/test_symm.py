@@ -141,7 +141,8 @@ def test_rank_dying_during_setup_leaves_no_segment(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- layout agreement
 @pytest.mark.parametrize("field, value", [("num_max_tokens_per_rank", 32), ("num_experts", 16), ("num_topk", 3),
-                                          ("hidden", 512), ("intermediate_hidden", 384), ("block_m", 32)])
+                                          ("hidden", 512), ("intermediate_hidden", 384), ("block_m", 32),
+                                          ("format", "fp8")])
 def test_layout_mismatch_names_the_field_on_every_rank(monkeypatch, field, value):
     """The fingerprint check, without processes: rank 0 of 2 sees rank 1's fingerprint differ in ``field``."""
     def fake_all_gather_object(out, obj, group=None):

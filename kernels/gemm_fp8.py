@@ -1,0 +1,159 @@
+"""The two grouped GEMMs of the SM90 FP8 x FP8 format (DeepGEMM ``fp8_mega_moe``, recipe (128, 128, 128)).
+
+Same pool, schedule and write-back as :mod:`megamoe.kernels.gemm` (whose helpers they reuse); what differs is the
+number format (:mod:`megamoe.quant_fp8`):
+
+* weights are FP8 e4m3 ``[El, N, K]`` (row-major, K contiguous) with one float32 scale per 128x128 block,
+  ``[El, N/128, K/128]`` (row-major); activations are FP8 with one float32 scale per row and 128 columns, MN-major in
+  the pool (``sf[k/128 * SP + pool sf row]``, the same addressing as the packed UE8M0 words of the other format).
+* The K loop steps 128: one K=128 FP8 dot per block, promoted in float32 with
+  ``acc += dot * (sa[m] * sw[n])`` -- DeepGEMM SM90's ``final_accum += scale_a * sb * accum`` (the product of the
+  two scales first, then times the block's dot), and :func:`megamoe.reference.block_scaled_matmul`.
+* L1 reads interleaved weight rows (gate/up by 8, ``transform_weights_for_mega_moe_sm90``) but the *untransformed*
+  scale blocks: intermediate column ``c`` uses gate scale row ``c // 128`` and up scale row ``I/128 + c // 128``.
+* The L1 epilogue requantises per 128 columns with a float32 scale ``amax / 448`` (amax floored at 1e-4) and
+  ``q = e4m3(act * (1 / scale))`` (:func:`megamoe.quant_fp8.per_token_cast_to_fp8_128`): ``BLOCK_N`` must be a
+  multiple of 128 so a tile owns whole scale groups.
+
+On the interpreter the float32 division and reciprocal are IEEE (numpy), so the requant is bitwise the reference's;
+on a GPU Triton's ``/`` may be the approximate ``div.full.f32`` (a 1-2 ulp scale difference, inside the GPU
+tolerance). Only the staged pipeline uses these kernels; the fused Hopper kernel does not know this format.
+"""
+import triton
+import triton.language as tl
+
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE
+from megamoe.kernels.gemm import _num_tiles, _pool_tile, swiglu
+from megamoe.kernels.numerics import f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
+from megamoe.kernels.symm import sym_map
+from megamoe.quant_fp8 import FP8_BLOCK as _FP8_BLOCK
+
+#: Elements per scale along K, and weight rows per scale block along N.
+FP8_BLOCK = tl.constexpr(_FP8_BLOCK)
+
+
+@triton.jit
+def _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, K: tl.constexpr, SP: tl.constexpr):
+    """Activations of one 128-wide K block: fp8 [BM, 128] and their float32 scales [BM] (0 on padding rows)."""
+    kk = tl.arange(0, FP8_BLOCK)
+    a = tl.load(acts + rows[:, None].to(tl.int64) * K + k0 + kk[None, :], mask=mask_m[:, None], other=0.0)
+    sa = tl.load(acts_sf + (k0 // FP8_BLOCK) * SP + sf_rows, mask=mask_m, other=0.0)
+    return a, sa
+
+
+@triton.jit
+def _block_step(acc, a, sa, w, w_sf, n_rows, sf_n, k0, K: tl.constexpr):
+    """acc [BM, BN] += (a . W[n_rows, k0:k0+128]) * (sa[m] * sw[n]); ``sf_n`` [BN]: each row's scale block row in
+    ``w_sf`` ([N/128, K/128] row-major)."""
+    kk = tl.arange(0, FP8_BLOCK)
+    b = tl.load(w + n_rows[:, None].to(tl.int64) * K + k0 + kk[None, :])
+    sw = tl.load(w_sf + sf_n * (K // FP8_BLOCK) + k0 // FP8_BLOCK)
+    return acc + tl.dot(a, tl.trans(b)) * (sa[:, None] * sw[None, :])
+
+
+@triton.jit
+def l1_tile_fp8(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+                OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+                OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
+    """One L1 tile: pool ``rows`` of local ``expert`` x intermediate columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``
+    (``BLOCK_N % 128 == 0``); SwiGLU, top-k weight and the per-128 float32-scaled FP8 requant into the L2 pool."""
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.float32))
+    topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
+    out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
+    out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.float32))
+    G: tl.constexpr = BLOCK_N // FP8_BLOCK
+    c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE  # gate/up interleaved by 8
+    gate_sf_n = c // FP8_BLOCK  # scale blocks are not interleaved: gate blocks, then up blocks
+    w = w1.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * (2 * I) * H
+    w_sf = w1_sf + expert.to(tl.int64) * ((2 * I) // FP8_BLOCK) * (H // FP8_BLOCK)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, FP8_BLOCK):
+        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+        acc_g = _block_step(acc_g, a, sa, w, w_sf, gate_rows, gate_sf_n, k0, H)
+        acc_u = _block_step(acc_u, a, sa, w, w_sf, gate_rows + L1_INTERLEAVE, gate_sf_n + I // FP8_BLOCK, k0, H)
+    gate = round_to_bf16(acc_g)
+    up = round_to_bf16(acc_u)
+    if HAS_CLAMP:
+        gate = tl.minimum(gate, clamp)
+        up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    act = swiglu(gate, up, F64_EXP)
+    act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
+    # FP8 requant per 128 columns: scale = max(amax, 1e-4) / 448 (float32), q = e4m3(act * (1 / scale))
+    act3 = tl.reshape(act, [BLOCK_M, G, FP8_BLOCK])
+    scale = tl.maximum(tl.max(tl.abs(act3), axis=2), AMAX_FLOOR) / FP8_MAX
+    inv = 1.0 / scale
+    q = tl.reshape(f32_to_e4m3_bits(act3 * inv[:, :, None]), [BLOCK_M, BLOCK_N])
+    tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
+    grp = nt * G + tl.arange(0, G)
+    tl.store(out_sf + grp[None, :] * SP + sf_rows[:, None], scale, mask=mask_m[:, None])
+
+
+@triton.jit
+def l1_swiglu_fp8_kernel(buf, w1, w1_sf, clamp,
+                         OFF_RECV: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr,
+                         OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
+                         R: tl.constexpr, El: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                         F64_EXP: tl.constexpr = False):
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N intermediate columns (see :func:`l1_tile_fp8`)."""
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    N_TILES: tl.constexpr = I // BLOCK_N
+    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
+        l1_tile_fp8(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                    OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, F64_EXP)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
+                OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
+                T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """One L2 tile: pool ``rows`` x hidden columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``, written as bf16 into
+    ``combine[slot][token]`` of each row's source rank (padding rows skipped)."""
+    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.float32))
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+    n_rows = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = w2.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * H * I
+    w_sf = w2_sf + expert.to(tl.int64) * (H // FP8_BLOCK) * (I // FP8_BLOCK)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, FP8_BLOCK):
+        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
+        acc = _block_step(acc, a, sa, w, w_sf, n_rows, n_rows // FP8_BLOCK, k0, I)
+    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+    tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
+
+
+@triton.jit
+def l2_combine_fp8_kernel(buf, buffer_ptrs, me, w2, w2_sf,
+                          OFF_RECV: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
+                          OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
+                          R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                          SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N hidden columns (see :func:`l2_tile_fp8`)."""
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    N_TILES: tl.constexpr = H // BLOCK_N
+    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
+        l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
+                    OFF_META, OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N)
+        tile += tl.num_programs(0)

@@ -1,0 +1,71 @@
+"""Problems in the SM90 FP8 x FP8 format (:mod:`megamoe.quant_fp8`), for tests: same tokens and routing as
+:func:`megamoe.testing.make_problem` for a given seed, FP8 weights with 128x128 fp32 block scales."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megamoe.quant_fp8 import cast_grouped_weights_to_fp8, per_token_cast_to_fp8_128
+from megamoe.testing import _generator, make_problem
+
+
+@dataclass
+class Fp8Problem:
+    """As :class:`megamoe.testing.Problem`, in the SM90 format: ``x_sf`` float32 ``[n_r, H/128]``, ``l1_weights =
+    (float8_e4m3fn [E, 2I, H], float32 [E, 2I/128, H/128])`` (gate rows then up), ``l2_weights = (float8_e4m3fn
+    [E, H, I], float32 [E, H/128, I/128])``, untransformed."""
+
+    num_ranks: int
+    num_tokens: list[int]
+    hidden: int
+    intermediate: int
+    num_experts: int
+    num_topk: int
+    x: list[torch.Tensor]
+    x_sf: list[torch.Tensor]
+    topk_idx: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    x_bf16: list[torch.Tensor]
+    l1_weights: tuple[torch.Tensor, torch.Tensor]
+    l2_weights: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    def weights_for_rank(self, rank: int):
+        """Untransformed ``(l1, l2)`` of rank ``rank``'s experts (views)."""
+        experts = slice(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
+        return ((self.l1_weights[0][experts], self.l1_weights[1][experts]),
+                (self.l2_weights[0][experts], self.l2_weights[1][experts]))
+
+    def reference(self, activation_clamp: float | None = None) -> list[torch.Tensor]:
+        from megamoe.reference import reference_fp8_mega_moe_ep
+
+        return reference_fp8_mega_moe_ep(self.x, self.x_sf, self.topk_idx, self.topk_weights, self.l1_weights,
+                                         self.l2_weights, self.num_ranks, activation_clamp=activation_clamp)
+
+
+def make_fp8_problem(num_ranks: int, num_tokens, hidden: int, intermediate: int, num_experts: int, num_topk: int,
+                     *, masked_ratio: float = 0.0, routing: str = "uniform", seed: int = 0,
+                     device="cpu") -> Fp8Problem:
+    """Tokens and routing of ``make_problem(...)`` (same arguments), quantised per 1x128 with fp32 scales; weights
+    ``randn / sqrt(fan_in)`` in bf16 (their own generator stream), quantised per 128x128 block."""
+    # intermediate=128: the FP4 weights it also builds are not used, keep them small (tokens do not depend on it)
+    base = make_problem(num_ranks, num_tokens, hidden, 128, num_experts, num_topk, masked_ratio=masked_ratio,
+                        routing=routing, seed=seed, device=device)
+    device = torch.device(device)
+    gen = _generator(seed, 10_007, device)
+
+    def weights(rows: int, cols: int):
+        w = torch.randn(num_experts, rows, cols, generator=gen, device=device) / cols ** 0.5
+        return cast_grouped_weights_to_fp8(w.to(torch.bfloat16))
+
+    l1 = weights(2 * intermediate, hidden)
+    l2 = weights(hidden, intermediate)
+    xs, sfs = zip(*(per_token_cast_to_fp8_128(x) for x in base.x_bf16)) if base.x_bf16 else ((), ())
+    return Fp8Problem(num_ranks=num_ranks, num_tokens=base.num_tokens, hidden=hidden, intermediate=intermediate,
+                      num_experts=num_experts, num_topk=num_topk, x=list(xs), x_sf=list(sfs),
+                      topk_idx=base.topk_idx, topk_weights=base.topk_weights, x_bf16=base.x_bf16,
+                      l1_weights=l1, l2_weights=l2)

@@ -1,0 +1,125 @@
+"""``megamoe.fp8_mega_moe`` (DeepGEMM SM90's FP8 x FP8 format) end to end on CPU ranks (Triton interpreter) against
+``megamoe.reference.reference_fp8_mega_moe_ep``, and its argument validation.
+
+The staged FP8 kernels reproduce the reference bit for bit here (same per-128 promotion order, IEEE float32 requant
+on the interpreter); the tests require it, and also the ``fp32`` tolerance profile (``megamoe.testing``)."""
+import pytest
+import torch
+
+import megamoe
+from megamoe.launch import launch
+from megamoe.programs import MoECase
+from megamoe.programs_fp8 import fp8_problem, prepare_rank_fp8, run_fp8_case_local, run_fp8_case_rank
+from megamoe.symm import SymmBuffer
+
+
+def _check(reports, bitwise=True):
+    for r in reports:
+        assert not r["failures"], r
+        assert r["recv_stats_ok"], r
+        if bitwise:
+            assert r["bitwise_equal"], r
+
+
+@pytest.mark.parametrize("num_ranks,num_topk,num_experts,tokens", [(1, 2, 4, 21), (2, 2, 4, [17, 9]),
+                                                                   (2, 3, 8, [12, 12])])
+def test_ranks_match_the_reference_bitwise(num_ranks, num_topk, num_experts, tokens):
+    _check(run_fp8_case_local(MoECase(num_ranks=num_ranks, num_topk=num_topk, num_experts=num_experts,
+                                      num_tokens=tokens, block_m=16, seed=num_ranks)))
+
+
+def test_four_ranks_and_several_scale_blocks_along_n_and_k():
+    """H = 384 (three K blocks in L1, three N tiles in L2) and I = 256: two L1 tiles of 128 intermediate columns,
+    tile t reading gate scale block t and up block I/128 + t (a kernel that read block 0 for both tiles, or
+    interleaved the scale rows, fails here; with I = 128 it would not)."""
+    _check(run_fp8_case_local(MoECase(num_ranks=4, num_tokens=[6, 0, 9, 4], hidden=384, intermediate=256,
+                                      num_topk=3, num_experts=8, masked_ratio=0.2, block_m=16, seed=11)))
+
+
+def test_masks_an_empty_rank_and_clamp():
+    reports = run_fp8_case_local(MoECase(num_ranks=2, num_tokens=[23, 0], num_topk=2, num_experts=4,
+                                         masked_ratio=0.3, activation_clamp=0.25, block_m=16, seed=3))
+    _check(reports)
+    assert reports[1]["num_tokens"] == 0 and sum(reports[1]["recv_stats"]) > 0
+
+
+def test_skewed_one_expert_routing_and_repeated_calls_with_push():
+    reports = run_fp8_case_local(MoECase(num_ranks=2, num_tokens=[18, 7], num_topk=2, num_experts=4,
+                                         routing="one_expert", num_calls=2, dispatch="push", block_m=16, seed=5))
+    _check(reports)  # recv stats doubled: the workspace was cleaned between the calls
+    assert reports[0]["recv_stats"][0] == 2 * 25 and sum(reports[1]["recv_stats"]) == 0
+
+
+@pytest.mark.slow
+def test_process_ranks_over_shared_memory():
+    case = MoECase(num_ranks=2, num_tokens=[15, 6], num_topk=2, num_experts=4, block_m=16, seed=9)
+    _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
+
+
+# ------------------------------------------------------------------ validation (no kernel runs)
+@pytest.fixture
+def bound():
+    case = MoECase(num_ranks=1, num_tokens=5, num_topk=2, num_experts=4, block_m=16)
+    sb = SymmBuffer.local(1, 4, 8, 2, 256, 128, block_m=16, device="cpu", format="fp8")[0]
+    problem = fp8_problem(case)
+    y, l1, l2, stats = prepare_rank_fp8(sb, problem, 0)
+    yield sb, y, l1, l2, stats
+    sb.destroy()
+
+
+def test_rejects_bad_arguments_by_name(bound):
+    sb, y, l1, l2, stats = bound
+    f = megamoe.fp8_mega_moe
+    with pytest.raises(ValueError, match=r"recipe=\(1, 1, 32\) is not supported"):
+        f(y, l1, l2, sb, recipe=(1, 1, 32))
+    with pytest.raises(TypeError, match="recipe must be a tuple of three ints"):
+        f(y, l1, l2, sb, recipe=128)
+    with pytest.raises(TypeError, match="fast_math must be a bool"):
+        f(y, l1, l2, sb, fast_math=1)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        f(y, l1, l2, sb, activation="gelu")
+    with pytest.raises(ValueError, match="activation_clamp"):
+        f(y, l1, l2, sb, activation_clamp=-1.0)
+    with pytest.raises(TypeError, match="l1_weights is a plain tuple"):
+        f(y, tuple(l1), l2, sb)
+    with pytest.raises(ValueError, match="l2_weights holds l1 weights"):
+        f(y, l1, l1, sb)
+    with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats must have dtype torch.int32"):
+        f(y, l1, l2, sb, stats.long())
+    with pytest.raises(ValueError, match="y must have shape"):
+        f(y[:, :128], l1, l2, sb)
+
+
+def test_formats_do_not_mix(bound):
+    sb, y, l1, l2, _ = bound
+    fp4_sb = SymmBuffer.local(1, 4, 8, 2, 256, 128, block_m=16, device="cpu")[0]
+    with pytest.raises(ValueError, match="sym_buffer was made for format 'fp8_fp4'.*format='fp8'"):
+        megamoe.fp8_mega_moe(y, l1, l2, fp4_sb)
+    with pytest.raises(ValueError, match="sym_buffer was made for format 'fp8'; fp8_fp4_mega_moe needs"):
+        megamoe.fp8_fp4_mega_moe(y, l1, l2, sb)
+    from megamoe.quant import cast_grouped_weights_to_fp4, transform_weights_for_mega_moe
+
+    t1, t2 = transform_weights_for_mega_moe(cast_grouped_weights_to_fp4(torch.zeros(4, 256, 256)),
+                                            cast_grouped_weights_to_fp4(torch.zeros(4, 256, 128)))
+    with pytest.raises(TypeError, match="l1_weights holds FP4 weights of the fp8_fp4 format"):
+        megamoe.fp8_mega_moe(y, t1, l2, sb)
+    fp4_sb.destroy()
+
+
+def test_check_rejects_bad_scales_and_a_repeated_expert(bound):
+    sb, y, l1, l2, _ = bound
+    sb.x_sf[2, 1] = 0.0
+    with pytest.raises(ValueError, match=r"x_sf \(sym_buffer.x_sf\[:5\]\) holds the scale 0.0 at token 2"):
+        megamoe.fp8_mega_moe(y, l1, l2, sb)
+    sb.x_sf[2, 1] = 1.0
+    sb.topk_idx[1] = torch.tensor([3, 3])
+    with pytest.raises(ValueError, match="selects the same expert twice"):
+        megamoe.fp8_mega_moe(y, l1, l2, sb)
+
+
+def test_symm_buffer_factory_for_sm90():
+    from megamoe.ops_fp8 import get_symm_buffer_for_mega_moe_sm90
+
+    sb = get_symm_buffer_for_mega_moe_sm90(None, 4, 8, 2, 256, 128, block_m=16, backend="cpu")
+    assert sb.layout.format == "fp8" and sb.x_sf.dtype == torch.float32
+    sb.destroy()
