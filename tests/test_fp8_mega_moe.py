@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import megamoe
+from megamoe.cases import MoECase
+from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8, run_fp8_case_local, run_fp8_case_rank
 from megamoe.launch import launch
-from megamoe.programs import MoECase
-from megamoe.programs_fp8 import fp8_problem, prepare_rank_fp8, run_fp8_case_local, run_fp8_case_rank
 from megamoe.symm import SymmBuffer
 
 

@@ -1,12 +1,12 @@
-"""Per-rank programs of the SM90 FP8 x FP8 format (``fp8_mega_moe``): :class:`megamoe.programs.MoECase` run end to
+"""Per-rank programs of the SM90 FP8 x FP8 format (``fp8_mega_moe``): :class:`megamoe.cases.MoECase` run end to
 end in the ``"fp8"`` format and checked against :func:`megamoe.reference.reference_fp8_mega_moe_ep`."""
 from __future__ import annotations
 
 import torch
 
+from megamoe.cases import MoECase, _report, _timed_calls
 from megamoe.ops import load_inputs
 from megamoe.ops_fp8 import fp8_mega_moe
-from megamoe.programs import MoECase, _report, _timed_calls
 from megamoe.quant_fp8 import transform_weights_for_mega_moe_sm90
 from megamoe.symm import SymmBuffer
 from megamoe.testing_fp8 import Fp8Problem, make_fp8_problem
@@ -31,7 +31,7 @@ def prepare_rank_fp8(sb: SymmBuffer, problem: Fp8Problem, rank: int):
 
 def run_fp8_case_local(case: MoECase, device=None) -> list[dict]:
     """All ranks in this process (``local`` backend) in the ``"fp8"`` format; one report per rank (as
-    :func:`megamoe.programs.run_case_local`; ``case.impl`` and ``case.numerics`` are not used)."""
+    :func:`megamoe.cases.run_case_local`; ``case.impl`` and ``case.numerics`` are not used)."""
     sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
                            case.intermediate, block_m=case.block_m, device=device, format="fp8")
     try:
