@@ -31,14 +31,14 @@ def prepare_rank_fp8(sb: SymmBuffer, problem: Fp8Problem, rank: int):
 
 def run_fp8_case_local(case: MoECase, device=None) -> list[dict]:
     """All ranks in this process (``local`` backend) in the ``"fp8"`` format; one report per rank (as
-    :func:`megamoe.cases.run_case_local`; ``case.impl`` and ``case.numerics`` are not used)."""
+    :func:`megamoe.cases.run_case_local`; ``case.impl`` picks the path, ``case.numerics`` is not used)."""
     sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
                            case.intermediate, block_m=case.block_m, device=device, format="fp8")
     try:
         problem = fp8_problem(case, device=sbs[0].buffer.device)
         ys, l1s, l2s, stats = (list(t) for t in zip(*[prepare_rank_fp8(sb, problem, r) for r, sb in enumerate(sbs)]))
         seconds = _timed_calls(case, ys, lambda: fp8_mega_moe(
-            ys, l1s, l2s, sbs, stats, activation_clamp=case.activation_clamp, dispatch=case.dispatch))
+            ys, l1s, l2s, sbs, stats, activation_clamp=case.activation_clamp, dispatch=case.dispatch, impl=case.impl))
         refs = problem.reference(activation_clamp=case.activation_clamp)
         return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, "fp8") for r in range(case.num_ranks)]
     finally:
@@ -56,7 +56,7 @@ def run_fp8_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
         problem = fp8_problem(case, device=sb.buffer.device)
         y, l1, l2, stats = prepare_rank_fp8(sb, problem, rank)
         seconds = _timed_calls(case, [y], lambda: fp8_mega_moe(
-            y, l1, l2, sb, stats, activation_clamp=case.activation_clamp, dispatch=case.dispatch))
+            y, l1, l2, sb, stats, activation_clamp=case.activation_clamp, dispatch=case.dispatch, impl=case.impl))
         ref = problem.reference(activation_clamp=case.activation_clamp)[rank]
         return _report(case, problem, rank, y, ref, stats, seconds, "fp8")
     finally:

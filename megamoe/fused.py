@@ -40,7 +40,10 @@ TIMELINE_MAX_EVENTS = 512
 #: 3-4% (1457 / 2290 / 3548 us against 1512 / 2359 / 3701; 4 at 128 registers spill in its per-32 tiles and lose
 #: 60%); "hopper" 4 programs at 128 registers beat 2 uncapped by 9-13% (1066 / 2247 / 5157 against 1174 / 2596 /
 #: 5726). One 8-warp program of block 64 / 128 per SM was 3-35% slower than two 4-warp programs (01b60b0).
-PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128)}
+PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (2, None)}
+#: ("fp8", the SM90 FP8 x FP8 format of ``fp8_mega_moe``: two uncapped programs, the configuration every GPU test of
+#: the fused kernel has run with; not yet measured for this format. Compiled offline for sm_90a at block 64 it uses
+#: 255 registers and spills 352 bytes: two [64, 128] fp32 accumulators plus each K block's promoted dot.)
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
 #: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
@@ -73,7 +76,13 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
 #: Columns per L1 / L2 tile (weight rows of L2) by numerics: "exact" reuses the staged tile of
 #: ``megamoe.kernels.gemm`` (tokens on the MMA's M, BLOCK_N weight rows), "hopper" its own swap-AB tile (128
 #: weight rows on the MMA's M, tokens on N).
-TILE_N = {"exact": (64, 128), "hopper": (128, 128)}
+TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128)}
+
+
+def tile_kind(layout, numerics: str) -> str:
+    """The tile family of a call: the layout's format ``"fp8"`` (``fp8_mega_moe``: the staged FP8 x FP8 tiles, whose
+    L1 owns whole 128-column requant groups), else the FP8 x FP4 ``numerics``."""
+    return "fp8" if getattr(layout, "format", "fp8_fp4") == "fp8" else numerics
 
 
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
@@ -81,7 +90,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
-    if numerics == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
+    kind = tile_kind(layout, numerics)
+    if kind in ("exact", "fp8"):  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
     else:  # tokens on the MMA's N
         block_m = max(16, min(MAX_BLOCK_M, layout.block_m, want))
@@ -89,7 +99,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         programs = 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        per_sm, maxnreg = PROGRAMS_PER_SM[numerics]
+        per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, maxnreg=maxnreg)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics)
@@ -137,7 +147,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
-        BN1=TILE_N[cfg.numerics][0], BN2=TILE_N[cfg.numerics][1], F64_EXP=not gpu,
+        BN1=TILE_N[tile_kind(L, cfg.numerics)][0], BN2=TILE_N[tile_kind(L, cfg.numerics)][1], F64_EXP=not gpu,
+        FP8W=tile_kind(L, cfg.numerics) == "fp8",
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 

@@ -7,8 +7,10 @@ with float32 scales before L2. :func:`megamoe.reference.reference_fp8_mega_moe` 
 
 It runs the staged pipeline of :mod:`megamoe.ops` (same steps, barriers, dispatch, combine, cleanup and interruption
 guard) with the two GEMM steps swapped for :mod:`megamoe.kernels.gemm_fp8`. The dispatch copies a token's ``H/128``
-scale words bit for bit, so the same kernel moves float32 scales. There is no fused (single-launch) kernel for this
-format yet: ``fp8_mega_moe`` is always the staged pipeline.
+scale words bit for bit, so the same kernel moves float32 scales. ``impl="fused"`` (the default ``"auto"`` on a
+Hopper GPU) runs the same two tiles inside the fused persistent kernel (``megamoe.kernels.fused``, constexpr
+``FP8W``): one launch, the pull overlapped with the GEMMs through the arrival counts and masks; on CPU ranks under
+the interpreter it is bit-exact with the staged path (``tests/test_fp8_mega_moe.py``). Not yet run on a GPU.
 
 The buffer must have been made for this format: ``SymmBuffer(..., format="fp8")`` (or ``mma_type="fp8xfp8"``), whose
 ``x_sf`` view is float32 ``[T, H/128]``.
@@ -36,7 +38,7 @@ GEMM_CONFIG_FP8 = {
 
 def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
                  recipe=SM90_RECIPE, activation: str = "swiglu", activation_clamp: float | None = None,
-                 fast_math: bool = True, *, dispatch: str = "pull", check: bool = True) -> None:
+                 fast_math: bool = True, *, dispatch: str = "pull", check: bool = True, impl: str = "auto") -> None:
     """Run one Mega MoE layer forward in the SM90 FP8 x FP8 format (DeepGEMM ``fp8_mega_moe``).
 
     Before the call each rank copies its inputs into its buffer: ``sym_buffer.x[:n]`` (FP8 e4m3 ``[n, H]``),
@@ -60,12 +62,25 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
             exp is float64-rounded on the interpreter (bit-reproducible) and the fast float32 exp on a GPU.
         dispatch, check: as :func:`megamoe.ops.fp8_fp4_mega_moe` (``check`` also rejects non-finite or non-positive
             ``x_sf`` scales).
+        impl: as :func:`megamoe.ops.fp8_fp4_mega_moe`: ``"staged"``, ``"fused"`` (one persistent launch on a Hopper
+            GPU, running this format's staged GEMM tiles inside ``megamoe.kernels.fused``'s task loop) or
+            ``"auto"`` (fused wherever it can run; :func:`megamoe.ops.resolve_impl`).
 
     Interruption and repair are those of :func:`megamoe.ops.fp8_fp4_mega_moe`.
     """
     calls = bind_calls_fp8(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, recipe,
                            activation, activation_clamp, fast_math, dispatch, check)
-    ops.run_steps(calls, pipeline_steps_fp8(dispatch), check)
+    chosen = ops.resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n)
+    if chosen == "staged":
+        ops.run_steps(calls, pipeline_steps_fp8(dispatch), check)
+        return
+    from megamoe.fused import run_fused
+
+    with ops.guarded_call(calls):
+        run_fused(calls, numerics="exact")
+        if check:
+            for call in calls:
+                ops.check_barrier_state(call.sb)
 
 
 def pipeline_steps_fp8(dispatch: str) -> list[tuple[str, Callable]]:

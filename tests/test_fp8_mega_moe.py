@@ -56,6 +56,40 @@ def test_process_ranks_over_shared_memory():
     _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
 
 
+# ------------------------------------------------------------------ the fused kernel (FP8W tiles), CPU ranks
+def test_fused_one_rank_bitwise():
+    """The fused persistent kernel with this format's tiles (one program under the interpreter): H = 384 and I = 256
+    (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls."""
+    _check(run_fp8_case_local(MoECase(num_ranks=1, num_tokens=19, hidden=384, intermediate=256, num_topk=3,
+                                      num_experts=6, masked_ratio=0.2, activation_clamp=0.5, num_calls=2,
+                                      block_m=16, impl="fused", seed=13)))
+
+
+@pytest.mark.slow
+def test_fused_two_processes_bitwise():
+    """Two CPU processes: the fused kernel's in-kernel barriers, remote pulls of float32 scale words and the
+    write-back into the source rank's combine buffer, with an empty rank and skew."""
+    case = MoECase(num_ranks=2, num_tokens=[14, 0], num_topk=2, num_experts=4, routing="skewed", block_m=16,
+                   impl="fused", seed=17)
+    _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
+
+
+def test_fused_is_chosen_where_it_runs_and_refused_where_not():
+    """impl="fused" on the interpreter with local ranks > 1 is refused by name (its programs run one after
+    another); "auto" on CPU stays staged."""
+    from megamoe.ops import resolve_impl
+
+    sbs = SymmBuffer.local(2, 4, 8, 2, 128, 128, block_m=16, format="fp8")
+    try:
+        assert resolve_impl("auto", sbs, "pull") == "staged"
+        with pytest.raises(ValueError, match="impl='fused'"):
+            run_fp8_case_local(MoECase(num_ranks=2, num_tokens=4, num_topk=2, num_experts=4, block_m=16,
+                                       impl="fused"))
+    finally:
+        for sb in sbs:
+            sb.destroy()
+
+
 # ------------------------------------------------------------------ validation (no kernel runs)
 @pytest.fixture
 def bound():
