@@ -42,7 +42,7 @@ from megamoe.kernels.symm import (
     heartbeat,
     reset_workspace,
 )
-from megamoe.quant import TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
+from megamoe.quant import TaggedWeights, TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
 
 #: Barrier after a push dispatch: the owner may only read its pool once every source has pushed.
@@ -394,7 +394,7 @@ def largest_pow2_tile(n: int, cap: int) -> int:
 def _as_list(value, name: str, count: int, is_list: bool) -> list:
     if not is_list:
         return [value]
-    if not isinstance(value, (list, tuple)) or isinstance(value, TransformedWeights) or len(value) != count:
+    if not isinstance(value, (list, tuple)) or isinstance(value, TaggedWeights) or len(value) != count:
         raise TypeError(f"{name} must be a list of {count} entries (one per local rank) with a list of sym_buffers")
     return list(value)
 

@@ -126,14 +126,6 @@ def _check_recipe(recipe) -> None:
                          "per token x 128 activation columns and per 128x128 weight block)")
 
 
-def _as_list(value, name: str, count: int, is_list: bool) -> list:
-    if not is_list:
-        return [value]
-    if not isinstance(value, (list, tuple)) or isinstance(value, TransformedWeightsSM90) or len(value) != count:
-        raise TypeError(f"{name} must be a list of {count} entries (one per local rank) with a list of sym_buffers")
-    return list(value)
-
-
 def bind_calls_fp8(y, l1_weights, l2_weights, sym_buffer, stats, recipe, activation, clamp, fast_math, dispatch,
                    check) -> list[ops._RankCall]:
     """Validate the arguments of :func:`fp8_mega_moe` (positional, same meaning) before any kernel runs; one bound
@@ -157,9 +149,9 @@ def bind_calls_fp8(y, l1_weights, l2_weights, sym_buffer, stats, recipe, activat
     n = len(buffers)
     calls = [ops._RankCall(sb, yy, a, b, s, clamp, f"[{i}]" if is_list else "")
              for i, (sb, yy, a, b, s) in enumerate(zip(
-                 buffers, _as_list(y, "y", n, is_list), _as_list(l1_weights, "l1_weights", n, is_list),
-                 _as_list(l2_weights, "l2_weights", n, is_list),
-                 _as_list(stats, "cumulative_local_expert_recv_stats", n, is_list) if stats is not None
+                 buffers, ops._as_list(y, "y", n, is_list), ops._as_list(l1_weights, "l1_weights", n, is_list),
+                 ops._as_list(l2_weights, "l2_weights", n, is_list),
+                 ops._as_list(stats, "cumulative_local_expert_recv_stats", n, is_list) if stats is not None
                  else [None] * n))]
     for c in calls:
         _validate(c)

@@ -403,14 +403,11 @@ def _to_mn_major(sf: torch.Tensor) -> torch.Tensor:
     return sf.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-class TransformedWeights(tuple):
-    """One weight pair in the kernel layout, as returned by :func:`transform_weights_for_mega_moe`.
-
-    A ``(w, sf)`` tuple -- it unpacks, indexes and iterates like the plain pair (``w`` int8 ``[El, N, K/2]``,
-    ``sf`` int32 ``[El, N, K/128]`` MN-major) -- tagged with ``role`` (``"l1"`` or ``"l2"``), so that the op can
-    tell transformed weights from untransformed ones (which it rejects instead of computing garbage), and the
-    transform can refuse to run twice. Build it only through the transform (or :meth:`to`).
-    """
+class TaggedWeights(tuple):
+    """A ``(w, sf)`` weight pair tagged with its ``role`` (``"l1"`` or ``"l2"``): the common base of each format's
+    transformed weights (:class:`TransformedWeights`, ``megamoe.quant_fp8.TransformedWeightsSM90``). It unpacks,
+    indexes and iterates like the plain pair; the ops accept only their own format's subclass, and the transforms
+    refuse to run twice. Build one only through its transform (or :meth:`to`)."""
 
     ROLES = ("l1", "l2")
 
@@ -432,13 +429,23 @@ class TransformedWeights(tuple):
     def sf(self) -> torch.Tensor:
         return self[1]
 
-    def to(self, device) -> "TransformedWeights":
+    def to(self, device) -> "TaggedWeights":
         """The same pair on ``device`` (layout and strides kept)."""
-        return TransformedWeights(self[0].to(device), self[1].to(device), self.role)
+        return type(self)(self[0].to(device), self[1].to(device), self.role)
 
     def __repr__(self) -> str:
-        return (f"TransformedWeights(role={self.role!r}, w={tuple(self[0].shape)} {self[0].dtype}, "
+        return (f"{type(self).__name__}(role={self.role!r}, w={tuple(self[0].shape)} {self[0].dtype}, "
                 f"sf={tuple(self[1].shape)} {self[1].dtype}, device={self[0].device})")
+
+
+class TransformedWeights(TaggedWeights):
+    """One weight pair in the kernel layout, as returned by :func:`transform_weights_for_mega_moe`.
+
+    A ``(w, sf)`` tuple -- it unpacks, indexes and iterates like the plain pair (``w`` int8 ``[El, N, K/2]``,
+    ``sf`` int32 ``[El, N, K/128]`` MN-major) -- tagged with ``role`` (``"l1"`` or ``"l2"``), so that the op can
+    tell transformed weights from untransformed ones (which it rejects instead of computing garbage), and the
+    transform can refuse to run twice. Build it only through the transform (or :meth:`to`).
+    """
 
 
 def _check_untransformed(pair, name: str) -> None:

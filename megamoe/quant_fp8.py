@@ -43,7 +43,14 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.quant import AMAX_FLOOR, FP8_E4M3_MAX, L1_INTERLEAVE_ROWS, _deinterleave_gate_up, _interleave_gate_up
+from megamoe.quant import (
+    AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    L1_INTERLEAVE_ROWS,
+    TaggedWeights,
+    _deinterleave_gate_up,
+    _interleave_gate_up,
+)
 
 FP8_BLOCK = 128
 """Elements per scale along K (activations and weights) and rows per weight scale along N."""
@@ -208,39 +215,13 @@ def check_moe_weights_fp8(l1_weights: Fp8Weights, l2_weights: Fp8Weights) -> tup
     return num_experts, hidden, intermediate
 
 
-class TransformedWeightsSM90(tuple):
+class TransformedWeightsSM90(TaggedWeights):
     """One FP8 weight pair in the layout of :func:`transform_weights_for_mega_moe_sm90`: a ``(w, sf)`` tuple tagged
     with ``role`` (``"l1"``/``"l2"``) and ``format = "fp8"``, so that ``fp8_mega_moe`` rejects untransformed
     weights (which look identical: the transform only permutes L1 rows) and the FP4 weights of the other format,
     and the transform refuses to run twice. Build it only through the transform (or :meth:`to`)."""
 
-    ROLES = ("l1", "l2")
     format = FORMAT
-
-    def __new__(cls, w: torch.Tensor, sf: torch.Tensor, role: str):
-        if role not in cls.ROLES:
-            raise ValueError(f"role={role!r} must be one of {cls.ROLES}")
-        obj = super().__new__(cls, (w, sf))
-        obj.role = role
-        return obj
-
-    def __reduce__(self):
-        return type(self), (self[0], self[1], self.role)
-
-    @property
-    def w(self) -> torch.Tensor:
-        return self[0]
-
-    @property
-    def sf(self) -> torch.Tensor:
-        return self[1]
-
-    def to(self, device) -> "TransformedWeightsSM90":
-        return TransformedWeightsSM90(self[0].to(device), self[1].to(device), self.role)
-
-    def __repr__(self) -> str:
-        return (f"TransformedWeightsSM90(role={self.role!r}, w={tuple(self[0].shape)} {self[0].dtype}, "
-                f"sf={tuple(self[1].shape)} {self[1].dtype}, device={self[0].device})")
 
 
 def _interleave_fp8(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
