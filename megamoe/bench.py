@@ -10,6 +10,8 @@ Suites:
   * ``ceilings``: FP8 ``torch._scaled_mm`` 8192^3 and a 1 GiB device copy, the roofline this GPU reaches.
   * ``layer``: one rank's Mega MoE layer (world size 1) at DeepGEMM's V4-Pro shape with the 48 experts an EP8 rank
     owns (H 7168, I 3072, top-6), tokens/rank 8 .. 8192: total and per-step time, TFLOP/s, error vs reference.
+  * ``layer_fp8``: the same in the SM90 FP8 x FP8 format (``fp8_mega_moe``, DeepGEMM's Hopper format); add the
+    DeepGEMM kit's rows with ``--merge-peer``.
   * ``pull_push``: N local ranks on one GPU (lock-step), pull vs push dispatch on equal terms.
   * ``tma_pull``: the seed's CUDA primitives (CuPy): TMA 1-D bulk copy bandwidth by row size.
   * ``timeline``: the fused kernel's per-program task timeline (``%globaltimer``), one EP8 rank's experts.
@@ -44,9 +46,11 @@ def layer_flops(num_pairs: int, hidden: int, intermediate: int) -> float:
     return 2.0 * num_pairs * hidden * intermediate * 3
 
 
-def touched_weight_bytes(recv_stats: list[int], hidden: int, intermediate: int) -> float:
-    """FP4 weights + scales of the experts that received at least one pair (what must stream from HBM)."""
-    per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 32)
+def touched_weight_bytes(recv_stats: list[int], hidden: int, intermediate: int,
+                         bytes_per_weight: float = 0.5 + 1 / 32) -> float:
+    """Weights + scales of the experts that received at least one pair (what must stream from HBM); the default is
+    FP4 with one UE8M0 byte per 32."""
+    per_expert = (2 * intermediate * hidden + hidden * intermediate) * bytes_per_weight
     return per_expert * sum(1 for c in recv_stats if c > 0)
 
 
@@ -120,57 +124,80 @@ def torch_grouped_mm_peer(recv_counts: list[int], hidden: int, intermediate: int
 
 
 LAYER_TOKENS = (8, 32, 128, 512, 2048, 8192)
-#: (impl, numerics) timed by the layer suite, besides the torch peer.
-LAYER_IMPLS = (("fused", "exact"), ("fused", "hopper"), ("staged", "exact"))
 LAYER_ROUTINGS = ("uniform", "skewed")
+#: Per format: the (impl, numerics) rows the layer suite times besides the torch peer, and the bytes one weight
+#: element costs in HBM with its scales (FP4 + a UE8M0 byte per 32; FP8 + an fp32 per 128x128 block).
+LAYER_FORMATS = {
+    "fp8_fp4": {"impls": (("fused", "exact"), ("fused", "hopper"), ("staged", "exact")),
+                "weight_bytes": 0.5 + 1 / 32},
+    "fp8": {"impls": (("fused", "exact"), ("staged", "exact")), "weight_bytes": 1 + 4 / (128 * 128)},
+}
 
 
-def bench_layer(quick: bool) -> dict:
-    """Fused, staged and the torch grouped-mm peer side by side, same inputs, same run (one EP8 rank's 48 V4-Pro
-    experts at world size 1); per row: µs, TFLOP/s, FP4 weight GB/s, % of this run's roofline, error vs the
-    implementation's reference numerics."""
+def _layer_format(fmt: str):
+    """``(make_problem(case), prepare_rank(sb, problem, 0), call(y, l1, l2, sb, impl, numerics, check))`` of one
+    weight format: ``fp8_fp4_mega_moe`` (FP4 weights) or ``fp8_mega_moe`` (SM90 FP8 weights, 128x128 blocks)."""
+    if fmt == "fp8_fp4":
+        return (lambda case: case.problem(device="cuda"), prepare_rank,
+                lambda y, l1, l2, sb, impl, numerics, check: fp8_fp4_mega_moe(
+                    y, l1, l2, sb, impl=impl, numerics=numerics, check=check),
+                lambda problem, numerics: problem.reference(numerics=numerics)[0])
+    from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8
+    from megamoe.ops_fp8 import fp8_mega_moe
+
+    return (lambda case: fp8_problem(case, device="cuda"), prepare_rank_fp8,
+            lambda y, l1, l2, sb, impl, numerics, check: fp8_mega_moe(y, l1, l2, sb, impl=impl, check=check),
+            lambda problem, numerics: problem.reference()[0])
+
+
+def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
+    """Our implementations and the torch grouped-mm peer side by side, same inputs, same run (one EP8 rank's 48
+    V4-Pro experts at world size 1) in weight format ``fmt``; per row: µs, TFLOP/s, weight GB/s (FP4 or FP8 with
+    scales), % of this run's roofline for that format, error vs the implementation's reference numerics."""
+    spec = LAYER_FORMATS[fmt]
+    make, prepare, call, reference = _layer_format(fmt)
     case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
     tokens = [8, 512] if quick else list(LAYER_TOKENS)
     ceil = {r["what"]: r for r in bench_ceilings()["rows"]}
     fp8_tflops, copy_tbs = ceil["fp8_scaled_mm_8192"]["tflops"], ceil["copy_1GiB"]["tb_per_s"]
     sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cuda")[0]
+                          block_m=case.block_m, device="cuda", format="fp8" if fmt == "fp8" else "fp8_fp4")[0]
     rows = []
     for routing in (("uniform",) if quick else LAYER_ROUTINGS):
         case.routing = routing
         for n in tokens:
             case.num_tokens = n
-            problem = case.problem(device="cuda")
-            y, l1, l2, stats = prepare_rank(sb, problem, 0)
+            problem = make(case)
+            y, l1, l2, stats = prepare(sb, problem, 0)
             recv = expected_recv_counts(problem, 0).tolist()
             pairs = sum(recv)
             flops = layer_flops(pairs, case.hidden, case.intermediate)
-            wbytes = touched_weight_bytes(recv, case.hidden, case.intermediate)
+            wbytes = touched_weight_bytes(recv, case.hidden, case.intermediate, spec["weight_bytes"])
             roof_us = max(wbytes / copy_tbs / 1e6, flops / fp8_tflops / 1e6)
-            base = {"num_tokens_per_rank": n, "routing": routing, "num_pairs": pairs, "flops": flops,
+            base = {"format": fmt, "num_tokens_per_rank": n, "routing": routing, "num_pairs": pairs, "flops": flops,
                     "weight_bytes_touched": wbytes, "roofline_us": roof_us}
             refs = {}
-            for impl, numerics in LAYER_IMPLS:
+            for impl, numerics in spec["impls"]:
                 y.fill_(float("nan"))
-                fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, numerics=numerics)
+                call(y, l1, l2, sb, impl, numerics, True)
                 if numerics not in refs:
-                    refs[numerics] = problem.reference(numerics=numerics)[0]
+                    refs[numerics] = reference(problem, numerics)
                 err = moe_error_stats(y, refs[numerics])
-                ms = _median_ms(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl=impl, numerics=numerics, check=False))
+                ms = _median_ms(lambda: call(y, l1, l2, sb, impl, numerics, False))
                 rows.append({**base, "impl": impl, "numerics": numerics, "us": ms * 1e3, "tflops": flops / ms / 1e9,
-                             "fp4_weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
+                             "weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
                              "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             ms = _median_ms(torch_grouped_mm_peer(recv, case.hidden, case.intermediate))
             rows.append({**base, "impl": "torch_grouped_mm", "us": ms * 1e3, "tflops": flops / ms / 1e9,
                          "roofline_pct": 100 * roof_us / (ms * 1e3), "note": "FP8 weights, GEMMs only"})
-            last = rows[-len(LAYER_IMPLS) - 1:]
-            print(f"  {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:6.0f}us  "
+            last = rows[-len(spec["impls"]) - 1:]
+            print(f"  {fmt} {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:6.0f}us  "
                   + "  ".join(f"{r['impl']}{'/' + r['numerics'] if 'numerics' in r else ''}={r['us']:7.0f}us"
                               f"({r.get('rel_fro_vs_reference', 0):.0e})" for r in last), flush=True)
     sb.destroy()
-    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "hidden": 7168, "intermediate": 3072,
-                       "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1, "backend": "local",
-                       "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
+    return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "format": fmt, "hidden": 7168,
+                       "intermediate": 3072, "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
+                       "backend": "local", "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
                        "timing": "median of triton.testing.do_bench (L2 flushed), one call per sample"},
             "rows": rows}
 
@@ -358,7 +385,8 @@ def bench_tma_pull(quick: bool) -> dict:
 
 
 SUITES = {"tune": bench_tune, "tma_pull": bench_tma_pull, "ceilings": lambda quick: bench_ceilings(),
-          "layer": bench_layer, "pull_push": bench_pull_push, "timeline": bench_timeline,
+          "layer": bench_layer, "layer_fp8": lambda quick: bench_layer(quick, "fp8"),
+          "pull_push": bench_pull_push, "timeline": bench_timeline,
           "fused_tune": bench_fused_tune}
 #: Sweeps that ``--suite all`` leaves out.
 NOT_IN_ALL = ("tune", "fused_tune")
