@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.quant_fp8 import cast_grouped_weights_to_fp8, per_token_cast_to_fp8_128
+from megamoe.quant_fp8 import FP8_BLOCK, cast_grouped_weights_to_fp8, per_token_cast_to_fp8_128
 from megamoe.testing import _generator, make_problem
 
 
@@ -58,9 +58,13 @@ def make_fp8_problem(num_ranks: int, num_tokens, hidden: int, intermediate: int,
     device = torch.device(device)
     gen = _generator(seed, 10_007, device)
 
-    def weights(rows: int, cols: int):
-        w = torch.randn(num_experts, rows, cols, generator=gen, device=device) / cols ** 0.5
-        return cast_grouped_weights_to_fp8(w.to(torch.bfloat16))
+    def weights(rows: int, cols: int):  # one expert at a time: fp32 of all 384 real-size experts would be 100 GB
+        w = torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=device)
+        sf = torch.empty(num_experts, rows // FP8_BLOCK, cols // FP8_BLOCK, dtype=torch.float32, device=device)
+        for e in range(num_experts):
+            one = torch.randn(1, rows, cols, generator=gen, device=device) / cols ** 0.5
+            w[e], sf[e] = (t[0] for t in cast_grouped_weights_to_fp8(one.to(torch.bfloat16)))
+        return w, sf
 
     l1 = weights(2 * intermediate, hidden)
     l2 = weights(hidden, intermediate)

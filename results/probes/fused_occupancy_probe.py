@@ -4,7 +4,7 @@ from megamoe.bench import _median_ms
 from megamoe.fused import FusedConfig, fused_config, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state, reset_workspace
 from megamoe.ops import bind_calls
-from megamoe.programs import MoECase, prepare_rank
+from megamoe.cases import MoECase, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
 
