@@ -279,6 +279,23 @@ def _launch_wait(sb, fail_tag: int, max_polls: int, timeout_ns: int, use_globalt
                               timeout_ns, BLOCK_R=_block_r(sb), USE_GLOBALTIMER=use_globaltimer)
 
 
+def warm_up(sb) -> None:
+    """Compile, load and run once the single-program barrier kernels of a CUDA buffer (the wait, at the
+    ``barrier_timeout_s`` it will use, and the heartbeat), leaving ``barrier_state`` as it was; called when a buffer
+    is built. Measured on an H200 (``results/probes/README.md``): a wait kernel whose *first* launch in the process
+    came while a peer was beating never saw the beats and timed out (3 of 3 runs); after one earlier launch it saw
+    every beat (the GPU test ``test_gpu_wait_extends_its_deadline_while_the_missing_rank_beats``). A no-op on the
+    interpreter (nothing to load)."""
+    if interpreting() or sb.buffer.device.type != "cuda":
+        return
+    _, state = _barrier_views(sb)
+    saved = state.clone()
+    _launch_wait(sb, 0, 0, int(sb.barrier_timeout_s * 1e9), True)  # epoch 0: every rank counts as arrived
+    heartbeat_kernel[(1,)](_progress_view(sb), sb.buffer_ptrs, sb.rank, sb.layout.num_ranks, BLOCK_R=_block_r(sb))
+    state.copy_(saved)
+    torch.cuda.synchronize(sb.buffer.device)
+
+
 def barrier_wait(sb, tag: int) -> None:
     """Wait until every rank has arrived at this rank's current epoch; fail when a missing rank shows no progress
     (its ``progress`` heartbeat does not move) for ``sb.barrier_timeout_s``.

@@ -40,10 +40,16 @@ TIMELINE_MAX_EVENTS = 512
 #: 3-4% (1457 / 2290 / 3548 us against 1512 / 2359 / 3701; 4 at 128 registers spill in its per-32 tiles and lose
 #: 60%); "hopper" 4 programs at 128 registers beat 2 uncapped by 9-13% (1066 / 2247 / 5157 against 1174 / 2596 /
 #: 5726). One 8-warp program of block 64 / 128 per SM was 3-35% slower than two 4-warp programs (01b60b0).
-PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (2, None)}
-#: ("fp8", the SM90 FP8 x FP8 format of ``fp8_mega_moe``: two uncapped programs, the configuration every GPU test of
-#: the fused kernel has run with; not yet measured for this format. Compiled offline for sm_90a at block 64 it uses
-#: 255 registers and spills 352 bytes: two [64, 128] fp32 accumulators plus each K block's promoted dot.)
+PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None)}
+#: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
+#: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
+#: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block
+#: 128 762 / 1205 / 3145 / 10031 us, against 975 / 1591 / 5988 / 21020 us for two 4-warp 2-stage programs of block 64
+#: (255 registers, 352 bytes spilled); two 4-warp 3-stage programs do not fit one SM's shared memory together and
+#: dead-lock in the first grid sync (``_check_resident`` now refuses such a launch).
+WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3)}
+#: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
+FP8_BLOCK64_MAX_EXPECTED = 64
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
 #: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
@@ -91,8 +97,11 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     expected = expected_tokens_per_expert(layout, num_tokens)
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
     kind = tile_kind(layout, numerics)
-    if kind in ("exact", "fp8"):  # tokens on the MMA's M, where wgmma needs 64 rows
+    warps, stages = WARPS_STAGES[kind]
+    if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
+    elif kind == "fp8":
+        block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     else:  # tokens on the MMA's N
         block_m = max(16, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -101,8 +110,10 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
-        return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, maxnreg=maxnreg)
-    return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics)
+        return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
+                           num_stages=stages, maxnreg=maxnreg)
+    return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
+                       num_stages=stages)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -215,13 +226,53 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     rank0 = 0 if sb0.backend == "local" else sb0.rank
     grid = (len(calls) * cfg.programs_per_rank,)
     c0 = calls[0]
-    kf.fused_mega_moe_kernel[grid](
-        c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
-        c0.stats if c0.stats is not None else c0.sb.buffer, timelines[0] if timelines[0] is not None else c0.sb.buffer,
-        table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
-        float(clamp) if clamp is not None else 0.0,
-        int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)), **meta)
+    args = (c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
+            c0.stats if c0.stats is not None else c0.sb.buffer,
+            timelines[0] if timelines[0] is not None else c0.sb.buffer,
+            table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
+            float(clamp) if clamp is not None else 0.0,
+            int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
+    if not interpreting():
+        _check_resident(args, grid, meta, dev)
+    kf.fused_mega_moe_kernel[grid](*args, **meta)
     return timelines if timeline else None
+
+
+#: (device, grid, constexprs) launches already checked by ``_check_resident``.
+_RESIDENT_OK: set = set()
+#: Per-SM limits of sm_90 (H100 / H200), used where torch does not report them.
+_SM90_LIMITS = {"regs_per_multiprocessor": 65536, "shared_memory_per_multiprocessor": 233472,
+                "max_threads_per_multi_processor": 2048}
+
+
+def max_resident_programs(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
+    """Programs of one compiled kernel that fit on one SM at once: registers (allocated per warp in units of 256),
+    shared memory (+1 KiB the driver reserves per block) and threads."""
+    limit = {k: getattr(props, k, v) for k, v in _SM90_LIMITS.items()}
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = limit["regs_per_multiprocessor"] // (regs_per_warp * num_warps)
+    by_smem = limit["shared_memory_per_multiprocessor"] // (shared_bytes + 1024)
+    by_threads = limit["max_threads_per_multi_processor"] // (32 * num_warps)
+    return min(by_regs, by_smem, by_threads, 32)
+
+
+def _check_resident(args, grid, meta, device) -> None:
+    """Refuse, before it launches, a fused grid whose programs cannot all be resident at once: they meet in grid
+    syncs, so one program left waiting for an SM dead-locks the launch until the in-kernel timeout. Compiles (or
+    finds) the kernel without running it; checked once per (device, grid, constexprs)."""
+    key = (str(device), grid, tuple(sorted(meta.items())))
+    if key in _RESIDENT_OK:
+        return
+    kernel = kf.fused_mega_moe_kernel.warmup(*args, grid=grid, **meta)
+    kernel._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    per_sm = max_resident_programs(kernel.n_regs, kernel.metadata.shared, meta["num_warps"], props)
+    if grid[0] > per_sm * props.multi_processor_count:
+        raise RuntimeError(
+            f"fused kernel: {grid[0]} programs cannot all be resident on {props.multi_processor_count} SMs: at "
+            f"{kernel.n_regs} registers/thread, {kernel.metadata.shared} B shared memory and {meta['num_warps']} warps "
+            f"an SM holds {per_sm}; lower programs_per_rank, num_stages or the register cap (FusedConfig)")
+    _RESIDENT_OK.add(key)
 
 
 __all__ = ["FusedConfig", "fused_config", "run_fused", "unsupported_reason", "expected_tokens_per_expert",

@@ -155,6 +155,13 @@ class _View:
         return sb.view(self.name)
 
 
+def _warm_up(sb) -> None:
+    """:func:`megamoe.kernels.symm.warm_up` (imported here: the kernels need the interpreter chosen first)."""
+    from megamoe.kernels.symm import warm_up
+
+    warm_up(sb)
+
+
 class SymmBuffer:
     """One rank's symmetric buffer of :class:`~megamoe.layout.Layout` (DeepGEMM's ``SymmBuffer``).
 
@@ -200,6 +207,7 @@ class SymmBuffer:
             sweep_stale_shm()
         if self.backend == "cuda":
             self._alloc_cuda()
+            _warm_up(self)
         elif world == 1:
             self._adopt(torch.zeros(layout.num_bytes, dtype=torch.uint8), [])
         else:
@@ -229,6 +237,8 @@ class SymmBuffer:
             sb.buffer_ptrs = ptrs
             sb._peers = buffers
             sbs.append(sb)
+        for sb in sbs:
+            _warm_up(sb)
         return sbs
 
     # ------------------------------------------------------------------ set-up

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
-from megamoe.fused import MAX_BLOCK_M, fused_config
+from megamoe.fused import MAX_BLOCK_M, PROGRAMS_PER_SM, WARPS_STAGES, fused_config, max_resident_programs
 from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
@@ -88,6 +88,24 @@ def test_fused_config_from_shapes():
     assert fused_config(L, 8, 1, cpu, "exact").block_m == 64        # tokens on wgmma's M: at least 64
     assert fused_config(Layout(1, 4, 8, 2, 256, 128, 32), 8, 1, cpu, "exact").block_m == 32  # never above the pool's
     assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
+    F = Layout(8, 384, 8192, 6, 7168, 3072, 128, "fp8")
+    assert fused_config(F, 8, 1, cpu).block_m == 64                # SM90 FP8: 1 expected token per expert
+    assert fused_config(F, 2048, 1, cpu).block_m == 128             # 256 expected: block 128
+    assert (fused_config(F, 8, 1, cpu).num_warps, fused_config(F, 8, 1, cpu).num_stages) == WARPS_STAGES["fp8"]
+
+
+def test_residency_limits_every_programs_per_sm_choice():
+    """``max_resident_programs`` against the per-SM limits, with the registers / shared memory of the fused kernel
+    compiled for sm_90a (Triton 3.6, real size): each PROGRAMS_PER_SM choice fits exactly, one more does not."""
+    class H200:  # what torch reports for an H200
+        regs_per_multiprocessor, shared_memory_per_multiprocessor, max_threads_per_multi_processor = 65536, 233472, 2048
+
+    compiled = {"exact": (168, 20480, 4), "hopper": (128, 32768, 4), "fp8": (255, 147456, 8)}  # regs, smem, warps
+    for kind, (regs, smem, warps) in compiled.items():
+        assert max_resident_programs(regs, smem, warps, H200) == PROGRAMS_PER_SM[kind][0], kind
+    assert max_resident_programs(255, 0, 4, H200) == 2                # registers: 2 x 4 warps x 8192
+    assert max_resident_programs(64, 2 * 61440, 4, H200) == 1         # shared memory: two 3-stage FP8 programs
+    assert max_resident_programs(32, 0, 4, H200) == 16                # threads: 2048 / 128
 
 
 # ---------------------------------------------------------------------------------------------------- the model
