@@ -280,18 +280,22 @@ def _launch_wait(sb, fail_tag: int, max_polls: int, timeout_ns: int, use_globalt
 
 
 def warm_up(sb) -> None:
-    """Compile, load and run once the single-program barrier kernels of a CUDA buffer (the wait, at the
-    ``barrier_timeout_s`` it will use, and the heartbeat), leaving ``barrier_state`` as it was; called when a buffer
-    is built. Measured on an H200 (``results/probes/README.md``): a wait kernel whose *first* launch in the process
-    came while a peer was beating never saw the beats and timed out (3 of 3 runs); after one earlier launch it saw
-    every beat (the GPU test ``test_gpu_wait_extends_its_deadline_while_the_missing_rank_beats``). A no-op on the
-    interpreter (nothing to load)."""
+    """Compile and load this rank's single-program barrier kernels (arrive, wait at the ``barrier_timeout_s`` it will
+    use, heartbeat) when a CUDA buffer is built, leaving the workspace as it was (the wait and the heartbeat run
+    once; the arrive, which would start an epoch, is only loaded).
+
+    Why (measured on an H200, ``results/probes/README.md``): loading a kernel's module waits for the kernels running
+    in the process. A first-ever launch while this process spins in a barrier wait -- a late rank's arrive (``rank``
+    equal to 1 is a separate Triton specialisation), or a heartbeat -- was held back until the wait had timed out,
+    so a live rank was reported dead. A no-op on the interpreter."""
     if interpreting() or sb.buffer.device.type != "cuda":
         return
-    _, state = _barrier_views(sb)
+    signal, state = _barrier_views(sb)
     saved = state.clone()
     _launch_wait(sb, 0, 0, int(sb.barrier_timeout_s * 1e9), True)  # epoch 0: every rank counts as arrived
     heartbeat_kernel[(1,)](_progress_view(sb), sb.buffer_ptrs, sb.rank, sb.layout.num_ranks, BLOCK_R=_block_r(sb))
+    barrier_arrive_kernel.warmup(signal, state, sb.buffer_ptrs, sb.rank, sb.layout.num_ranks, BLOCK_R=_block_r(sb),
+                                 grid=(1,))._init_handles()
     state.copy_(saved)
     torch.cuda.synchronize(sb.buffer.device)
 
