@@ -17,7 +17,8 @@ number format (:mod:`megamoe.quant_fp8`):
 
 On the interpreter the float32 division and reciprocal are IEEE (numpy), so the requant is bitwise the reference's;
 on a GPU Triton's ``/`` may be the approximate ``div.full.f32`` (a 1-2 ulp scale difference, inside the GPU
-tolerance). Only the staged pipeline uses these kernels; the fused Hopper kernel does not know this format.
+tolerance). The staged pipeline launches them as grids; the fused kernel (``megamoe.kernels.fused``, constexpr
+``FP8W``) calls ``l1_tile_fp8`` / ``l2_tile_fp8`` from its task loop.
 """
 import triton
 import triton.language as tl

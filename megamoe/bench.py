@@ -310,8 +310,10 @@ def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm9
     for r in peer["rows"]:
         row = {"impl": impl, "num_tokens_per_rank": r["T"], "routing": routing, "us": r["us"],
                "num_pairs": r.get("pairs"), "tflops": r.get("tflops"), "rel_fro_vs_reference": r.get("rel_err"),
-               "note": "FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format): twice the weight "
-                       "bytes of FP4; its roofline_pct uses the FP4 roofline of the same work"}
+               "note": ("FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format): the same format, "
+                        "bytes and roofline as this file's rows" if layer.get("config", {}).get("format") == "fp8" else
+                        "FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format): twice the weight "
+                        "bytes of FP4; its roofline_pct uses the FP4 roofline of the same work")}
         same = ours.get((r["T"], routing))
         if same:
             row.update(flops=same["flops"], roofline_us=same["roofline_us"],

@@ -10,7 +10,8 @@ guard) with the two GEMM steps swapped for :mod:`megamoe.kernels.gemm_fp8`. The 
 scale words bit for bit, so the same kernel moves float32 scales. ``impl="fused"`` (the default ``"auto"`` on a
 Hopper GPU) runs the same two tiles inside the fused persistent kernel (``megamoe.kernels.fused``, constexpr
 ``FP8W``): one launch, the pull overlapped with the GEMMs through the arrival counts and masks; on CPU ranks under
-the interpreter it is bit-exact with the staged path (``tests/test_fp8_mega_moe.py``). Not yet run on a GPU.
+the interpreter it is bit-exact with the staged path (``tests/test_fp8_mega_moe.py``); on an H200 both paths pass
+``tests/gpu/test_fp8_gpu.py`` and ``python -m megamoe.bench --suite layer_fp8`` times them beside DeepGEMM's kernel.
 
 The buffer must have been made for this format: ``SymmBuffer(..., format="fp8")`` (or ``mma_type="fp8xfp8"``), whose
 ``x_sf`` view is float32 ``[T, H/128]``.

@@ -1,9 +1,6 @@
 """``fp8_mega_moe`` (the SM90 FP8 x FP8 format) on a GPU, staged and fused, against
 ``megamoe.reference.reference_fp8_mega_moe_ep`` within the FP8-MMA tolerance profile: small cases on 1, 2 and 4
-local ranks (masks, an empty rank, clamp, skew, repeated calls) and the real size on one rank.
-
-Written with the fused FP8W tiles (a40c2bd); not yet run on a GPU when committed -- the next device session runs it
-(``make test-gpu``)."""
+local ranks (masks, an empty rank, clamp, skew, repeated calls) and the real size on one rank (384 experts)."""
 import pytest
 import torch
 
