@@ -19,8 +19,6 @@ Triton interpreter in one process).
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -42,8 +40,21 @@ from megamoe.kernels.symm import (
     heartbeat,
     reset_workspace,
 )
-from megamoe.quant import TaggedWeights, TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
+from megamoe.quant import TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
 from megamoe.symm import SymmBuffer
+from megamoe.validation import (
+    FP8_FP4,
+    WeightFormat,
+    WorkspaceStateError,
+    as_list,
+    check_buffers,
+    check_call,
+    check_clamp,
+    check_inputs,
+    check_no_aliasing,
+    check_options,
+    check_tensor,
+)
 
 #: Barrier after a push dispatch: the owner may only read its pool once every source has pushed.
 TAG_AFTER_DISPATCH_PUSH = 4
@@ -52,17 +63,6 @@ WeightPair = tuple[torch.Tensor, torch.Tensor]
 
 #: Suffix of the names of the barrier-wait steps in :func:`pipeline_steps` (waiting is not progress).
 WAIT_STEP_SUFFIX = "_wait"
-#: FP8 e4m3fn NaN: exponent and mantissa bits all set (0x7F / 0xFF); UE8M0 NaN: the byte 0xFF.
-FP8_E4M3FN_NAN_BITS = 0x7F
-UE8M0_NAN = 0xFF
-
-
-class WorkspaceStateError(RuntimeError):
-    """A call refused to run because an earlier call on this buffer did not complete (interrupted, raised, timed
-    out at a barrier, or its process died): the workspace counters and barrier epochs may disagree across ranks.
-    The fix is the collective :meth:`megamoe.symm.SymmBuffer.reset` on every rank."""
-
-
 #: Launch configuration of the GEMM steps on CUDA (``python -m megamoe.bench --suite tune`` sweeps it).
 #: ``programs_per_sm``: size of the persistent grid (0 = one program per tile, early exit past the used blocks).
 #: Measured on an H200 (block_m 128, results/tune_h200.json at 1d14d2f and earlier sweeps noted here):
@@ -333,33 +333,39 @@ def _num_programs(max_tiles: int, device: torch.device, programs_per_sm: int) ->
     return max(1, min(max_tiles, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
-def _gemm_launch(c: _RankCall, step: str, n_total: int) -> tuple[tuple[int], dict]:
-    """Persistent grid and the launch keywords shared by the GEMM steps (``step`` = "l1"/"l2", N extent
-    ``n_total``): tile sizes, warps, stages, scale/decode mode and the pool-schedule constexprs."""
-    L, cfg = c.sb.layout, GEMM_CONFIG[step]
-    grid = (_num_programs(L.num_max_pool_blocks * (n_total // cfg["BLOCK_N"]), c.sb.buffer.device,
-                          cfg["programs_per_sm"]),)
-    meta = dict(H=L.hidden, I=L.intermediate_hidden, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], **_dot_meta(cfg), **_schedule_meta(L))
-    return grid, meta
+def gemm_steps(l1_kernel, l2_kernel, config: dict, dot_meta: Callable[[dict], dict] = lambda cfg: {}):
+    """The pipeline's ``l1`` and ``l2`` steps for one format's two persistent GEMM kernels (same arguments in both
+    formats: ``megamoe.kernels.gemm`` here, ``megamoe.kernels.gemm_fp8`` in ``megamoe.ops_fp8``), launched per
+    ``config[step]`` (``BLOCK_N``, ``num_warps``, ``num_stages``, ``programs_per_sm``; read at each call, so a
+    sweep may change it) plus ``dot_meta(config[step])`` (the format's own constexprs)."""
+    def launch(c: _RankCall, step: str, n_total: int) -> tuple[tuple[int], dict]:
+        L, cfg = c.sb.layout, config[step]
+        grid = (_num_programs(L.num_max_pool_blocks * (n_total // cfg["BLOCK_N"]), c.sb.buffer.device,
+                              cfg["programs_per_sm"]),)
+        meta = dict(H=L.hidden, I=L.intermediate_hidden, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"], **dot_meta(cfg), **_schedule_meta(L))
+        return grid, meta
+
+    def l1(c: _RankCall) -> None:
+        grid, meta = launch(c, "l1", c.sb.layout.intermediate_hidden)
+        l1_kernel[grid](
+            c.sb.buffer, *c.l1, float(c.clamp) if c.clamp is not None else 0.0,
+            **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
+                       OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
+            HAS_CLAMP=c.clamp is not None, F64_EXP=interpreting(), **meta)
+
+    def l2(c: _RankCall) -> None:
+        grid, meta = launch(c, "l2", c.sb.layout.hidden)
+        l2_kernel[grid](
+            c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank, *c.l2,
+            **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf",
+                       OFF_META="token_src_metadata", OFF_COMBINE="combine"),
+            T=c.sb.layout.num_max_tokens_per_rank, **meta)
+
+    return l1, l2
 
 
-def _l1(c: _RankCall) -> None:
-    grid, meta = _gemm_launch(c, "l1", c.sb.layout.intermediate_hidden)
-    kg.l1_swiglu_kernel[grid](
-        c.sb.buffer, *c.l1, float(c.clamp) if c.clamp is not None else 0.0,
-        **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf",
-                   OFF_L1_W="l1_topk_weights", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf"),
-        HAS_CLAMP=c.clamp is not None, F64_EXP=interpreting(), **meta)
-
-
-def _l2(c: _RankCall) -> None:
-    grid, meta = _gemm_launch(c, "l2", c.sb.layout.hidden)
-    kg.l2_combine_kernel[grid](
-        c.sb.buffer, c.sb.buffer_ptrs, c.sb.rank, *c.l2,
-        **_offsets(c.sb, OFF_RECV="expert_recv_count", OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf",
-                   OFF_META="token_src_metadata", OFF_COMBINE="combine"),
-        T=c.sb.layout.num_max_tokens_per_rank, **meta)
+_l1, _l2 = gemm_steps(kg.l1_swiglu_kernel, kg.l2_combine_kernel, GEMM_CONFIG, _dot_meta)
 
 
 def _combine(c: _RankCall) -> None:
@@ -391,227 +397,30 @@ def largest_pow2_tile(n: int, cap: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- validation
-def _as_list(value, name: str, count: int, is_list: bool) -> list:
-    if not is_list:
-        return [value]
-    if not isinstance(value, (list, tuple)) or isinstance(value, TaggedWeights) or len(value) != count:
-        raise TypeError(f"{name} must be a list of {count} entries (one per local rank) with a list of sym_buffers")
-    return list(value)
-
-
-def _check_buffers(sym_buffer) -> tuple[list[SymmBuffer], bool]:
-    """The buffers of a call (one, or a whole local group in rank order) and whether they came as a list."""
-    is_list = isinstance(sym_buffer, (list, tuple))
-    buffers = list(sym_buffer) if is_list else [sym_buffer]
-    if not buffers or not all(isinstance(b, SymmBuffer) for b in buffers):
-        got = type(sym_buffer).__name__ if not is_list else f"a list of {[type(b).__name__ for b in buffers]}"
-        raise TypeError(f"sym_buffer must be a SymmBuffer (or, for the local backend, a list of them), got {got}")
-    for i, b in enumerate(buffers):
-        if b._views is None:
-            raise RuntimeError(f"sym_buffer{f'[{i}]' if is_list else ''} (rank {b.rank}) was destroyed "
-                               "(SymmBuffer.destroy()); allocate a new one")
-    if is_list:
-        ranks = [b.rank for b in buffers]
-        if ranks != list(range(buffers[0].num_ranks)) or any(b.backend != "local" for b in buffers):
-            raise ValueError(f"a list of sym_buffers must hold every rank of one local group in order, got ranks "
-                             f"{ranks} of world size {buffers[0].num_ranks}"
-                             + ("" if all(b.backend == "local" for b in buffers) else
-                                f" and backends {[b.backend for b in buffers]} (only 'local' buffers come in lists)"))
-        group = [p.data_ptr() for p in buffers[0]._peers]
-        for i, b in enumerate(buffers):
-            if [p.data_ptr() for p in b._peers] != group or b.layout.num_bytes != buffers[0].layout.num_bytes:
-                raise ValueError(f"sym_buffer[{i}] belongs to a different SymmBuffer.local group than sym_buffer[0]: "
-                                 "pass the buffers of one SymmBuffer.local(...) call (mixing groups would leave "
-                                 "barriers waiting on ranks that never arrive)")
-    for i, b in enumerate(buffers):
-        if b.fault is not None:
-            raise _state_error(b, f"sym_buffer{f'[{i}]' if is_list else ''}", b.fault)
-    return buffers, is_list
-
-
-def _state_error(sb: SymmBuffer, name: str, reason: str) -> WorkspaceStateError:
-    fix = ("call reset() on every SymmBuffer of the local group" if sb.backend == "local" else
-           "call sym_buffer.reset() on every rank of the group (collective)")
-    return WorkspaceStateError(f"{name} (rank {sb.rank}) cannot run a call: {reason}. Its workspace counters and "
-                               f"barrier epochs may disagree with the other ranks', so this call would compute "
-                               f"garbage or time out. To recover, {fix}, then call again.")
-
-
-def _check_clamp(clamp) -> None:
-    if clamp is None:
-        return
-    if isinstance(clamp, bool) or not isinstance(clamp, numbers.Real):
-        raise TypeError(f"activation_clamp must be a number > 0 or None, got {type(clamp).__name__} {clamp!r}")
-    if not (math.isfinite(float(clamp)) and float(clamp) > 0):
-        raise ValueError(f"activation_clamp={clamp} must be a finite number > 0 (or None)")
-
-
-def bind_calls(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch, check) -> list[_RankCall]:
+def bind_calls(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, dispatch, check,
+               fmt: WeightFormat = FP8_FP4, gemm_config: dict | None = None, config_name: str = "GEMM_CONFIG",
+               block_n_multiple: int = 1) -> list[_RankCall]:
     """Validate the arguments of :func:`fp8_fp4_mega_moe` (same meaning, positional) and return one bound call per
     rank: the single entry point that checks everything (for every implementation) before any kernel runs.
     Stepping through a call by hand -- as the benchmarks' per-step timing and the notebooks do -- is
     ``for name, step in pipeline_steps(dispatch): for c in calls: step(c)`` (without the interruption guard of
-    :func:`run_steps`)."""
-    buffers, is_list = _check_buffers(sym_buffer)
-    for i, sb in enumerate(buffers):
-        if sb.layout.format != "fp8_fp4":
-            raise ValueError(f"sym_buffer{f'[{i}]' if is_list else ''} was made for format {sb.layout.format!r}; "
-                             "fp8_fp4_mega_moe needs a format='fp8_fp4' SymmBuffer (megamoe.fp8_mega_moe runs 'fp8')")
-    if activation != "swiglu":
-        raise ValueError(f"activation={activation!r}: only 'swiglu' is supported")
-    if dispatch not in ("pull", "push"):
-        raise ValueError(f"dispatch={dispatch!r} must be 'pull' or 'push'")
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    _check_clamp(clamp)
+    :func:`run_steps`). ``fmt`` and the GEMM config are the other format's (``megamoe.ops_fp8``); the checks are
+    :mod:`megamoe.validation`'s."""
+    buffers, is_list = check_buffers(sym_buffer, fmt)
+    check_options(activation, dispatch, check)
+    check_clamp(clamp)
     n = len(buffers)
     calls = [_RankCall(sb, yy, a, b, s, clamp, f"[{i}]" if is_list else "") for i, (sb, yy, a, b, s) in enumerate(zip(
-        buffers, _as_list(y, "y", n, is_list), _as_list(l1_weights, "l1_weights", n, is_list),
-        _as_list(l2_weights, "l2_weights", n, is_list),
-        _as_list(stats, "cumulative_local_expert_recv_stats", n, is_list) if stats is not None else [None] * n))]
+        buffers, as_list(y, "y", n, is_list), as_list(l1_weights, "l1_weights", n, is_list),
+        as_list(l2_weights, "l2_weights", n, is_list),
+        as_list(stats, "cumulative_local_expert_recv_stats", n, is_list) if stats is not None else [None] * n))]
     for c in calls:
-        _validate(c)
-    _check_no_aliasing(calls)
+        check_call(c, fmt, GEMM_CONFIG if gemm_config is None else gemm_config, config_name, block_n_multiple)
+    check_no_aliasing(calls)
     if check:
         for c in calls:
-            _check_inputs(c)
+            check_inputs(c, fmt)
     return calls
-
-
-def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_meta:
-        raise ValueError(f"{name} is a meta tensor (shape only, no data); pass a real tensor")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _check_weights(name: str, pair, role: str, El: int, n_rows: int, k: int, dev: torch.device, L) -> None:
-    """``pair`` must be the ``role`` TransformedWeights of this rank's experts."""
-    if not isinstance(pair, TransformedWeights):
-        if isinstance(pair, (tuple, list)):
-            raise TypeError(f"{name} is a plain {type(pair).__name__}, not the output of "
-                            "megamoe.transform_weights_for_mega_moe: the kernels read a re-laid-out form and would "
-                            f"compute garbage from untransformed weights. Pass {name[:2]} of "
-                            "`l1, l2 = transform_weights_for_mega_moe(l1_fp4, l2_fp4)` (MegaMoE does this itself)")
-        raise TypeError(f"{name} must be the TransformedWeights (w, sf) returned by transform_weights_for_mega_moe, "
-                        f"got {type(pair).__name__}")
-    if pair.role != role:
-        raise ValueError(f"{name} holds {pair.role} weights (role {pair.role!r}); l1_weights and l2_weights swapped?")
-    w, sf = pair
-    if isinstance(w, torch.Tensor) and w.dim() == 3 and w.shape[0] != El:
-        raise ValueError(f"{name} holds {w.shape[0]} experts but the buffer has {El} experts per rank "
-                         f"(num_experts={L.num_experts} over {L.num_ranks} ranks): mismatched world size?")
-    _check_tensor(f"{name}[0]", w, torch.int8, (El, n_rows, k // 2), dev)
-    _check_tensor(f"{name}[1]", sf, torch.int32, (El, n_rows, k // 128), dev)
-    if not w.is_contiguous() or not sf.transpose(1, 2).is_contiguous():
-        raise ValueError(f"{name} must come from transform_weights_for_mega_moe (contiguous weights, MN-major "
-                         "scales); it was re-laid out since")
-
-
-def _validate(c: _RankCall) -> None:
-    L, dev = c.sb.layout, c.sb.buffer.device
-    El, H, I, T = L.num_experts_per_rank, L.hidden, L.intermediate_hidden, L.num_max_tokens_per_rank
-    y = f"y{c.index}"
-    if not isinstance(c.y, torch.Tensor):
-        raise TypeError(f"{y} must be a bf16 torch.Tensor [num_tokens, {H}], got {type(c.y).__name__}")
-    if c.y.dim() != 2:
-        raise ValueError(f"{y} must be a 2-D bf16 tensor [num_tokens, {H}], got shape {tuple(c.y.shape)}")
-    if c.y.shape[0] > T:
-        raise ValueError(f"{y} has {c.y.shape[0]} tokens, more than num_max_tokens_per_rank={T} of the buffer")
-    _check_tensor(y, c.y, torch.bfloat16, (c.y.shape[0], H), dev)
-    if not c.y.is_contiguous():
-        raise ValueError(f"{y} must be contiguous (the kernel writes rows of {H} at a stride of {H}); got strides "
-                         f"{c.y.stride()}")
-    _check_weights(f"l1_weights{c.index}", c.l1, "l1", El, 2 * I, H, dev, L)
-    _check_weights(f"l2_weights{c.index}", c.l2, "l2", El, H, I, dev, L)
-    if c.stats is not None:
-        name = f"cumulative_local_expert_recv_stats{c.index}"
-        _check_tensor(name, c.stats, torch.int32, (El,), dev)
-        if not c.stats.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (the kernel adds into {El} consecutive int32), got stride "
-                             f"{c.stats.stride()}")
-    for step, extent in (("l1", I), ("l2", H)):
-        block_n = GEMM_CONFIG[step]["BLOCK_N"]
-        if extent % block_n:
-            raise ValueError(f"GEMM_CONFIG[{step!r}]['BLOCK_N']={block_n} does not divide the {step} N extent "
-                             f"{extent} ({'intermediate_hidden' if step == 'l1' else 'hidden'})")
-
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) bytes a contiguous ``t`` covers."""
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_no_aliasing(calls: list[_RankCall]) -> None:
-    """Outputs must not overlap each other (two local ranks sharing y or stats) nor any symmetric buffer."""
-    spans = []
-    for c in calls:
-        spans.append((f"y{c.index}", _byte_range(c.y)))
-        if c.stats is not None:
-            spans.append((f"cumulative_local_expert_recv_stats{c.index}", _byte_range(c.stats)))
-    for c in calls:
-        for i, p in enumerate(c.sb._peers):
-            spans.append((f"the symmetric buffer of rank {i}", _byte_range(p)))
-    for i, (name_a, (a0, a1)) in enumerate(spans):
-        for name_b, (b0, b1) in spans[i + 1:]:
-            if name_a.startswith("the symmetric") and name_b.startswith("the symmetric"):
-                continue
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{name_a} and {name_b} share memory; every output must have its own storage")
-
-
-def _check_inputs(c: _RankCall) -> None:
-    """``check=True``: the inputs in ``sym_buffer`` (first n rows) and the workspace marks, in one host sync."""
-    L, sb, n = c.sb.layout, c.sb, c.n
-    E = L.num_experts
-    name = f"sym_buffer{c.index}"
-    idx, w = sb.topk_idx[:n], sb.topk_weights[:n]
-    x_bytes, sf_bytes = sb.x[:n].view(torch.uint8), sb.x_sf[:n].view(torch.uint8)
-    call_state, barrier_state = sb.view("call_state"), sb.view("barrier_state")
-    s = idx.sort(dim=1).values
-    dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
-    flags = torch.stack([((idx < -1) | (idx >= E)).any(), dup,
-                         (~torch.isfinite(w) & (idx >= 0)).any(),
-                         (sf_bytes == UE8M0_NAN).any(),
-                         ((x_bytes & FP8_E4M3FN_NAN_BITS) == FP8_E4M3FN_NAN_BITS).any(),
-                         call_state[0] != call_state[1], barrier_state[1] != 0]).tolist()
-    if not any(flags):
-        return
-    bad_range, dup, bad_w, nan_sf, nan_x, unfinished, failed = flags
-    if unfinished:
-        begun, done = call_state.tolist()
-        raise _state_error(sb, name, f"its workspace records {begun} calls begun but {done} completed: a call "
-                           "never finished (its process was interrupted or died before this host object knew)")
-    if failed:
-        _, tag, missing, _ = barrier_state.tolist()
-        raise _state_error(sb, name, f"barrier tag {tag} timed out in an earlier call (rank {missing} never arrived)")
-    if bad_range:
-        lo, hi = int(idx.min()), int(idx.max())
-        raise ValueError(f"topk_idx ({name}.topk_idx[:{n}]) holds expert ids in [{lo}, {hi}]; valid are "
-                         f"-1 (masked) and 0..{E - 1}")
-    if dup:
-        t = int(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1).nonzero()[0])
-        raise ValueError(f"topk_idx ({name}.topk_idx[:{n}]) has a token ({t}: {idx[t].tolist()}) that selects the "
-                         "same expert twice; a token's top-k experts must be distinct")
-    if bad_w:
-        t, j = (int(v) for v in (~torch.isfinite(w) & (idx >= 0)).nonzero()[0])
-        raise ValueError(f"topk_weights ({name}.topk_weights[:{n}]) holds a non-finite weight ({float(w[t, j])}) at "
-                         f"token {t}, slot {j} (expert {int(idx[t, j])}); router weights must be finite")
-    if nan_sf:
-        t, b = (int(v) for v in (sf_bytes == UE8M0_NAN).nonzero()[0])
-        raise ValueError(f"x_sf ({name}.x_sf[:{n}]) holds a NaN UE8M0 scale (byte 0xFF) at token {t}, scale "
-                         f"group {b} (of H/32); per_token_cast_to_fp8 never produces one")
-    if nan_x:
-        t, h = (int(v) for v in ((x_bytes & FP8_E4M3FN_NAN_BITS) == FP8_E4M3FN_NAN_BITS).nonzero()[0])
-        raise ValueError(f"x ({name}.x[:{n}]) holds an FP8 NaN (byte 0x{int(x_bytes[t, h]):02X}) at token {t}, "
-                         f"column {h}; the activations must be finite")
 
 
 # ---------------------------------------------------------------------------------------------------- wrapper
@@ -630,7 +439,7 @@ class MegaMoE:
 
     def __init__(self, sym_buffer: SymmBuffer, l1_weights: WeightPair, l2_weights: WeightPair, *,
                  activation_clamp: float | None = None, dispatch: str = "pull"):
-        _check_buffers(sym_buffer)
+        check_buffers(sym_buffer, FP8_FP4)
         if isinstance(sym_buffer, (list, tuple)):
             raise TypeError("MegaMoE takes one rank's SymmBuffer (one process per rank); for the local backend call "
                             "fp8_fp4_mega_moe with lists")
@@ -648,7 +457,7 @@ class MegaMoE:
         l1 = tuple(t.to(dev) for t in l1_weights)
         l2 = tuple(t.to(dev) for t in l2_weights)
         self.l1_weights, self.l2_weights = transform_weights_for_mega_moe(l1, l2)
-        _check_clamp(activation_clamp)
+        check_clamp(activation_clamp)
         self.activation_clamp = activation_clamp
         self.dispatch = dispatch
 
@@ -658,7 +467,7 @@ class MegaMoE:
 
         Every argument is validated before anything is copied or launched (TypeError / ValueError naming it: None,
         meta tensors, wrong shapes or dtypes), then as in :func:`fp8_fp4_mega_moe` with ``check=True``."""
-        _check_buffers(self.sym_buffer)
+        check_buffers(self.sym_buffer, FP8_FP4)
         sb, L = self.sym_buffer, self.sym_buffer.layout
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a [num_tokens, {L.hidden}] float tensor, got {type(x).__name__}")
@@ -669,8 +478,8 @@ class MegaMoE:
         n = x.shape[0]
         if n > L.num_max_tokens_per_rank:
             raise ValueError(f"x has {n} tokens, more than num_max_tokens_per_rank={L.num_max_tokens_per_rank}")
-        _check_tensor("topk_idx", topk_idx, torch.int64, (n, L.num_topk), None)
-        _check_tensor("topk_weights", topk_weights, torch.float32, (n, L.num_topk), None)
+        check_tensor("topk_idx", topk_idx, torch.int64, (n, L.num_topk), None)
+        check_tensor("topk_weights", topk_weights, torch.float32, (n, L.num_topk), None)
         load_inputs(sb, *per_token_cast_to_fp8(x.to(sb.buffer.device)), topk_idx, topk_weights)
         y = torch.empty(n, L.hidden, dtype=torch.bfloat16, device=sb.buffer.device)
         fp8_fp4_mega_moe(y, self.l1_weights, self.l2_weights, sb, activation_clamp=self.activation_clamp,

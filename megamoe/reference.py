@@ -270,6 +270,20 @@ def reference_mega_moe(
     return y, intermediates
 
 
+def _check_ep_lists(xs, x_sfs, topk_idxs, topk_weights_list, num_ranks, num_experts: int) -> dict:
+    """The per-rank lists of an expert-parallel reference: ``num_ranks`` divides the experts and every list holds
+    one tensor per rank. Returns the lists by argument name."""
+    if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_ranks: must be a positive divisor of the number of experts {num_experts}, got {num_ranks}"
+        )
+    lists = {"xs": xs, "x_sfs": x_sfs, "topk_idxs": topk_idxs, "topk_weights_list": topk_weights_list}
+    for name, values in lists.items():
+        if not isinstance(values, (list, tuple)) or len(values) != num_ranks:
+            raise ValueError(f"{name}: expected a list of num_ranks={num_ranks} tensors")
+    return lists
+
+
 def reference_mega_moe_ep(
     xs: list[torch.Tensor],
     x_sfs: list[torch.Tensor],
@@ -293,14 +307,7 @@ def reference_mega_moe_ep(
     :func:`reference_mega_moe` on the concatenated tokens. ``numerics``: see :data:`NUMERICS`.
     """
     num_experts, hidden, _ = check_moe_weights(l1_weights, l2_weights)
-    if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
-        raise ValueError(
-            f"num_ranks: must be a positive divisor of the number of experts {num_experts}, got {num_ranks}"
-        )
-    lists = {"xs": xs, "x_sfs": x_sfs, "topk_idxs": topk_idxs, "topk_weights_list": topk_weights_list}
-    for name, values in lists.items():
-        if not isinstance(values, (list, tuple)) or len(values) != num_ranks:
-            raise ValueError(f"{name}: expected a list of num_ranks={num_ranks} tensors")
+    lists = _check_ep_lists(xs, x_sfs, topk_idxs, topk_weights_list, num_ranks, num_experts)
     for r in range(num_ranks):
         names = tuple(f"{name}[{r}]" for name in lists)
         _check_tokens(xs[r], x_sfs[r], topk_idxs[r], topk_weights_list[r],
@@ -452,14 +459,7 @@ def reference_fp8_mega_moe_ep(
     from megamoe.quant_fp8 import check_moe_weights_fp8
 
     num_experts, _, _ = check_moe_weights_fp8(l1_weights, l2_weights)
-    if not isinstance(num_ranks, int) or num_ranks < 1 or num_experts % num_ranks != 0:
-        raise ValueError(
-            f"num_ranks: must be a positive divisor of the number of experts {num_experts}, got {num_ranks}"
-        )
-    lists = {"xs": xs, "x_sfs": x_sfs, "topk_idxs": topk_idxs, "topk_weights_list": topk_weights_list}
-    for name, values in lists.items():
-        if not isinstance(values, (list, tuple)) or len(values) != num_ranks:
-            raise ValueError(f"{name}: expected a list of num_ranks={num_ranks} tensors")
+    _check_ep_lists(xs, x_sfs, topk_idxs, topk_weights_list, num_ranks, num_experts)
     for r in range(num_ranks):
         if topk_idxs[r].dim() != 2 or topk_idxs[r].shape[1] != topk_idxs[0].shape[1]:
             raise ValueError(f"topk_idxs[{r}]: shape {tuple(topk_idxs[r].shape)} differs from rank 0's num_topk")

@@ -2,47 +2,23 @@
 :func:`megamoe.testing.make_problem` for a given seed, FP8 weights with 128x128 fp32 block scales."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megamoe.quant_fp8 import FP8_BLOCK, cast_grouped_weights_to_fp8, per_token_cast_to_fp8_128
-from megamoe.testing import _generator, make_problem
+from megamoe.testing import Problem, _generator, make_problem
 
 
-@dataclass
-class Fp8Problem:
-    """As :class:`megamoe.testing.Problem`, in the SM90 format: ``x_sf`` float32 ``[n_r, H/128]``, ``l1_weights =
+class Fp8Problem(Problem):
+    """A :class:`megamoe.testing.Problem` in the SM90 format: ``x_sf`` float32 ``[n_r, H/128]``, ``l1_weights =
     (float8_e4m3fn [E, 2I, H], float32 [E, 2I/128, H/128])`` (gate rows then up), ``l2_weights = (float8_e4m3fn
-    [E, H, I], float32 [E, H/128, I/128])``, untransformed."""
+    [E, H, I], float32 [E, H/128, I/128])``, untransformed; its reference is
+    :func:`megamoe.reference.reference_fp8_mega_moe_ep`."""
 
-    num_ranks: int
-    num_tokens: list[int]
-    hidden: int
-    intermediate: int
-    num_experts: int
-    num_topk: int
-    x: list[torch.Tensor]
-    x_sf: list[torch.Tensor]
-    topk_idx: list[torch.Tensor]
-    topk_weights: list[torch.Tensor]
-    x_bf16: list[torch.Tensor]
-    l1_weights: tuple[torch.Tensor, torch.Tensor]
-    l2_weights: tuple[torch.Tensor, torch.Tensor]
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    def weights_for_rank(self, rank: int):
-        """Untransformed ``(l1, l2)`` of rank ``rank``'s experts (views)."""
-        experts = slice(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
-        return ((self.l1_weights[0][experts], self.l1_weights[1][experts]),
-                (self.l2_weights[0][experts], self.l2_weights[1][experts]))
-
-    def reference(self, activation_clamp: float | None = None) -> list[torch.Tensor]:
+    def reference(self, activation_clamp: float | None = None, numerics: str = "exact") -> list[torch.Tensor]:
         from megamoe.reference import reference_fp8_mega_moe_ep
 
+        if numerics != "exact":
+            raise ValueError(f"numerics={numerics!r}: the fp8 format has one numerics, 'exact'")
         return reference_fp8_mega_moe_ep(self.x, self.x_sf, self.topk_idx, self.topk_weights, self.l1_weights,
                                          self.l2_weights, self.num_ranks, activation_clamp=activation_clamp)
 
@@ -69,7 +45,5 @@ def make_fp8_problem(num_ranks: int, num_tokens, hidden: int, intermediate: int,
     l1 = weights(2 * intermediate, hidden)
     l2 = weights(hidden, intermediate)
     xs, sfs = zip(*(per_token_cast_to_fp8_128(x) for x in base.x_bf16)) if base.x_bf16 else ((), ())
-    return Fp8Problem(num_ranks=num_ranks, num_tokens=base.num_tokens, hidden=hidden, intermediate=intermediate,
-                      num_experts=num_experts, num_topk=num_topk, x=list(xs), x_sf=list(sfs),
-                      topk_idx=base.topk_idx, topk_weights=base.topk_weights, x_bf16=base.x_bf16,
-                      l1_weights=l1, l2_weights=l2)
+    return Fp8Problem(**{**vars(base), "intermediate": intermediate, "x": list(xs), "x_sf": list(sfs),
+                         "l1_weights": l1, "l2_weights": l2})
