@@ -20,7 +20,8 @@ while L1 is still running -- the seed's per-block arrival mechanism.
 **Two formats.** FP8 x FP4 (``fp8_fp4_mega_moe``, below) and DeepGEMM SM90's FP8 x FP8 with float32 128-block
 scales (``fp8_mega_moe``, constexpr ``FP8W``): the latter runs the staged tiles of ``megamoe.kernels.gemm_fp8``
 inside the same task loop (pull, arrival counts and masks, combine are format-agnostic: scale words are copied bit
-for bit).
+for bit), or with constexpr ``FP8_SWAP`` their swap-AB variants (128 weight rows on the MMA's M, ``BM`` = 16 / 32
+tokens on N; chosen for few tokens per expert by ``megamoe.fused.fused_config``).
 
 **Two numerics** for FP8 x FP4 (constexpr ``FOLDED``). ``"exact"`` runs the staged path's GEMM tiles
 (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``: FP4 decoded to FP8, one K=32 MMA per scale group, the accumulator
@@ -52,7 +53,7 @@ import triton.language as tl
 
 from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
-from megamoe.kernels.gemm_fp8 import l1_tile_fp8, l2_tile_fp8
+from megamoe.kernels.gemm_fp8 import l1_tile_fp8, l1_tile_fp8_swap, l2_tile_fp8, l2_tile_fp8_swap
 from megamoe.kernels.numerics import (
     bf16_bits_to_f32,
     ceil_ue8m0,
@@ -483,7 +484,8 @@ def fused_mega_moe_kernel(
         COMBINE_H: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_STATS: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
-        BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False):
+        BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
+        FP8_SWAP: tl.constexpr = False):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank."""
@@ -579,7 +581,11 @@ def fused_mega_moe_kernel(
                 b, nt, expert, rows, sf_rows, mask_m, valid = _tile_rows(t - num_pull, N1, n, blocks, cum, BM,
                                                                          BLOCK_E, LAYOUT_BM, LAYOUT_SF_BM)
                 _wait_at_least(arrival + b, valid, state, timeout_ns, max_polls, TIMED)
-                if FP8W:  # the SM90 FP8 x FP8 format: the staged tile of megamoe.kernels.gemm_fp8
+                if FP8W & FP8_SWAP:  # SM90 FP8 x FP8, swap-AB (few tokens per expert; BN1 == 128)
+                    l1_tile_fp8_swap(buf, w1, w1_sf.to(tl.pointer_type(tl.float32)), clamp, expert, rows, sf_rows,
+                                     mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM,
+                                     HAS_CLAMP, F64_EXP)
+                elif FP8W:  # the SM90 FP8 x FP8 format: the staged tile of megamoe.kernels.gemm_fp8
                     l1_tile_fp8(buf, w1, w1_sf.to(tl.pointer_type(tl.float32)), clamp, expert, rows, sf_rows, mask_m,
                                 nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP,
                                 F64_EXP)
@@ -600,7 +606,10 @@ def fused_mega_moe_kernel(
                 # Triton's software pipeliner issues the loads of K-block kb+1 before iteration kb's body runs,
                 # i.e. before a per-K-block wait could order them (wrong results on an H200 with I/128 > 1).
                 _wait_mask_full(l2_mask + b, N1, state, timeout_ns, max_polls, TIMED)
-                if FP8W:
+                if FP8W & FP8_SWAP:  # BN2 == 128
+                    l2_tile_fp8_swap(buf, buffer_ptrs, me, w2, w2_sf.to(tl.pointer_type(tl.float32)), expert, rows,
+                                     sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM)
+                elif FP8W:
                     l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf.to(tl.pointer_type(tl.float32)), expert, rows, sf_rows,
                                 mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2)
                 elif FOLDED:

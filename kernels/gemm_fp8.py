@@ -19,6 +19,14 @@ On the interpreter the float32 division and reciprocal are IEEE (numpy), so the 
 on a GPU Triton's ``/`` may be the approximate ``div.full.f32`` (a 1-2 ulp scale difference, inside the GPU
 tolerance). The staged pipeline launches them as grids; the fused kernel (``megamoe.kernels.fused``, constexpr
 ``FP8W``) calls ``l1_tile_fp8`` / ``l2_tile_fp8`` from its task loop.
+
+**Swap-AB tiles** (``l1_tile_fp8_swap`` / ``l2_tile_fp8_swap``, fused kernel constexpr ``FP8_SWAP``, chosen by
+``megamoe.fused.fused_config`` for few expected tokens per expert): 128 weight rows on the MMA's M and 16 / 32
+pool tokens on its N, so a block of a few tokens does not pad the MMA to 64 rows. Same per-block dot and promotion
+(``acc += dot * (sw * sa[m])``: the same float32 scale product) and the same epilogues on the transposed
+accumulator. Every product of two e4m3 values is exact in float32, so the two orientations can only differ in the
+order of the float32 sums inside one 128-wide dot: on the interpreter both are one numpy float32 matmul per block
+(summed in K order), and the tests find them bitwise equal to the reference.
 """
 import triton
 import triton.language as tl
@@ -53,29 +61,18 @@ def _block_step(acc, a, sa, w, w_sf, n_rows, sf_n, k0, K: tl.constexpr):
 
 
 @triton.jit
-def l1_tile_fp8(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
-                OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
-                OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
-    """One L1 tile: pool ``rows`` of local ``expert`` x intermediate columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``
-    (``BLOCK_N % 128 == 0``); SwiGLU, top-k weight and the per-128 float32-scaled FP8 requant into the L2 pool."""
-    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
-    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.float32))
+def _l1_epilogue_fp8(acc_g, acc_u, buf, clamp, rows, sf_rows, mask_m, nt, OFF_L1_W: tl.constexpr,
+                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
+    """The L1 epilogue of a tile of pool ``rows`` [BLOCK_M] x intermediate columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``
+    (``BLOCK_N % 128 == 0``): ``acc_g`` / ``acc_u`` float32 ``[BLOCK_M, BLOCK_N]`` (tokens x columns) rounded to
+    bf16 (as the reference's L1 output), clamp, SwiGLU, top-k weight, then the FP8 requant per 128 columns of each
+    token into the L2 pool: e4m3 bytes ``[P, I]`` row-major and float32 scales MN-major ``[I/128][SP]``."""
     topk_w = (buf + OFF_L1_W).to(tl.pointer_type(tl.float32))
     out = (buf + OFF_L2).to(tl.pointer_type(tl.uint8))
     out_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.float32))
     G: tl.constexpr = BLOCK_N // FP8_BLOCK
     c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE  # gate/up interleaved by 8
-    gate_sf_n = c // FP8_BLOCK  # scale blocks are not interleaved: gate blocks, then up blocks
-    w = w1.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * (2 * I) * H
-    w_sf = w1_sf + expert.to(tl.int64) * ((2 * I) // FP8_BLOCK) * (H // FP8_BLOCK)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, FP8_BLOCK):
-        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
-        acc_g = _block_step(acc_g, a, sa, w, w_sf, gate_rows, gate_sf_n, k0, H)
-        acc_u = _block_step(acc_u, a, sa, w, w_sf, gate_rows + L1_INTERLEAVE, gate_sf_n + I // FP8_BLOCK, k0, H)
     gate = round_to_bf16(acc_g)
     up = round_to_bf16(acc_u)
     if HAS_CLAMP:
@@ -91,6 +88,45 @@ def l1_tile_fp8(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
     tl.store(out + rows[:, None].to(tl.int64) * I + c[None, :], q.to(tl.uint8), mask=mask_m[:, None])
     grp = nt * G + tl.arange(0, G)
     tl.store(out_sf + grp[None, :] * SP + sf_rows[:, None], scale, mask=mask_m[:, None])
+
+
+@triton.jit
+def _store_combine(out, buf, buffer_ptrs, me, rows, mask_m, n_rows, OFF_META: tl.constexpr,
+                   OFF_COMBINE: tl.constexpr, T: tl.constexpr, H: tl.constexpr):
+    """The L2 write-back: ``out`` float32 ``[BM, BN]`` (pool ``rows`` x hidden columns ``n_rows``) as bf16 into
+    ``combine[slot][token]`` (``[K, T, H]`` int16 bits) of each row's source rank; padding rows skipped."""
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
+    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+    tl.store(dst, f32_to_bf16_bits(out).to(tl.int16), mask=mask_m[:, None])
+
+
+@triton.jit
+def l1_tile_fp8(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+                OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+                OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
+    """One L1 tile: pool ``rows`` of local ``expert`` x intermediate columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``
+    (``BLOCK_N % 128 == 0``); SwiGLU, top-k weight and the per-128 float32-scaled FP8 requant into the L2 pool."""
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.float32))
+    c = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE  # gate/up interleaved by 8
+    gate_sf_n = c // FP8_BLOCK  # scale blocks are not interleaved: gate blocks, then up blocks
+    w = w1.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * (2 * I) * H
+    w_sf = w1_sf + expert.to(tl.int64) * ((2 * I) // FP8_BLOCK) * (H // FP8_BLOCK)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, FP8_BLOCK):
+        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+        acc_g = _block_step(acc_g, a, sa, w, w_sf, gate_rows, gate_sf_n, k0, H)
+        acc_u = _block_step(acc_u, a, sa, w, w_sf, gate_rows + L1_INTERLEAVE, gate_sf_n + I // FP8_BLOCK, k0, H)
+    _l1_epilogue_fp8(acc_g, acc_u, buf, clamp, rows, sf_rows, mask_m, nt, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
+                     BLOCK_M, BLOCK_N, HAS_CLAMP, F64_EXP)
 
 
 @triton.jit
@@ -123,8 +159,6 @@ def l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, 
     ``combine[slot][token]`` of each row's source rank (padding rows skipped)."""
     acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.float32))
-    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
-    combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
     n_rows = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     w = w2.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * H * I
     w_sf = w2_sf + expert.to(tl.int64) * (H // FP8_BLOCK) * (I // FP8_BLOCK)
@@ -132,12 +166,7 @@ def l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, 
     for k0 in range(0, I, FP8_BLOCK):
         a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
         acc = _block_step(acc, a, sa, w, w_sf, n_rows, n_rows // FP8_BLOCK, k0, I)
-    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
-    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
-    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
-    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
-    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
-    tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
+    _store_combine(acc, buf, buffer_ptrs, me, rows, mask_m, n_rows, OFF_META, OFF_COMBINE, T, H)
 
 
 @triton.jit
@@ -158,3 +187,60 @@ def l2_combine_fp8_kernel(buf, buffer_ptrs, me, w2, w2_sf,
         l2_tile_fp8(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
                     OFF_META, OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N)
         tile += tl.num_programs(0)
+
+
+# ------------------------------------------------------------------ swap-AB tiles (the fused kernel, few tokens)
+@triton.jit
+def _block_step_swap(acc, a, sa, w, w_sf, n_rows, sf_n, k0, K: tl.constexpr):
+    """acc [128, BM] += (W[n_rows, k0:k0+128] . a^T) * (sw * sa[m]): the transpose of :func:`_block_step` for 128
+    weight rows ``n_rows`` inside one scale block row ``sf_n`` (a scalar: one weight scale per K block). The scale
+    product is the same float32 product (multiplication commutes), so the promotion is bitwise the other tile's."""
+    kk = tl.arange(0, FP8_BLOCK)
+    b = tl.load(w + n_rows[:, None].to(tl.int64) * K + k0 + kk[None, :])
+    sw = tl.load(w_sf + sf_n * (K // FP8_BLOCK) + k0 // FP8_BLOCK)
+    return acc + tl.dot(b, tl.trans(a)) * (sw * sa[None, :])
+
+
+@triton.jit
+def l1_tile_fp8_swap(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
+                     OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
+                     OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
+    """:func:`l1_tile_fp8` swap-AB, for few tokens per expert: 128 intermediate columns ``[nt*128, (nt+1)*128)``
+    -- 128 gate and 128 up weight rows (interleaved by 8 in ``w1``), each on the MMA's M -- times ``BLOCK_M``
+    (16 / 32) pool ``rows`` on its N. Accumulators ``[128, BLOCK_M]`` float32; the epilogue (bf16 round, SwiGLU,
+    top-k weight, per-128 requant) runs on their transposes and is :func:`l1_tile_fp8`'s (``BLOCK_N = 128``)."""
+    acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L1_SF).to(tl.pointer_type(tl.float32))
+    c = nt * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    gate_rows = (c // L1_INTERLEAVE) * (2 * L1_INTERLEAVE) + c % L1_INTERLEAVE
+    w = w1.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * (2 * I) * H
+    w_sf = w1_sf + expert.to(tl.int64) * ((2 * I) // FP8_BLOCK) * (H // FP8_BLOCK)
+    acc_g = tl.zeros([FP8_BLOCK, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([FP8_BLOCK, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, FP8_BLOCK):
+        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, H, SP)
+        acc_g = _block_step_swap(acc_g, a, sa, w, w_sf, gate_rows, nt, k0, H)  # gate scale block row nt
+        acc_u = _block_step_swap(acc_u, a, sa, w, w_sf, gate_rows + L1_INTERLEAVE, I // FP8_BLOCK + nt, k0, H)
+    _l1_epilogue_fp8(tl.trans(acc_g), tl.trans(acc_u), buf, clamp, rows, sf_rows, mask_m, nt, OFF_L1_W, OFF_L2,
+                     OFF_L2_SF, I, SP, BLOCK_M, FP8_BLOCK, HAS_CLAMP, F64_EXP)
+
+
+@triton.jit
+def l2_tile_fp8_swap(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
+                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr,
+                     OFF_COMBINE: tl.constexpr, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                     SP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """:func:`l2_tile_fp8` swap-AB: 128 hidden columns ``[nt*128, (nt+1)*128)`` (weight rows, the MMA's M) x
+    ``BLOCK_M`` pool ``rows`` (its N); the transposed accumulator is written as bf16 rows into the source rank's
+    ``combine[slot][token]``, as :func:`l2_tile_fp8`."""
+    acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
+    acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.float32))
+    n_rows = nt * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    w = w2.to(tl.pointer_type(tl.float8e4nv)) + expert.to(tl.int64) * H * I
+    w_sf = w2_sf + expert.to(tl.int64) * (H // FP8_BLOCK) * (I // FP8_BLOCK)
+    acc = tl.zeros([FP8_BLOCK, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, I, FP8_BLOCK):
+        a, sa = _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, I, SP)
+        acc = _block_step_swap(acc, a, sa, w, w_sf, n_rows, nt, k0, I)
+    _store_combine(tl.trans(acc), buf, buffer_ptrs, me, rows, mask_m, n_rows, OFF_META, OFF_COMBINE, T, H)

@@ -9,9 +9,11 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
 
 * ``block_m`` (tokens per pool block) from the expected tokens per local expert ``n * R * k / E`` (DeepGEMM's
   key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
-  MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``). Never above
-  ``layout.block_m``: the pool is sized for it (the largest block it may pick), so every choice fits.
-* programs per rank: ``PROGRAMS_PER_SM[numerics]`` per SM with its register cap (GPU; divided among local
+  MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``); the SM90 FP8 format
+  (``fp8_mega_moe``) its swap-AB tile ``"fp8_swap"`` (tokens on the MMA's N) at <= ``FP8_SWAP_MAX_EXPECTED``
+  expected tokens, the smallest power of two >= it in [16, 32], else its staged tile ``"fp8"`` with 64 / 128. Never
+  above ``layout.block_m``: the pool is sized for it (the largest block it may pick), so every choice fits.
+* programs per rank: ``PROGRAMS_PER_SM[kind]`` per SM with its register cap (GPU; divided among local
   ranks), 1 under the interpreter (its programs run one after another, so a grid sync between programs could never
   complete).
 * ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
@@ -27,6 +29,7 @@ import triton
 
 from megamoe.env import interpreting
 from megamoe.kernels import fused as kf
+from megamoe.layout import MIN_BLOCK_M
 from megamoe.ops import largest_pow2_tile
 from megamoe.quant import fold_lut
 
@@ -35,21 +38,31 @@ TIMELINE_KINDS = kf.EVENT_NAMES
 #: Events kept per program when a timeline is requested.
 TIMELINE_MAX_EVENTS = 512
 #: Resident 4-warp programs per SM and the register cap that lets them all fit (every program must be resident:
-#: they meet in grid syncs), by numerics. Measured on an H200 (``results/fused_tune_h200.json``, and at 6423414 a
+#: they meet in grid syncs), by tile kind. Measured on an H200 (``results/fused_tune_h200.json``, and at 6423414 a
 #: sweep of 2/3/4 programs at T = 8 / 128 / 512): "exact" 3 programs capped at 168 registers beat 2 uncapped by
 #: 3-4% (1457 / 2290 / 3548 us against 1512 / 2359 / 3701; 4 at 128 registers spill in its per-32 tiles and lose
 #: 60%); "hopper" 4 programs at 128 registers beat 2 uncapped by 9-13% (1066 / 2247 / 5157 against 1174 / 2596 /
 #: 5726). One 8-warp program of block 64 / 128 per SM was 3-35% slower than two 4-warp programs (01b60b0).
-PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None)}
+#: "fp8_swap": two uncapped 4-warp 3-stage programs, from an offline sm_90a compile (Triton 3.6, V4-Pro shapes, not
+#: yet measured): 254 / 255 registers at block 16 / 32 with no spill and 104448 / 110592 B of shared memory, so both
+#: registers and shared memory hold exactly two. (Two stages with a 168-register cap would hold three at block 16 --
+#: 69632 B, 24 B of stack -- but spill 376 B at block 32; one 8-warp 3-stage program: 229 registers, 104448 B.)
+PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None)}
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
 #: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block
 #: 128 762 / 1205 / 3145 / 10031 us, against 975 / 1591 / 5988 / 21020 us for two 4-warp 2-stage programs of block 64
 #: (255 registers, 352 bytes spilled); two 4-warp 3-stage programs do not fit one SM's shared memory together and
-#: dead-lock in the first grid sync (``_check_resident`` now refuses such a launch).
-WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3)}
+#: dead-lock in the first grid sync (``_check_resident`` now refuses such a launch). "fp8_swap": see PROGRAMS_PER_SM.
+WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4, 3)}
 #: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
 FP8_BLOCK64_MAX_EXPECTED = 64
+#: The SM90 FP8 format takes its swap-AB tiles ("fp8_swap": 128 weight rows on the MMA's M, block_m tokens on N,
+#: ``megamoe.kernels.gemm_fp8.l1_tile_fp8_swap``) up to this many expected tokens per local expert, with block_m the
+#: smallest power of two >= the expectation in [16, 32] (<= 32 expected: at most 32 columns of MMA N per block).
+#: Above, the staged tile (tokens on M, where wgmma pads a block to 64 rows). At T tokens per rank of one EP8 rank of
+#: V4-Pro (384 experts, top-6) the expectation is T / 8: T <= 256 runs "fp8_swap".
+FP8_SWAP_MAX_EXPECTED = 32
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
 #: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
@@ -72,6 +85,8 @@ class FusedConfig:
     num_stages: int = 2
     #: Register cap per thread (ptxas ``maxnreg``; None = up to 255): what lets more than two programs share an SM.
     maxnreg: int | None = None
+    #: Tile family (a key of ``TILE_N``): None = ``tile_kind(layout, numerics)``; ``fused_config`` sets it.
+    kind: str | None = None
 
 
 def expected_tokens_per_expert(layout, num_tokens: int) -> float:
@@ -82,13 +97,18 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
 #: Columns per L1 / L2 tile (weight rows of L2) by numerics: "exact" reuses the staged tile of
 #: ``megamoe.kernels.gemm`` (tokens on the MMA's M, BLOCK_N weight rows), "hopper" its own swap-AB tile (128
 #: weight rows on the MMA's M, tokens on N).
-TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128)}
+TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128), "fp8_swap": (128, 128)}
+#: The tile kinds of the SM90 FP8 x FP8 format (the others are the FP8 x FP4 format's numerics).
+FP8_KINDS = ("fp8", "fp8_swap")
 
 
-def tile_kind(layout, numerics: str) -> str:
-    """The tile family of a call: the layout's format ``"fp8"`` (``fp8_mega_moe``: the staged FP8 x FP8 tiles, whose
-    L1 owns whole 128-column requant groups), else the FP8 x FP4 ``numerics``."""
-    return "fp8" if getattr(layout, "format", "fp8_fp4") == "fp8" else numerics
+def tile_kind(layout, numerics: str, expected: float | None = None) -> str:
+    """The tile family of a call. The layout's format ``"fp8"`` (``fp8_mega_moe``): ``"fp8_swap"`` (swap-AB) when
+    ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``, else ``"fp8"`` (the staged
+    FP8 x FP8 tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``."""
+    if getattr(layout, "format", "fp8_fp4") != "fp8":
+        return numerics
+    return "fp8_swap" if expected is not None and expected <= FP8_SWAP_MAX_EXPECTED else "fp8"
 
 
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
@@ -96,14 +116,16 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
-    kind = tile_kind(layout, numerics)
+    kind = tile_kind(layout, numerics, expected)
     warps, stages = WARPS_STAGES[kind]
     if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
+    elif kind == "fp8_swap":  # tokens on the MMA's N; expected <= FP8_SWAP_MAX_EXPECTED
+        block_m = max(MIN_BLOCK_M, min(layout.block_m, want))
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     else:  # tokens on the MMA's N
-        block_m = max(16, min(MAX_BLOCK_M, layout.block_m, want))
+        block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -111,9 +133,9 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                           num_stages=stages, maxnreg=maxnreg)
+                           num_stages=stages, maxnreg=maxnreg, kind=kind)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                       num_stages=stages)
+                       num_stages=stages, kind=kind)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -149,6 +171,10 @@ def _offsets(L) -> dict[str, int]:
 def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeline: bool) -> dict:
     """The constexpr keywords of ``fused_mega_moe_kernel`` for layout ``L`` and ``cfg``."""
     gpu = not interpreting()
+    kind = cfg.kind or tile_kind(L, cfg.numerics)
+    if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
+        raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
+                         f"{getattr(L, 'format', 'fp8_fp4')!r}")
     return dict(
         **_offsets(L), R=L.num_ranks, E=L.num_experts, El=L.num_experts_per_rank, T=L.num_max_tokens_per_rank,
         K=L.num_topk, H=L.hidden, I=L.intermediate_hidden, SP=L.num_padded_sf_pool_tokens, LAYOUT_BM=L.block_m,
@@ -158,8 +184,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
-        BN1=TILE_N[tile_kind(L, cfg.numerics)][0], BN2=TILE_N[tile_kind(L, cfg.numerics)][1], F64_EXP=not gpu,
-        FP8W=tile_kind(L, cfg.numerics) == "fp8",
+        BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,
+        FP8_SWAP=kind == "fp8_swap",
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 

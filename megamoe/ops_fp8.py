@@ -9,9 +9,12 @@ It runs the staged pipeline of :mod:`megamoe.ops` (same steps, barriers, dispatc
 guard) with the two GEMM steps swapped for :mod:`megamoe.kernels.gemm_fp8`. The dispatch copies a token's ``H/128``
 scale words bit for bit, so the same kernel moves float32 scales. ``impl="fused"`` (the default ``"auto"`` on a
 Hopper GPU) runs the same two tiles inside the fused persistent kernel (``megamoe.kernels.fused``, constexpr
-``FP8W``): one launch, the pull overlapped with the GEMMs through the arrival counts and masks; on CPU ranks under
-the interpreter it is bit-exact with the staged path (``tests/test_fp8_mega_moe.py``); on an H200 both paths pass
-``tests/gpu/test_fp8_gpu.py`` and ``python -m megamoe.bench --suite layer_fp8`` times them beside DeepGEMM's kernel.
+``FP8W``) -- or, for at most ``megamoe.fused.FP8_SWAP_MAX_EXPECTED`` expected tokens per expert, their swap-AB
+variants (constexpr ``FP8_SWAP``: weight rows on the MMA's M, 16 / 32 tokens on N): one launch, the pull overlapped
+with the GEMMs through the arrival counts and masks; on CPU ranks under the interpreter both tile kinds are bit-exact
+with the staged path (``tests/test_fp8_mega_moe.py``); on an H200 both paths passed ``tests/gpu/test_fp8_gpu.py``
+before the swap-AB tiles were added (not yet run on a GPU), and ``python -m megamoe.bench --suite layer_fp8`` times
+them beside DeepGEMM's kernel.
 
 The buffer must have been made for this format: ``SymmBuffer(..., format="fp8")`` (or ``mma_type="fp8xfp8"``), whose
 ``x_sf`` view is float32 ``[T, H/128]``.
@@ -62,7 +65,8 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
         dispatch, check: as :func:`megamoe.ops.fp8_fp4_mega_moe` (``check`` also rejects non-finite or non-positive
             ``x_sf`` scales).
         impl: as :func:`megamoe.ops.fp8_fp4_mega_moe`: ``"staged"``, ``"fused"`` (one persistent launch on a Hopper
-            GPU, running this format's staged GEMM tiles inside ``megamoe.kernels.fused``'s task loop) or
+            GPU, running this format's staged GEMM tiles, or their swap-AB variants for few tokens per expert,
+            inside ``megamoe.kernels.fused``'s task loop) or
             ``"auto"`` (fused wherever it can run; :func:`megamoe.ops.resolve_impl`).
 
     Interruption and repair are those of :func:`megamoe.ops.fp8_fp4_mega_moe`.

@@ -2,14 +2,20 @@
 ``megamoe.reference.reference_fp8_mega_moe_ep``, and its argument validation.
 
 The staged FP8 kernels reproduce the reference bit for bit here (same per-128 promotion order, IEEE float32 requant
-on the interpreter); the tests require it, and also the ``fp32`` tolerance profile (``megamoe.testing``)."""
+on the interpreter); the tests require it, and also the ``fp32`` tolerance profile (``megamoe.testing``). So do the
+fused kernel's swap-AB tiles (``"fp8_swap"``, few tokens per expert): every e4m3 x e4m3 product is exact in float32,
+and on the interpreter a 128-wide block dot is one float32 numpy matmul summed in K order whichever operand is
+transposed -- as the reference's torch matmul (``test_block_dot_orientations_sum_alike`` checks the premise, with
+data whose float32 sums round)."""
 import pytest
 import torch
 
 import megamoe
+import megamoe.fused
 from megamoe.cases import MoECase
 from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8, run_fp8_case_local, run_fp8_case_rank
 from megamoe.launch import launch
+from megamoe.layout import Layout
 from megamoe.symm import SymmBuffer
 
 
@@ -57,20 +63,64 @@ def test_process_ranks_over_shared_memory():
 
 
 # ------------------------------------------------------------------ the fused kernel (FP8W tiles), CPU ranks
-def test_fused_one_rank_bitwise():
+@pytest.fixture
+def fused_configs(monkeypatch):
+    """The ``FusedConfig`` of every fused launch in this process (``megamoe.fused.fused_config`` spied on)."""
+    seen = []
+    real = megamoe.fused.fused_config
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(megamoe.fused, "fused_config", spy)
+    return seen
+
+
+@pytest.mark.parametrize("tokens,block_m,kind,bm", [(19, 16, "fp8_swap", 16),
+                                                    pytest.param(50, 32, "fp8_swap", 32, marks=pytest.mark.slow),
+                                                    (70, 16, "fp8", 16)])
+def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm):
     """The fused persistent kernel with this format's tiles (one program under the interpreter): H = 384 and I = 256
-    (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls."""
-    _check(run_fp8_case_local(MoECase(num_ranks=1, num_tokens=19, hidden=384, intermediate=256, num_topk=3,
-                                      num_experts=6, masked_ratio=0.2, activation_clamp=0.5, num_calls=2,
-                                      block_m=16, impl="fused", seed=13)))
+    (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls. 19 / 50 tokens x top-3
+    over 6 experts expect 9.5 / 25 tokens per expert: the swap-AB tiles at block 16 / 32; 70 (35 expected) the
+    staged tile. The spy checks which tile ran."""
+    case = MoECase(num_ranks=1, num_tokens=tokens, hidden=384, intermediate=256, num_topk=3, num_experts=6,
+                   masked_ratio=0.2, activation_clamp=0.5, num_calls=2, block_m=block_m, impl="fused", seed=13)
+    _check(run_fp8_case_local(case))
+    assert [(c.kind, c.block_m) for c in fused_configs] == [(kind, bm)] * 2
+
+
+def test_block_dot_orientations_sum_alike():
+    """The premise of the swap-AB tiles' bitwise tests: the interpreter's ``tl.dot`` (float8 operands widened to
+    float16, ``np.matmul(..., dtype=float32)``) gives the same float32 bits for ``dot(w, a^T)^T`` and ``dot(a, w^T)``
+    and the reference's torch matmul, on e4m3 data spread over 2^20 whose float32 block sums do round."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    rounded = 0
+    for bm in (16, 32):
+        a, w = ((torch.randn(n, 128, generator=g) * torch.pow(2.0, torch.randint(-12, 8, (n, 128), generator=g)))
+                .clamp(-448, 448).to(torch.float8_e4m3fn).float() for n in (bm, 128))
+        a16, w16 = a.numpy().astype(np.float16), w.numpy().astype(np.float16)
+        swap = np.matmul(w16, a16.T, dtype=np.float32).T
+        assert np.array_equal(swap, np.matmul(a16, w16.T, dtype=np.float32))
+        assert np.array_equal(swap, (a @ w.T).numpy())
+        rounded += int((torch.from_numpy(swap).double() != a.double() @ w.double().T).sum())
+    assert rounded > 0  # the sums round: a different summation order could change bits
 
 
 @pytest.mark.slow
-def test_fused_two_processes_bitwise():
+@pytest.mark.parametrize("tokens,kinds", [([14, 0], ("fp8_swap", "fp8_swap")), ([40, 0], ("fp8", "fp8_swap"))])
+def test_fused_two_processes_bitwise(tokens, kinds):
     """Two CPU processes: the fused kernel's in-kernel barriers, remote pulls of float32 scale words and the
-    write-back into the source rank's combine buffer, with an empty rank and skew."""
-    case = MoECase(num_ranks=2, num_tokens=[14, 0], num_topk=2, num_experts=4, routing="skewed", block_m=16,
+    write-back into the source rank's combine buffer, with an empty rank and skew. Each rank picks its tiles from
+    its own token count: with 40 tokens (40 expected per expert) rank 0 runs the staged tile while the empty rank 1
+    runs the swap-AB tiles on what it receives."""
+    case = MoECase(num_ranks=2, num_tokens=tokens, num_topk=2, num_experts=4, routing="skewed", block_m=16,
                    impl="fused", seed=17)
+    layout = Layout(2, 4, max(tokens), 2, case.hidden, case.intermediate, 16, "fp8")  # each rank's SymmBuffer's
+    assert tuple(megamoe.fused.fused_config(layout, n, 1, torch.device("cpu")).kind for n in tokens) == kinds
     _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
 
 

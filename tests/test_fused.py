@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
-from megamoe.fused import MAX_BLOCK_M, PROGRAMS_PER_SM, WARPS_STAGES, fused_config, max_resident_programs
+from megamoe.fused import (
+    FP8_SWAP_MAX_EXPECTED,
+    MAX_BLOCK_M,
+    PROGRAMS_PER_SM,
+    WARPS_STAGES,
+    FusedConfig,
+    fused_config,
+    kernel_meta,
+    max_resident_programs,
+)
 from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.ops import fp8_fp4_mega_moe, resolve_impl
@@ -88,21 +97,41 @@ def test_fused_config_from_shapes():
     assert fused_config(L, 8, 1, cpu, "exact").block_m == 64        # tokens on wgmma's M: at least 64
     assert fused_config(Layout(1, 4, 8, 2, 256, 128, 32), 8, 1, cpu, "exact").block_m == 32  # never above the pool's
     assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
+    assert fused_config(L, 8, 1, cpu, "hopper").kind == "hopper" and fused_config(L, 8, 1, cpu).kind == "exact"
+    # SM90 FP8 (one EP8 rank of V4-Pro: T / 8 expected tokens per expert): swap-AB up to FP8_SWAP_MAX_EXPECTED
     F = Layout(8, 384, 8192, 6, 7168, 3072, 128, "fp8")
-    assert fused_config(F, 8, 1, cpu).block_m == 64                # SM90 FP8: 1 expected token per expert
-    assert fused_config(F, 2048, 1, cpu).block_m == 128             # 256 expected: block 128
-    assert (fused_config(F, 8, 1, cpu).num_warps, fused_config(F, 8, 1, cpu).num_stages) == WARPS_STAGES["fp8"]
+    assert FP8_SWAP_MAX_EXPECTED == 32
+    kinds = {t: (fused_config(F, t, 1, cpu).kind, fused_config(F, t, 1, cpu).block_m)
+             for t in (8, 32, 128, 136, 256, 264, 512, 2048)}
+    assert kinds == {8: ("fp8_swap", 16), 32: ("fp8_swap", 16), 128: ("fp8_swap", 16), 136: ("fp8_swap", 32),
+                     256: ("fp8_swap", 32), 264: ("fp8", 64), 512: ("fp8", 64), 2048: ("fp8", 128)}
+    for t, kind in ((8, "fp8_swap"), (512, "fp8")):
+        cfg = fused_config(F, t, 1, cpu)
+        assert (cfg.num_warps, cfg.num_stages) == WARPS_STAGES[kind]
+        meta = kernel_meta(F, cfg, has_clamp=False, has_stats=False, timeline=False)
+        assert (meta["FP8W"], meta["FP8_SWAP"], meta["BN1"], meta["BN2"]) == (True, kind == "fp8_swap", 128, 128)
+    # never above the pool's block; a swap-AB kind on the other format is refused by name
+    assert fused_config(Layout(8, 384, 8192, 6, 7168, 3072, 16, "fp8"), 256, 1, cpu).block_m == 16
+    assert fused_config(Layout(8, 384, 8192, 6, 7168, 3072, 16, "fp8"), 512, 1, cpu).block_m == 16
+    with pytest.raises(ValueError, match="kind='fp8_swap' does not run a layout of format 'fp8_fp4'"):
+        kernel_meta(L, FusedConfig(16, 1, kind="fp8_swap"), has_clamp=False, has_stats=False, timeline=False)
+    meta = kernel_meta(L, fused_config(L, 8, 1, cpu, "hopper"), has_clamp=False, has_stats=False, timeline=False)
+    assert not meta["FP8W"] and not meta["FP8_SWAP"] and meta["FOLDED"]
 
 
 def test_residency_limits_every_programs_per_sm_choice():
     """``max_resident_programs`` against the per-SM limits, with the registers / shared memory of the fused kernel
-    compiled for sm_90a (Triton 3.6, real size): each PROGRAMS_PER_SM choice fits exactly, one more does not."""
+    compiled for sm_90a (Triton 3.6, real size; every tile kind, "fp8_swap" at both of its blocks): each
+    PROGRAMS_PER_SM choice fits exactly, one more does not."""
     class H200:  # what torch reports for an H200
         regs_per_multiprocessor, shared_memory_per_multiprocessor, max_threads_per_multi_processor = 65536, 233472, 2048
 
-    compiled = {"exact": (168, 20480, 4), "hopper": (128, 32768, 4), "fp8": (255, 147456, 8)}  # regs, smem, warps
-    for kind, (regs, smem, warps) in compiled.items():
+    compiled = [("exact", 168, 20480, 4), ("hopper", 128, 32768, 4), ("fp8", 255, 147456, 8),  # regs, smem, warps
+                ("fp8_swap", 254, 104448, 4), ("fp8_swap", 255, 110592, 4)]  # swap-AB at block 16 / 32
+    for kind, regs, smem, warps in compiled:
+        assert warps == WARPS_STAGES[kind][0] and regs <= (PROGRAMS_PER_SM[kind][1] or 255), kind
         assert max_resident_programs(regs, smem, warps, H200) == PROGRAMS_PER_SM[kind][0], kind
+    assert {kind for kind, *_ in compiled} == set(PROGRAMS_PER_SM) == set(WARPS_STAGES)
     assert max_resident_programs(255, 0, 4, H200) == 2                # registers: 2 x 4 warps x 8192
     assert max_resident_programs(64, 2 * 61440, 4, H200) == 1         # shared memory: two 3-stage FP8 programs
     assert max_resident_programs(32, 0, 4, H200) == 16                # threads: 2048 / 128
