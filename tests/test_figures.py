@@ -145,3 +145,69 @@ def test_every_result_kind_plots_with_its_own_plotter(dirs, capsys):
         assert figures.plot_results(name) is not None, name
         fell_back = "generic" in capsys.readouterr().out
         assert fell_back == (name == "layer_test"), name
+
+
+def _layer_run(fmt: str | None, impls: dict, tokens=(8, 128, 8192)) -> dict:
+    """A ``layer`` result of one weight format: ``impls`` maps (impl, numerics) to a time factor; DeepGEMM SM90 is
+    measured at every T but the last (its ratios stop there)."""
+    config = {"format": fmt} if fmt else {}
+    rows = [{"impl": i, "numerics": m, "routing": r, "num_tokens_per_rank": t, "us": 100.0 * t * f}
+            for (i, m), f in impls.items() for r in ("uniform", "skewed") for t in tokens
+            if not (i == "deepgemm_sm90" and (r != "uniform" or t == tokens[-1]))]
+    return {"kind": "layer_fp8" if fmt else "layer", "provenance": {"device": "test"}, "config": config, "rows": rows}
+
+
+def test_format_comparison_divides_by_deepgemm_of_the_same_run(dirs):
+    """Both formats side by side: each series' ratios use DeepGEMM SM90 of its own run, only where it was measured;
+    the table has one cell per such T; the figure saves without warnings; ``layer_fp8`` has its own plotter."""
+    import warnings
+
+    _, res = dirs
+    fp4 = _layer_run(None, {("fused", "exact"): 3.0, ("fused", "hopper"): 4.0, ("deepgemm_sm90", None): 1.0})
+    fp8 = _layer_run("fp8", {("fused", "exact"): 1.25, ("staged", "exact"): 1.5, ("deepgemm_sm90", None): 1.1})
+    series = figures.format_comparison(fp4, fp8)
+    by = {(s["format"], s["impl"], s["numerics"]): s for s in series}
+    assert set(by) == {("fp8_fp4", "fused", "exact"), ("fp8_fp4", "fused", "hopper"),
+                       ("fp8_fp4", "deepgemm_sm90", None), ("fp8", "fused", "exact"), ("fp8", "staged", "exact"),
+                       ("fp8", "deepgemm_sm90", None)}
+    assert by["fp8_fp4", "fused", "exact"]["vs_deepgemm"] == pytest.approx({8: 3.0, 128: 3.0})
+    assert by["fp8", "fused", "exact"]["vs_deepgemm"] == pytest.approx({8: 1.25 / 1.1, 128: 1.25 / 1.1})
+    assert by["fp8", "fused", "exact"]["us"][8192] == pytest.approx(100.0 * 8192 * 1.25)   # no ratio, still plotted
+    assert by["fp8_fp4", "fused", "exact"]["weights"] == figures.FORMAT_WEIGHTS["fp8_fp4"]
+    assert by["fp8_fp4", "deepgemm_sm90", None]["weights"] == figures.PEER_WEIGHTS["deepgemm_sm90"]
+    table = figures.format_table(series)
+    assert [k for k in table[0] if k.startswith("T=")] == ["T=8", "T=128"]
+    assert table[0]["run [format]"] == "fused exact [fp8_fp4]" and table[3]["run [format]"] == "fused [fp8]"
+    assert table[3]["T=8"] == "1,000 (1.14x)"
+    skewed = figures.format_comparison(fp4, fp8, routing="skewed")
+    assert all(not s["vs_deepgemm"] for s in skewed)           # no DeepGEMM rows there: no ratios
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = figures.plot_formats(fp4, fp8)
+        png, _ = figures.save_figure(fig, "formats")
+    assert png.stat().st_size < 80_000
+    (res / "layer_fp8_test.json").write_text(json.dumps(fp8))
+    assert figures.plot_results("layer_fp8_test") is not None and figures.BENCH_PLOTS["layer_fp8"] is \
+        figures.bench_layer_impls
+
+
+def test_results_in_a_subfolder_are_recorded_by_their_relative_path(dirs, capsys):
+    """A probe's output (``results/probes/x.json``) is read and recorded as ``probes/x.json``, so the freshness
+    check finds it."""
+    import nbformat
+
+    from megamoe import notebooks as nbs
+
+    _, res = dirs
+    (res / "probes").mkdir()
+    (res / "probes" / "x.json").write_text('{"rows": [1]}')
+    assert figures.load_results("probes/x") == {"rows": [1]}
+    line = capsys.readouterr().out
+    assert line.startswith("read results/probes/x.json sha256:")
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("figures.load_results('probes/x')")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=line)]
+    nb.cells = [cell]
+    assert nbs.freshness_problems(nb) == []
+    (res / "probes" / "x.json").write_text('{"rows": [2]}')
+    assert any("changed since" in p for p in nbs.freshness_problems(nb))

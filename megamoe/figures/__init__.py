@@ -13,10 +13,14 @@ notebooks embed, so that a notebook with its figures stays small) and ``<name>.s
 * :mod:`~megamoe.figures.sizing` -- buffer size sweeps, the layout breakdown, simulated occupancy and traffic;
 * :mod:`~megamoe.figures.diagrams` -- data flow, pipeline and pool pictures;
 * :mod:`~megamoe.figures.formats` -- the number formats and their quantisation errors;
-* :mod:`~megamoe.figures.bench` -- benchmark results by ``kind`` (:func:`plot_results`) and the roofline.
+* :mod:`~megamoe.figures.bench` -- benchmark results by ``kind`` (:func:`plot_results`), the roofline, and the two
+  weight formats side by side (:func:`plot_formats`, :func:`format_comparison`).
 """
 from megamoe.figures.bench import (
+    BASELINE_IMPL,
     BENCH_PLOTS,
+    FORMAT_WEIGHTS,
+    PEER_WEIGHTS,
     bench_ceilings,
     bench_fused_tune,
     bench_layer_impls,
@@ -26,11 +30,15 @@ from megamoe.figures.bench import (
     bench_timeline,
     bench_tune,
     bench_xy,
+    format_comparison,
+    format_table,
     missing_keys,
     needs,
+    plot_formats,
     plot_results,
     roofline_figure,
     roofline_rows,
+    run_format,
     variant_label,
 )
 from megamoe.figures.diagrams import dataflow_figure, pipeline_figure, pool_figure
@@ -43,6 +51,7 @@ from megamoe.figures.results import (
     results_dir,
     results_files,
     results_kind,
+    results_name,
     results_overview,
     results_sha,
 )
@@ -69,12 +78,13 @@ from megamoe.figures.style import (
 )
 
 __all__ = [
-    "BASE", "BENCH_PLOTS", "PNG_COLORS", "PNG_DPI", "RESULTS_READ_RE", "SHAPES", "SWEEPS", "apply_style",
-    "bench_ceilings", "bench_fused_tune", "bench_layer_impls", "bench_layer_timing", "bench_pull_bandwidth",
-    "bench_pull_push", "bench_timeline", "bench_tune", "bench_xy", "compact_png", "dataflow_figure", "figures_dir",
-    "flatten_rows", "fmt_bytes", "layout_breakdown", "load_results", "log_axis", "missing_keys", "needs",
-    "new_figure", "occupancy_sweep", "occupancy_vs_bound", "pipeline_figure", "plot_results", "pool_figure",
+    "BASE", "BASELINE_IMPL", "BENCH_PLOTS", "FORMAT_WEIGHTS", "PEER_WEIGHTS", "PNG_COLORS", "PNG_DPI",
+    "RESULTS_READ_RE", "SHAPES", "SWEEPS", "apply_style", "bench_ceilings", "bench_fused_tune", "bench_layer_impls",
+    "bench_layer_timing", "bench_pull_bandwidth", "bench_pull_push", "bench_timeline", "bench_tune", "bench_xy",
+    "compact_png", "dataflow_figure", "figures_dir", "flatten_rows", "fmt_bytes", "format_comparison",
+    "format_table", "layout_breakdown", "load_results", "log_axis", "missing_keys", "needs", "new_figure",
+    "occupancy_sweep", "occupancy_vs_bound", "pipeline_figure", "plot_formats", "plot_results", "pool_figure",
     "pool_size_sweep", "quantization_figure", "read_results", "results_dir", "results_files", "results_kind",
-    "results_overview", "results_sha", "roofline_figure", "roofline_rows", "save_figure", "traffic_heatmap",
-    "variant_label",
+    "results_name", "results_overview", "results_sha", "roofline_figure", "roofline_rows", "run_format",
+    "save_figure", "traffic_heatmap", "variant_label",
 ]

@@ -102,9 +102,9 @@ def bench_layer_timing(data: dict) -> Figure:
 
 @needs("impl", "num_tokens_per_rank", "us")
 def bench_layer_impls(data: dict) -> Figure:
-    """``kind = "layer"`` (``megamoe.bench``, one row per implementation and size): µs per call and % of the
-    run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of panels per
-    ``routing``. Rows need ``impl``, ``num_tokens_per_rank``, ``us``; ``roofline_pct`` where known."""
+    """``kind = "layer"`` or ``"layer_fp8"`` (``megamoe.bench``, one row per implementation and size): µs per call
+    and % of the run's roofline against tokens per rank, one line per ``impl`` (+ ``numerics``), one column of
+    panels per ``routing``. Rows need ``impl``, ``num_tokens_per_rank``, ``us``; ``roofline_pct`` where known."""
     routings = sorted({r.get("routing", "uniform") for r in data["rows"]}, key=lambda x: x != "uniform")
     fig, axes = new_figure(2, len(routings), size=(6.0 * len(routings), 7.5), sharey=False)
     series = sorted({(r["impl"], r.get("numerics")) for r in data["rows"]}, key=str)
@@ -130,7 +130,8 @@ def bench_layer_impls(data: dict) -> Figure:
         ax_us.set_title(f"{routing} routing")
         ax_us.legend(fontsize=8)
         ax_pct.set_ylabel("% of roofline (this run's ceilings)")
-    fig.suptitle(_title(data, "Mega MoE layer, one EP8 rank's 48 V4-Pro experts"))
+    fmt = (data.get("config") or {}).get("format")
+    fig.suptitle(_title(data, "Mega MoE layer, one EP8 rank's 48 V4-Pro experts" + (f", format {fmt}" if fmt else "")))
     return fig
 
 
@@ -321,7 +322,8 @@ def bench_xy(data: dict) -> Figure | None:
 
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
-    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "pull_push": bench_pull_push,
+    "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "layer_fp8": bench_layer_impls,
+    "pull_push": bench_pull_push,
     "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth, "timeline": bench_timeline,
     "fused_tune": bench_fused_tune,
 }
@@ -389,3 +391,97 @@ def roofline_figure(rows: Sequence[dict], title: str):
     ax.legend()
     return fig
 
+
+
+#: The weights each layer-benchmark implementation multiplies, per format of the run (``config["format"]``; absent
+#: means ``"fp8_fp4"``). The torch yardstick and DeepGEMM's SM90 kernel use FP8 weights in both runs
+#: (``megamoe.bench.torch_grouped_mm_peer``; the ``note`` of DeepGEMM's rows).
+FORMAT_WEIGHTS = {"fp8_fp4": "FP4 e2m1, UE8M0 per 32", "fp8": "FP8 e4m3, fp32 per 128x128"}
+PEER_WEIGHTS = {"torch_grouped_mm": "FP8 e4m3, row-wise (GEMMs only)", "deepgemm_sm90": "FP8 e4m3, fp32 per 128x128"}
+#: The implementation every ratio of :func:`format_comparison` is taken against (measured in the same run).
+BASELINE_IMPL = "deepgemm_sm90"
+
+
+def run_format(data: dict) -> str:
+    """The weight format of a ``layer`` / ``layer_fp8`` result: ``config["format"]``, else ``"fp8_fp4"``."""
+    return (data.get("config") or {}).get("format", "fp8_fp4")
+
+
+def format_comparison(*runs: dict, routing: str = "uniform") -> list[dict]:
+    """One series per (run, ``impl``, ``numerics``) of ``layer`` results of both formats (e.g. ``layer_h200`` and
+    ``layer_fp8_h200``), for one ``routing``: ``{"format", "impl", "numerics", "weights", "us": {T: µs},
+    "vs_deepgemm": {T: µs / DeepGEMM SM90's µs}}``. Each ratio divides by :data:`BASELINE_IMPL` of the *same* run
+    (same session), at the token counts where it was measured; a run without it has empty ratios."""
+    series = []
+    for data in runs:
+        fmt = run_format(data)
+        rows = [r for r in data["rows"] if r.get("routing", "uniform") == routing]
+        base = {r["num_tokens_per_rank"]: r["us"] for r in rows if r["impl"] == BASELINE_IMPL}
+        for impl, numerics in dict.fromkeys((r["impl"], r.get("numerics")) for r in rows):
+            mine = sorted((r for r in rows if (r["impl"], r.get("numerics")) == (impl, numerics)),
+                          key=lambda r: r["num_tokens_per_rank"])
+            us = {r["num_tokens_per_rank"]: r["us"] for r in mine}
+            series.append({"format": fmt, "impl": impl, "numerics": numerics,
+                           "weights": PEER_WEIGHTS.get(impl, FORMAT_WEIGHTS.get(fmt, fmt)), "us": us,
+                           "vs_deepgemm": {t: v / base[t] for t, v in us.items() if t in base}})
+    return series
+
+
+def _series_label(s: dict, series: list[dict]) -> str:
+    """``fused exact [fp8_fp4]``: the numerics only where the run has several for that implementation."""
+    several = sum(1 for o in series if (o["format"], o["impl"]) == (s["format"], s["impl"])) > 1
+    return f"{s['impl']}{' ' + s['numerics'] if several and s['numerics'] else ''} [{s['format']}]"
+
+
+def format_table(series: list[dict]) -> list[dict]:
+    """The rows of :func:`format_comparison` as a compact table: one row per series, one column per token count
+    where DeepGEMM SM90 was measured, each cell ``µs (x DeepGEMM)``."""
+    tokens = sorted({t for s in series for t in s["vs_deepgemm"]})
+    return [{"run [format]": _series_label(s, series), "weights": s["weights"],
+             **{f"T={t}": (f"{s['us'][t]:,.0f} ({s['vs_deepgemm'][t]:.2f}x)" if t in s["vs_deepgemm"] else "")
+                for t in tokens}}
+            for s in series]
+
+
+_IMPL_COLORS = {("fused", "exact"): "C0", ("fused", "hopper"): "C4", ("staged", "exact"): "C1",
+                ("torch_grouped_mm", None): "C2", ("deepgemm_sm90", None): "k"}
+
+
+def plot_formats(*runs: dict, routing: str = "uniform") -> Figure:
+    """The two weight formats side by side (``layer`` results of each, e.g. ``layer_h200`` and
+    ``layer_fp8_h200``): µs per call against tokens per rank (left), and the same time divided by DeepGEMM SM90's
+    in the same run (right, :func:`format_comparison`; the ratios of the FP8 run's fused kernel are printed). One
+    colour per implementation, one line style per run: solid = ``fp8``, dashed = ``fp8_fp4``."""
+    series = format_comparison(*runs, routing=routing)
+    fig, axes = new_figure(1, 2, size=(11.0, 4.2))
+    ax_us, ax_ratio = axes[0]
+    style = {"fp8": ("-", "o"), "fp8_fp4": ("--", "s")}
+    for i, s in enumerate(series):
+        ls, marker = style.get(s["format"], (":", "^"))
+        color = _IMPL_COLORS.get((s["impl"], s["numerics"]), f"C{5 + i % 5}")
+        kw = dict(ls=ls, marker=marker, color=color, label=_series_label(s, series), ms=4)
+        ax_us.plot(*zip(*sorted(s["us"].items())), **kw)
+        ratio = sorted(s["vs_deepgemm"].items())
+        if ratio and s["impl"] != BASELINE_IMPL:
+            ax_ratio.plot(*zip(*ratio), **kw)
+            if (s["format"], s["impl"]) == ("fp8", "fused"):
+                for t, v in ratio:
+                    ax_ratio.annotate(f"{v:.2f}x", (t, v), textcoords="offset points", xytext=(0, -12),
+                                      ha="center", fontsize=7.5, color=color,
+                                      bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=0.6))
+    ax_ratio.axhline(1.0, color="k", lw=1.2, label="DeepGEMM SM90 (same run)")
+    for ax in (ax_us, ax_ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+    log_axis(ax_us)
+    log_axis(ax_ratio)
+    ax_us.set_ylabel("µs per call")
+    ax_us.set_title(f"time per call, {routing} routing")
+    ax_ratio.set_ylabel("time / DeepGEMM SM90's time")
+    ax_ratio.set_title("relative to DeepGEMM SM90 measured in the same run")
+    handles, labels = ax_us.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7.5)
+    device = next((d.get("provenance", {}).get("device") for d in runs), None) or "unknown device"
+    fig.suptitle(f"Both weight formats, one EP8 rank's 48 V4-Pro experts ({device}); [run format]: solid fp8, "
+                 "dashed fp8_fp4")
+    return fig

@@ -36,18 +36,28 @@ def results_sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
-def read_results(path: Path) -> dict:
-    """A results file as a dict; prints ``read results/<file> sha256:<16 hex>`` so that outputs made from it can be
-    checked for freshness later. The one reader of ``results/*.json`` (figures and notebooks)."""
+def results_name(path: Path) -> str:
+    """``path`` relative to :func:`results_dir` (``probes/x.json`` for a file in a subfolder), else its name."""
     path = Path(path)
-    print(f"read results/{path.name} sha256:{results_sha(path)}")
+    try:
+        return path.resolve().relative_to(results_dir().resolve()).as_posix()
+    except ValueError:
+        return path.name
+
+
+def read_results(path: Path) -> dict:
+    """A results file as a dict; prints ``read results/<name> sha256:<16 hex>`` (``<name>`` relative to the results
+    folder: ``probes/x.json`` for a probe's output) so that outputs made from it can be checked for freshness later.
+    The one reader of ``results/*.json`` (figures and notebooks)."""
+    path = Path(path)
+    print(f"read results/{results_name(path)} sha256:{results_sha(path)}")
     with open(path) as f:
         return json.load(f)
 
 
 def load_results(name: str) -> dict | None:
     """``results/<name>.json`` as a dict (through :func:`read_results`), or None (with a printed line) when the
-    file does not exist."""
+    file does not exist. ``name`` may name a subfolder (``"probes/gemm_tile_probe_h200"``)."""
     path = results_dir() / f"{name}.json"
     if not path.exists():
         print(f"figures: no {path}, skipping")
