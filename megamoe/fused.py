@@ -43,8 +43,10 @@ TIMELINE_MAX_EVENTS = 512
 #: 3-4% (1457 / 2290 / 3548 us against 1512 / 2359 / 3701; 4 at 128 registers spill in its per-32 tiles and lose
 #: 60%); "hopper" 4 programs at 128 registers beat 2 uncapped by 9-13% (1066 / 2247 / 5157 against 1174 / 2596 /
 #: 5726). One 8-warp program of block 64 / 128 per SM was 3-35% slower than two 4-warp programs (01b60b0).
-#: "fp8_swap": two uncapped 4-warp 3-stage programs, from an offline sm_90a compile (Triton 3.6, V4-Pro shapes, not
-#: yet measured): 254 / 255 registers at block 16 / 32 with no spill and 104448 / 110592 B of shared memory, so both
+#: "fp8_swap": two uncapped 4-warp 3-stage programs, from an offline sm_90a compile (Triton 3.6, V4-Pro shapes; on an
+#: H200, ``results/layer_fp8_h200.json`` at 561162e, T = 8 / 32 / 128 ran 523 / 826 / 1025 us against 642 / 1002 /
+#: 1026 us with the "fp8" tile at 08be005; other configurations not swept): 254 / 255 registers at block 16 / 32
+#: with no spill and 104448 / 110592 B of shared memory, so both
 #: registers and shared memory hold exactly two. (Two stages with a 168-register cap would hold three at block 16 --
 #: 69632 B, 24 B of stack -- but spill 376 B at block 32; one 8-warp 3-stage program: 229 registers, 104448 B.)
 PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None)}

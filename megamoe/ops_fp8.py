@@ -12,9 +12,8 @@ Hopper GPU) runs the same two tiles inside the fused persistent kernel (``megamo
 ``FP8W``) -- or, for at most ``megamoe.fused.FP8_SWAP_MAX_EXPECTED`` expected tokens per expert, their swap-AB
 variants (constexpr ``FP8_SWAP``: weight rows on the MMA's M, 16 / 32 tokens on N): one launch, the pull overlapped
 with the GEMMs through the arrival counts and masks; on CPU ranks under the interpreter both tile kinds are bit-exact
-with the staged path (``tests/test_fp8_mega_moe.py``); on an H200 both paths passed ``tests/gpu/test_fp8_gpu.py``
-before the swap-AB tiles were added (not yet run on a GPU), and ``python -m megamoe.bench --suite layer_fp8`` times
-them beside DeepGEMM's kernel.
+with the staged path (``tests/test_fp8_mega_moe.py``); on an H200 both paths, both tile kinds included, pass
+``tests/gpu/test_fp8_gpu.py``, and ``python -m megamoe.bench --suite layer_fp8`` times them beside DeepGEMM's kernel.
 
 The buffer must have been made for this format: ``SymmBuffer(..., format="fp8")`` (or ``mma_type="fp8xfp8"``), whose
 ``x_sf`` view is float32 ``[T, H/128]``.
