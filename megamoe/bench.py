@@ -134,20 +134,15 @@ LAYER_FORMATS = {
 }
 
 
-def _layer_format(fmt: str):
-    """``(make_problem(case), prepare_rank(sb, problem, 0), call(y, l1, l2, sb, impl, numerics, check))`` of one
-    weight format: ``fp8_fp4_mega_moe`` (FP4 weights) or ``fp8_mega_moe`` (SM90 FP8 weights, 128x128 blocks)."""
+def _layer_call(fmt: str):
+    """``call(y, l1, l2, sb, impl, numerics, check)`` of one weight format's op: ``fp8_fp4_mega_moe`` (FP4 weights)
+    or ``fp8_mega_moe`` (SM90 FP8 weights, 128x128 blocks; one numerics)."""
     if fmt == "fp8_fp4":
-        return (lambda case: case.problem(device="cuda"), prepare_rank,
-                lambda y, l1, l2, sb, impl, numerics, check: fp8_fp4_mega_moe(
-                    y, l1, l2, sb, impl=impl, numerics=numerics, check=check),
-                lambda problem, numerics: problem.reference(numerics=numerics)[0])
-    from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8
+        return lambda y, l1, l2, sb, impl, numerics, check: fp8_fp4_mega_moe(
+            y, l1, l2, sb, impl=impl, numerics=numerics, check=check)
     from megamoe.ops_fp8 import fp8_mega_moe
 
-    return (lambda case: fp8_problem(case, device="cuda"), prepare_rank_fp8,
-            lambda y, l1, l2, sb, impl, numerics, check: fp8_mega_moe(y, l1, l2, sb, impl=impl, check=check),
-            lambda problem, numerics: problem.reference()[0])
+    return lambda y, l1, l2, sb, impl, numerics, check: fp8_mega_moe(y, l1, l2, sb, impl=impl, check=check)
 
 
 def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
@@ -155,20 +150,20 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
     V4-Pro experts at world size 1) in weight format ``fmt``; per row: µs, TFLOP/s, weight GB/s (FP4 or FP8 with
     scales), % of this run's roofline for that format, error vs the implementation's reference numerics."""
     spec = LAYER_FORMATS[fmt]
-    make, prepare, call, reference = _layer_format(fmt)
-    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+    call = _layer_call(fmt)
+    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
     tokens = [8, 512] if quick else list(LAYER_TOKENS)
     ceil = {r["what"]: r for r in bench_ceilings()["rows"]}
     fp8_tflops, copy_tbs = ceil["fp8_scaled_mm_8192"]["tflops"], ceil["copy_1GiB"]["tb_per_s"]
     sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cuda", format="fp8" if fmt == "fp8" else "fp8_fp4")[0]
+                          block_m=case.block_m, device="cuda", format=fmt)[0]
     rows = []
     for routing in (("uniform",) if quick else LAYER_ROUTINGS):
         case.routing = routing
         for n in tokens:
             case.num_tokens = n
-            problem = make(case)
-            y, l1, l2, stats = prepare(sb, problem, 0)
+            problem = case.problem(device="cuda")
+            y, l1, l2, stats = prepare_rank(sb, problem, 0)
             recv = expected_recv_counts(problem, 0).tolist()
             pairs = sum(recv)
             flops = layer_flops(pairs, case.hidden, case.intermediate)
@@ -181,7 +176,7 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
                 y.fill_(float("nan"))
                 call(y, l1, l2, sb, impl, numerics, True)
                 if numerics not in refs:
-                    refs[numerics] = reference(problem, numerics)
+                    refs[numerics] = problem.reference(numerics=numerics)[0]
                 err = moe_error_stats(y, refs[numerics])
                 ms = _median_ms(lambda: call(y, l1, l2, sb, impl, numerics, False))
                 rows.append({**base, "impl": impl, "numerics": numerics, "us": ms * 1e3, "tflops": flops / ms / 1e9,

@@ -17,9 +17,12 @@ import torch
 
 from megamoe.harness import on_ranks
 from megamoe.ops import fp8_fp4_mega_moe, load_inputs
+from megamoe.ops_fp8 import fp8_mega_moe
 from megamoe.quant import transform_weights_for_mega_moe
+from megamoe.quant_fp8 import transform_weights_for_mega_moe_sm90
 from megamoe.symm import SymmBuffer
 from megamoe.testing import Problem, check_stats, default_accumulation, make_problem, moe_error_stats
+from megamoe.testing_fp8 import Fp8Problem, make_fp8_problem
 
 
 @dataclass
@@ -43,6 +46,9 @@ class MoECase:
     num_calls: int = 1
     num_max_tokens_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
+    #: The op: ``"fp8_fp4"`` (``fp8_fp4_mega_moe``, FP4 weights) or ``"fp8"`` (``fp8_mega_moe``, DeepGEMM's SM90 FP8
+    #: format; ``numerics`` must stay ``"exact"``).
+    format: str = "fp8_fp4"
 
     def tokens(self) -> list[int]:
         n = self.num_tokens
@@ -52,9 +58,24 @@ class MoECase:
         return self.num_max_tokens_per_rank or max(1, max(self.tokens()))
 
     def problem(self, device="cpu") -> Problem:
-        return make_problem(self.num_ranks, self.tokens(), self.hidden, self.intermediate, self.num_experts,
-                            self.num_topk, masked_ratio=self.masked_ratio, routing=self.routing, seed=self.seed,
-                            device=device)
+        """The case's inputs and weights in its format (a :class:`~megamoe.testing_fp8.Fp8Problem` for ``"fp8"``)."""
+        make = make_fp8_problem if self.format == "fp8" else make_problem
+        return make(self.num_ranks, self.tokens(), self.hidden, self.intermediate, self.num_experts, self.num_topk,
+                    masked_ratio=self.masked_ratio, routing=self.routing, seed=self.seed, device=device)
+
+    def run(self, y, l1, l2, sym_buffer, stats) -> None:
+        """One call of the case's op on bound arguments (lists of them for the local backend)."""
+        if self.format == "fp8":
+            fp8_mega_moe(y, l1, l2, sym_buffer, stats, activation_clamp=self.activation_clamp, dispatch=self.dispatch,
+                         impl=self.impl)
+        else:
+            fp8_fp4_mega_moe(y, l1, l2, sym_buffer, activation_clamp=self.activation_clamp,
+                             cumulative_local_expert_recv_stats=stats, dispatch=self.dispatch, impl=self.impl,
+                             numerics=self.numerics)
+
+    def label(self) -> str:
+        """What the reports call the numerics: ``"fp8"`` for that format, else ``numerics``."""
+        return "fp8" if self.format == "fp8" else self.numerics
 
 
 def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
@@ -71,7 +92,9 @@ def prepare_rank(sb: SymmBuffer, problem: Problem, rank: int):
     dev = sb.buffer.device
     load_inputs(sb, problem.x[rank], problem.x_sf[rank], problem.topk_idx[rank], problem.topk_weights[rank])
     l1, l2 = problem.weights_for_rank(rank)
-    l1, l2 = transform_weights_for_mega_moe(tuple(t.to(dev) for t in l1), tuple(t.to(dev) for t in l2))
+    transform = transform_weights_for_mega_moe_sm90 if isinstance(problem, Fp8Problem) else \
+        transform_weights_for_mega_moe
+    l1, l2 = transform(tuple(t.to(dev) for t in l1), tuple(t.to(dev) for t in l2))
     y = torch.full((problem.num_tokens[rank], problem.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     stats = torch.zeros(problem.num_local_experts, dtype=torch.int32, device=dev)
     return y, l1, l2, stats
@@ -118,17 +141,15 @@ def assert_reports(reports: list[dict], label: str) -> None:
 def run_case_local(case: MoECase, device=None) -> list[dict]:
     """All ``case.num_ranks`` ranks in this process (``local`` backend, lock-step); one stats dict per rank."""
     sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
-                           case.intermediate, block_m=case.block_m, device=device)
+                           case.intermediate, block_m=case.block_m, device=device, format=case.format)
     try:
         dev = sbs[0].buffer.device
         problem = case.problem(device=dev)
         prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
-        seconds = _timed_calls(case, ys, lambda: fp8_fp4_mega_moe(
-            ys, l1s, l2s, sbs, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch, impl=case.impl, numerics=case.numerics))
+        seconds = _timed_calls(case, ys, lambda: case.run(ys, l1s, l2s, sbs, stats))
         refs = problem.reference(activation_clamp=case.activation_clamp, numerics=case.numerics)
-        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, case.numerics)
+        return [_report(case, problem, r, ys[r], refs[r], stats[r], seconds, case.label())
                 for r in range(case.num_ranks)]
     finally:
         for sb in sbs:
@@ -140,16 +161,14 @@ def run_case_rank(rank: int, world_size: int, case: MoECase) -> dict:
     if world_size != case.num_ranks:
         raise ValueError(f"world_size={world_size} does not match case.num_ranks={case.num_ranks}")
     sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
-                    block_m=case.block_m)
+                    block_m=case.block_m, format=case.format)
     try:
         dev = sb.buffer.device
         problem = case.problem(device=dev)
         y, l1, l2, stats = prepare_rank(sb, problem, rank)
-        seconds = _timed_calls(case, [y], lambda: fp8_fp4_mega_moe(
-            y, l1, l2, sb, activation_clamp=case.activation_clamp, cumulative_local_expert_recv_stats=stats,
-            dispatch=case.dispatch, impl=case.impl, numerics=case.numerics))
+        seconds = _timed_calls(case, [y], lambda: case.run(y, l1, l2, sb, stats))
         ref = problem.reference(activation_clamp=case.activation_clamp, numerics=case.numerics)[rank]
-        return _report(case, problem, rank, y, ref, stats, seconds, case.numerics)
+        return _report(case, problem, rank, y, ref, stats, seconds, case.label())
     finally:
         sb.destroy()
 

@@ -12,8 +12,7 @@ import torch
 
 import megamoe
 import megamoe.fused
-from megamoe.cases import MoECase
-from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8, run_fp8_case_local, run_fp8_case_rank
+from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.launch import launch
 from megamoe.layout import Layout
 from megamoe.symm import SymmBuffer
@@ -30,7 +29,7 @@ def _check(reports, bitwise=True):
 @pytest.mark.parametrize("num_ranks,num_topk,num_experts,tokens", [(1, 2, 4, 21), (2, 2, 4, [17, 9]),
                                                                    (2, 3, 8, [12, 12])])
 def test_ranks_match_the_reference_bitwise(num_ranks, num_topk, num_experts, tokens):
-    _check(run_fp8_case_local(MoECase(num_ranks=num_ranks, num_topk=num_topk, num_experts=num_experts,
+    _check(run_case_local(MoECase(format="fp8", num_ranks=num_ranks, num_topk=num_topk, num_experts=num_experts,
                                       num_tokens=tokens, block_m=16, seed=num_ranks)))
 
 
@@ -38,19 +37,19 @@ def test_four_ranks_and_several_scale_blocks_along_n_and_k():
     """H = 384 (three K blocks in L1, three N tiles in L2) and I = 256: two L1 tiles of 128 intermediate columns,
     tile t reading gate scale block t and up block I/128 + t (a kernel that read block 0 for both tiles, or
     interleaved the scale rows, fails here; with I = 128 it would not)."""
-    _check(run_fp8_case_local(MoECase(num_ranks=4, num_tokens=[6, 0, 9, 4], hidden=384, intermediate=256,
+    _check(run_case_local(MoECase(format="fp8", num_ranks=4, num_tokens=[6, 0, 9, 4], hidden=384, intermediate=256,
                                       num_topk=3, num_experts=8, masked_ratio=0.2, block_m=16, seed=11)))
 
 
 def test_masks_an_empty_rank_and_clamp():
-    reports = run_fp8_case_local(MoECase(num_ranks=2, num_tokens=[23, 0], num_topk=2, num_experts=4,
+    reports = run_case_local(MoECase(format="fp8", num_ranks=2, num_tokens=[23, 0], num_topk=2, num_experts=4,
                                          masked_ratio=0.3, activation_clamp=0.25, block_m=16, seed=3))
     _check(reports)
     assert reports[1]["num_tokens"] == 0 and sum(reports[1]["recv_stats"]) > 0
 
 
 def test_skewed_one_expert_routing_and_repeated_calls_with_push():
-    reports = run_fp8_case_local(MoECase(num_ranks=2, num_tokens=[18, 7], num_topk=2, num_experts=4,
+    reports = run_case_local(MoECase(format="fp8", num_ranks=2, num_tokens=[18, 7], num_topk=2, num_experts=4,
                                          routing="one_expert", num_calls=2, dispatch="push", block_m=16, seed=5))
     _check(reports)  # recv stats doubled: the workspace was cleaned between the calls
     assert reports[0]["recv_stats"][0] == 2 * 25 and sum(reports[1]["recv_stats"]) == 0
@@ -58,8 +57,8 @@ def test_skewed_one_expert_routing_and_repeated_calls_with_push():
 
 @pytest.mark.slow
 def test_process_ranks_over_shared_memory():
-    case = MoECase(num_ranks=2, num_tokens=[15, 6], num_topk=2, num_experts=4, block_m=16, seed=9)
-    _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
+    case = MoECase(format="fp8", num_ranks=2, num_tokens=[15, 6], num_topk=2, num_experts=4, block_m=16, seed=9)
+    _check(launch(run_case_rank, 2, case, backend="cpu", timeout_s=300))
 
 
 # ------------------------------------------------------------------ the fused kernel (FP8W tiles), CPU ranks
@@ -85,9 +84,10 @@ def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm):
     (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls. 19 / 50 tokens x top-3
     over 6 experts expect 9.5 / 25 tokens per expert: the swap-AB tiles at block 16 / 32; 70 (35 expected) the
     staged tile. The spy checks which tile ran."""
-    case = MoECase(num_ranks=1, num_tokens=tokens, hidden=384, intermediate=256, num_topk=3, num_experts=6,
+    case = MoECase(format="fp8",
+                   num_ranks=1, num_tokens=tokens, hidden=384, intermediate=256, num_topk=3, num_experts=6,
                    masked_ratio=0.2, activation_clamp=0.5, num_calls=2, block_m=block_m, impl="fused", seed=13)
-    _check(run_fp8_case_local(case))
+    _check(run_case_local(case))
     assert [(c.kind, c.block_m) for c in fused_configs] == [(kind, bm)] * 2
 
 
@@ -117,11 +117,12 @@ def test_fused_two_processes_bitwise(tokens, kinds):
     write-back into the source rank's combine buffer, with an empty rank and skew. Each rank picks its tiles from
     its own token count: with 40 tokens (40 expected per expert) rank 0 runs the staged tile while the empty rank 1
     runs the swap-AB tiles on what it receives."""
-    case = MoECase(num_ranks=2, num_tokens=tokens, num_topk=2, num_experts=4, routing="skewed", block_m=16,
+    case = MoECase(format="fp8",
+                   num_ranks=2, num_tokens=tokens, num_topk=2, num_experts=4, routing="skewed", block_m=16,
                    impl="fused", seed=17)
     layout = Layout(2, 4, max(tokens), 2, case.hidden, case.intermediate, 16, "fp8")  # each rank's SymmBuffer's
     assert tuple(megamoe.fused.fused_config(layout, n, 1, torch.device("cpu")).kind for n in tokens) == kinds
-    _check(launch(run_fp8_case_rank, 2, case, backend="cpu", timeout_s=300))
+    _check(launch(run_case_rank, 2, case, backend="cpu", timeout_s=300))
 
 
 def test_fused_is_chosen_where_it_runs_and_refused_where_not():
@@ -133,7 +134,7 @@ def test_fused_is_chosen_where_it_runs_and_refused_where_not():
     try:
         assert resolve_impl("auto", sbs, "pull") == "staged"
         with pytest.raises(ValueError, match="impl='fused'"):
-            run_fp8_case_local(MoECase(num_ranks=2, num_tokens=4, num_topk=2, num_experts=4, block_m=16,
+            run_case_local(MoECase(format="fp8", num_ranks=2, num_tokens=4, num_topk=2, num_experts=4, block_m=16,
                                        impl="fused"))
     finally:
         for sb in sbs:
@@ -143,10 +144,10 @@ def test_fused_is_chosen_where_it_runs_and_refused_where_not():
 # ------------------------------------------------------------------ validation (no kernel runs)
 @pytest.fixture
 def bound():
-    case = MoECase(num_ranks=1, num_tokens=5, num_topk=2, num_experts=4, block_m=16)
+    case = MoECase(format="fp8", num_ranks=1, num_tokens=5, num_topk=2, num_experts=4, block_m=16)
     sb = SymmBuffer.local(1, 4, 8, 2, 256, 128, block_m=16, device="cpu", format="fp8")[0]
-    problem = fp8_problem(case)
-    y, l1, l2, stats = prepare_rank_fp8(sb, problem, 0)
+    problem = case.problem()
+    y, l1, l2, stats = prepare_rank(sb, problem, 0)
     yield sb, y, l1, l2, stats
     sb.destroy()
 

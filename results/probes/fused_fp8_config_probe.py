@@ -3,8 +3,7 @@ rank's 48 V4-Pro experts, beside the staged pipeline. ``python fused_fp8_config_
 writes $OUT/fused_fp8_config_probe.json."""
 import json, os, sys, torch
 from megamoe.bench import _median_ms
-from megamoe.cases import MoECase
-from megamoe.cases_fp8 import fp8_problem, prepare_rank_fp8
+from megamoe.cases import MoECase, prepare_rank
 from megamoe.fused import FusedConfig, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state, reset_workspace
 from megamoe.ops_fp8 import bind_calls_fp8, fp8_mega_moe
@@ -12,7 +11,7 @@ from megamoe.quant_fp8 import SM90_RECIPE
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
 
-case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format="fp8")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 tokens = [int(t) for t in sys.argv[1].split(",")]
 variants = [[int(x) for x in v.split(":")] for v in sys.argv[2].split(";")]
@@ -21,8 +20,8 @@ sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cu
 rows = []
 for n in tokens:
     case.num_tokens = n
-    problem = fp8_problem(case, device="cuda")
-    y, l1, l2, stats = prepare_rank_fp8(sb, problem, 0)
+    problem = case.problem(device="cuda")
+    y, l1, l2, stats = prepare_rank(sb, problem, 0)
     ref = problem.reference()[0]
     calls = bind_calls_fp8(y, l1, l2, sb, None, SM90_RECIPE, "swiglu", None, True, "pull", False)
     staged = 1e3 * _median_ms(lambda: fp8_mega_moe(y, l1, l2, sb, impl="staged", check=False))

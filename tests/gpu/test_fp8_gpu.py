@@ -4,8 +4,7 @@ local ranks (masks, an empty rank, clamp, skew, repeated calls) and the real siz
 import pytest
 import torch
 
-from megamoe.cases import MoECase, assert_reports
-from megamoe.cases_fp8 import run_fp8_case_local
+from megamoe.cases import MoECase, assert_reports, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
 
@@ -13,16 +12,17 @@ REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m
 
 
 @pytest.mark.parametrize("case", [
-    MoECase(num_ranks=1, num_topk=2, num_experts=4, num_tokens=37),
-    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[45, 0], masked_ratio=0.3),
-    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[33, 7, 0, 12], block_m=16, activation_clamp=0.25),
-    MoECase(num_ranks=2, num_topk=3, num_tokens=[29, 13], hidden=384, intermediate=256, routing="skewed",
+    MoECase(format="fp8", num_ranks=1, num_topk=2, num_experts=4, num_tokens=37),
+    MoECase(format="fp8", num_ranks=2, num_topk=6, num_experts=8, num_tokens=[45, 0], masked_ratio=0.3),
+    MoECase(format="fp8",
+            num_ranks=4, num_topk=2, num_experts=8, num_tokens=[33, 7, 0, 12], block_m=16, activation_clamp=0.25),
+    MoECase(format="fp8", num_ranks=2, num_topk=3, num_tokens=[29, 13], hidden=384, intermediate=256, routing="skewed",
             num_calls=3),
 ], ids=["r1", "r2k6-mask-zero", "r4-bm16-clamp", "r2-h384-i256-skew-3calls"])
 @pytest.mark.parametrize("impl", ["staged", "fused"])
 def test_fp8_small_cases(case, impl):
     case.impl = impl
-    assert_reports(run_fp8_case_local(case, device="cuda"), f"fp8 {impl} small")
+    assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} small")
 
 
 @pytest.mark.parametrize("num_tokens", [1024, 4096], ids=["t1024-swap16", "t4096-bm64"])
@@ -31,5 +31,6 @@ def test_fp8_real_size_one_rank(impl, num_tokens):
     """One rank of 384 experts, top-6: 16 / 64 expected tokens per expert, so the fused kernel runs its swap-AB tiles
     at block 16 / the staged tile at block 64 (``megamoe.fused.fused_config``); the small cases above cover the
     swap-AB tiles at block 32 (r1, r2-h384) and the staged tile at block 16 / 32 (r4, r2k6)."""
-    case = MoECase(num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
-    assert_reports(run_fp8_case_local(case, device="cuda"), f"fp8 {impl} real r1")
+    case = MoECase(format="fp8",
+                   num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
+    assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} real r1")
