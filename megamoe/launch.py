@@ -19,6 +19,15 @@ before it starts (the spawned interpreter re-runs the launching script's top-lev
 
 The other ranks are then terminated (then killed); no child outlives ``launch``, and ``/dev/shm`` files that a
 killed child created (``megamoe.symm``) are removed.
+
+Why this is not built on ``torch.multiprocessing.start_processes`` (tried for issue #9, branch ``wt9b``; it passed
+the launch tests but was not merged): ``ProcessContext.join`` raises the first error it sees, which is a peer's
+secondary "Connection closed by peer" in the blame test (3 runs of 3), so the root-cause search above is needed
+anyway; ``join`` stops the other ranks only after one exited non-zero, so timeouts and interrupts still need their
+own stop; torch's SIGINT parent-death signal leaves ranks alive under a launcher that ignores SIGINT (a background
+job), hence our SIGTERM one; a result queue shared by the ranks can block forever when a rank is SIGKILLed while it
+holds the queue's lock, hence one pipe per rank. Only spawning and traceback files could be delegated, and the
+rebuilt module was longer (321 lines against 306), so this one stays.
 """
 from __future__ import annotations
 
