@@ -47,6 +47,10 @@ at T=8) and slower from 512 on (5132 against 3534 us): its L1 tile keeps gate an
 partials, which caps BM at 32. The tile is bound by the FP4 decode's integer work: launched standalone it
 streams 1.5 TB/s of FP4 where the same tile with FP8 weights streams 4.3 TB/s (``results/probes/``); inside this
 kernel (4 programs an SM at 128 registers) ~1.25 TB/s. The default stays ``"exact"``.
+
+Why one module of ~700 lines: it is one ``@triton.jit`` kernel and the device functions only it calls (phases,
+waits, the swap-AB FP4 tiles, the timeline); the tiles it shares with the staged path live in ``gemm`` /
+``gemm_fp8``, and splitting the rest would scatter one kernel's control flow over files.
 """
 import triton
 import triton.language as tl

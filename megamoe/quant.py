@@ -24,6 +24,9 @@ Quantised tensors produced here are *K-major*: element ``k`` of row ``n`` is at 
 and its scale is byte ``(k/32) % 4`` of ``sf[n, k/128]``. :func:`transform_weights_for_mega_moe` turns the
 K-major expert weights into the layout of megamoe's kernels; :func:`untransform_weights_for_mega_moe` inverts
 it exactly.
+
+(Just over 500 lines: the format's quantisers, exact dequantisers, the weight transform and its inverse, and the
+Hopper scale fold belong to one number format; the SM90 FP8 format has its own module, ``megamoe.quant_fp8``.)
 """
 from __future__ import annotations
 
