@@ -67,7 +67,7 @@ from megamoe.kernels.numerics import (
     f32_to_e4m3_bits,
     round_to_bf16,
 )
-from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick
+from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_block, pick, sf_row
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns, sym_map
 
 #: Entries of one local rank's row in the argument table (int64), see ``megamoe.fused``.
@@ -337,12 +337,12 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
         tl.store(l1 + row[:, None].to(tl.int64) * H + h[None, :], v, mask=mj[:, None])
     w = tl.arange(0, BLOCK_W)
     mw = mj[:, None] & (w[None, :] < H // 128)
-    sf_row = (row // LAYOUT_BM) * LAYOUT_SF_BM + row % LAYOUT_BM
+    sf_r = sf_row(row, LAYOUT_BM, LAYOUT_SF_BM)
     if FOLDED:
         sf_words = (smax * 0x01010101)[:, None] + tl.zeros([BLOCK_J, BLOCK_W], tl.int32)
     else:
         sf_words = tl.load(x_sf.to(tl.pointer_type(tl.int32)) + token[:, None] * (H // 128) + w[None, :], mask=mw)
-    tl.store((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + w[None, :].to(tl.int64) * SP + sf_row[:, None],
+    tl.store((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + w[None, :].to(tl.int64) * SP + sf_r[:, None],
              sf_words, mask=mw)
     tl.store((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + row, tl.load(topk_w + pair, mask=mj), mask=mj)
     meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
@@ -458,7 +458,7 @@ def _tile_rows(tile, N_TILES: tl.constexpr, n, blocks, cum, BM: tl.constexpr, BL
     b = tile // N_TILES
     expert, row0, valid = locate_block(b, n, blocks, cum, BM, BLOCK_E)
     rows = row0 + tl.arange(0, BM)
-    sf_rows = (rows // LAYOUT_BM) * LAYOUT_SF_BM + rows % LAYOUT_BM
+    sf_rows = sf_row(rows, LAYOUT_BM, LAYOUT_SF_BM)
     return b, tile % N_TILES, expert, rows, sf_rows, tl.arange(0, BM) < valid, valid
 
 
