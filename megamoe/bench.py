@@ -46,10 +46,9 @@ def layer_flops(num_pairs: int, hidden: int, intermediate: int) -> float:
     return 2.0 * num_pairs * hidden * intermediate * 3
 
 
-def touched_weight_bytes(recv_stats: list[int], hidden: int, intermediate: int,
-                         bytes_per_weight: float = 0.5 + 1 / 32) -> float:
-    """Weights + scales of the experts that received at least one pair (what must stream from HBM); the default is
-    FP4 with one UE8M0 byte per 32."""
+def touched_weight_bytes(recv_stats: list[int], hidden: int, intermediate: int, bytes_per_weight: float) -> float:
+    """Weights + scales of the experts that received at least one pair (what must stream from HBM), at
+    ``bytes_per_weight`` (a format's ``LAYER_FORMATS[...]["weight_bytes"]``)."""
     per_expert = (2 * intermediate * hidden + hidden * intermediate) * bytes_per_weight
     return per_expert * sum(1 for c in recv_stats if c > 0)
 
@@ -92,7 +91,8 @@ def bench_layer_case(case: MoECase, num_tokens: list[int], sym_buffers: list[Sym
         flops = layer_flops(pairs, case.hidden, case.intermediate)
         rows.append({"impl": "staged", "num_tokens_per_rank": n, "num_ranks": case.num_ranks,
                      "dispatch": case.dispatch, "num_pairs": pairs, "us": ms * 1e3, "tflops": flops / ms / 1e9,
-                     "weight_bytes_touched": touched_weight_bytes(recv, case.hidden, case.intermediate),
+                     "weight_bytes_touched": touched_weight_bytes(recv, case.hidden, case.intermediate,
+                                                                  LAYER_FORMATS["fp8_fp4"]["weight_bytes"]),
                      "flops": flops, "rel_fro_vs_reference": err, "bitwise_equal_reference": bitwise,
                      "steps_us": steps})
         print(f"  T={n:>6} ranks={case.num_ranks} {case.dispatch:<4} {ms * 1e3:10.1f} us  "

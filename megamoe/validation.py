@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from megamoe.quant import TransformedWeights
+from megamoe.quant import TaggedWeights, TransformedWeights
 from megamoe.quant_fp8 import FP8_BLOCK, TransformedWeightsSM90
 from megamoe.symm import SymmBuffer
 
@@ -56,10 +56,6 @@ class WeightFormat:
     x_sf_error: Callable[[int, int, torch.Tensor], str]
 
 
-def _ue8m0_bytes(x_sf: torch.Tensor) -> torch.Tensor:
-    return x_sf.view(torch.uint8)
-
-
 FP8_FP4 = WeightFormat(
     name="fp8_fp4", op="fp8_fp4_mega_moe",
     describes="FP4 weights of the fp8_fp4 format (transform_weights_for_mega_moe)",
@@ -72,7 +68,7 @@ FP8_FP4 = WeightFormat(
     scales_laid_out=lambda sf: sf.transpose(1, 2).is_contiguous(),
     layout_error=("must come from transform_weights_for_mega_moe (contiguous weights, MN-major scales); it was re-laid "
                   "out since"),
-    bad_x_sf=lambda x_sf: _ue8m0_bytes(x_sf) == UE8M0_NAN,
+    bad_x_sf=lambda x_sf: x_sf.view(torch.uint8) == UE8M0_NAN,  # packed words: one UE8M0 byte per 32
     x_sf_error=lambda t, b, x_sf: (f"holds a NaN UE8M0 scale (byte 0xFF) at token {t}, scale group {b} (of H/32); "
                                    "per_token_cast_to_fp8 never produces one"),
 )
@@ -102,8 +98,7 @@ def as_list(value, name: str, count: int, is_list: bool) -> list:
     """``[value]``, or with a list of buffers ``value`` itself, which must be a list of ``count`` entries."""
     if not is_list:
         return [value]
-    if not isinstance(value, (list, tuple)) or isinstance(value, (TransformedWeights, TransformedWeightsSM90)) \
-            or len(value) != count:
+    if not isinstance(value, (list, tuple)) or isinstance(value, TaggedWeights) or len(value) != count:
         raise TypeError(f"{name} must be a list of {count} entries (one per local rank) with a list of sym_buffers")
     return list(value)
 
