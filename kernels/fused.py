@@ -7,7 +7,7 @@ local rank ``pid // G``. Every program walks the same phases::
     count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
     grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
     task loop: [pull tasks | L1 tiles | L2 tiles], handed out in increasing t by an atomic task counter
-    grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce (tokens strided) + cleanup
+    grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce ((tokens x columns) strided) + cleanup
     grid sync -> program 0: barrier tag 3
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
@@ -647,20 +647,23 @@ def fused_mega_moe_kernel(
     ok_all = tl.load(state + 1, volatile=True) == 0
     if ok_all:
         combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
-        tt = cta * COMBINE_T
-        while tt < num_tokens:
-            tok = tt + tl.arange(0, COMBINE_T)
+        # Work items are (COMBINE_T tokens x COMBINE_H columns) strided over the programs: with few tokens a
+        # token-only split left one program summing all H columns alone (T = 8: 118 us of a 530 us call on an
+        # H200, ``results/probes/fused_fp8_sched_probe_h200.jsonl``); now every program takes a slice.
+        NH: tl.constexpr = H // COMBINE_H
+        w = cta
+        while w < ((num_tokens + COMBINE_T - 1) // COMBINE_T) * NH:
+            tok = (w // NH) * COMBINE_T + tl.arange(0, COMBINE_T)
+            h = (w % NH) * COMBINE_H + tl.arange(0, COMBINE_H)
             mt = tok < num_tokens
-            for h0 in range(0, H, COMBINE_H):
-                h = h0 + tl.arange(0, COMBINE_H)
-                acc = tl.zeros([COMBINE_T, COMBINE_H], dtype=tl.float32)
-                for j in tl.static_range(K):
-                    v = tl.load(topk_idx + tok * K + j, mask=mt, other=-1) >= 0
-                    src = combine + ((j * T + tok).to(tl.int64) * H)[:, None] + h[None, :]
-                    acc += bf16_bits_to_f32(tl.load(src, mask=v[:, None], other=0))
-                tl.store(y + (tok.to(tl.int64) * H)[:, None] + h[None, :], f32_to_bf16_bits(acc).to(tl.int16),
-                         mask=mt[:, None])
-            tt += G * COMBINE_T
+            acc = tl.zeros([COMBINE_T, COMBINE_H], dtype=tl.float32)
+            for j in tl.static_range(K):
+                v = tl.load(topk_idx + tok * K + j, mask=mt, other=-1) >= 0
+                src = combine + ((j * T + tok).to(tl.int64) * H)[:, None] + h[None, :]
+                acc += bf16_bits_to_f32(tl.load(src, mask=v[:, None], other=0))
+            tl.store(y + (tok.to(tl.int64) * H)[:, None] + h[None, :], f32_to_bf16_bits(acc).to(tl.int16),
+                     mask=mt[:, None])
+            w += G
         n, blocks, cum = expert_blocks(recv, R, El, BM, BLOCK_R, BLOCK_E)
         num_blocks = tl.max(cum, axis=0)
         i0 = cta * 128
