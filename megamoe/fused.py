@@ -11,7 +11,7 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
   key): "hopper" (tokens = the MMA's N) the smallest power of two >= it in [16, MAX_BLOCK_M]; "exact" (tokens = the
   MMA's M, where wgmma needs 64 rows) 64 (measured fastest, see ``PROGRAMS_PER_SM``); the SM90 FP8 format
   (``fp8_mega_moe``) its swap-AB tile ``"fp8_swap"`` (tokens on the MMA's N) at <= ``FP8_SWAP_MAX_EXPECTED``
-  expected tokens, the smallest power of two >= it in [16, 32], else its staged tile ``"fp8"`` with 64 / 128. Never
+  expected tokens, with block ``FP8_SWAP_BLOCK_M``, else its staged tile ``"fp8"`` with 64 / 128. Never
   above ``layout.block_m``: the pool is sized for it (the largest block it may pick), so every choice fits.
 * programs per rank: ``PROGRAMS_PER_SM[kind]`` per SM with its register cap (GPU; divided among local
   ranks), 1 under the interpreter (its programs run one after another, so a grid sync between programs could never
@@ -60,11 +60,16 @@ WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4
 #: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
 FP8_BLOCK64_MAX_EXPECTED = 64
 #: The SM90 FP8 format takes its swap-AB tiles ("fp8_swap": 128 weight rows on the MMA's M, block_m tokens on N,
-#: ``megamoe.kernels.gemm_fp8.l1_tile_fp8_swap``) up to this many expected tokens per local expert, with block_m the
-#: smallest power of two >= the expectation in [16, 32] (<= 32 expected: at most 32 columns of MMA N per block).
-#: Above, the staged tile (tokens on M, where wgmma pads a block to 64 rows). At T tokens per rank of one EP8 rank of
-#: V4-Pro (384 experts, top-6) the expectation is T / 8: T <= 256 runs "fp8_swap".
+#: ``megamoe.kernels.gemm_fp8.l1_tile_fp8_swap``) up to this many expected tokens per local expert. Above, the
+#: staged tile (tokens on M, where wgmma pads a block to 64 rows). At T tokens per rank of one EP8 rank of V4-Pro
+#: (384 experts, top-6) the expectation is T / 8: T <= 256 runs "fp8_swap". At T = 512 (64 expected) the swap tile
+#: of block 32 ran 1402 us against 1338 us for "fp8" of block 64 (``results/probes/fused_fp8_sched_probe_h200.jsonl``).
 FP8_SWAP_MAX_EXPECTED = 32
+#: Pool block (MMA N) of the "fp8_swap" tiles, whatever the expectation: a block is read against all of its expert's
+#: weights, so an expert whose tokens overflow one block streams its weights twice. On an H200 (same probe file),
+#: block 32 against 16: T = 8 506 / 501 us, T = 128 (16 expected; routing puts more than 16 on many experts: 68
+#: blocks of 16 for 48 experts) 861 / 935 us.
+FP8_SWAP_BLOCK_M = 32
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
 #: spills 792 bytes (compiled for sm_90a), at 32 it fits in 255 without spilling.
@@ -123,7 +128,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
     elif kind == "fp8_swap":  # tokens on the MMA's N; expected <= FP8_SWAP_MAX_EXPECTED
-        block_m = max(MIN_BLOCK_M, min(layout.block_m, want))
+        block_m = max(MIN_BLOCK_M, min(layout.block_m, FP8_SWAP_BLOCK_M))
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     else:  # tokens on the MMA's N

@@ -82,8 +82,8 @@ def fused_configs(monkeypatch):
 def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm):
     """The fused persistent kernel with this format's tiles (one program under the interpreter): H = 384 and I = 256
     (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls. 19 / 50 tokens x top-3
-    over 6 experts expect 9.5 / 25 tokens per expert: the swap-AB tiles at block 16 / 32; 70 (35 expected) the
-    staged tile. The spy checks which tile ran."""
+    over 6 experts expect 9.5 / 25 tokens per expert: the swap-AB tiles (at the pool's block 16 / 32, below their
+    own 32); 70 (35 expected) the staged tile. The spy checks which tile ran."""
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=tokens, hidden=384, intermediate=256, num_topk=3, num_experts=6,
                    masked_ratio=0.2, activation_clamp=0.5, num_calls=2, block_m=block_m, impl="fused", seed=13)

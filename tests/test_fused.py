@@ -9,6 +9,7 @@ import torch
 
 from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.fused import (
+    FP8_SWAP_BLOCK_M,
     FP8_SWAP_MAX_EXPECTED,
     MAX_BLOCK_M,
     PROGRAMS_PER_SM,
@@ -98,12 +99,13 @@ def test_fused_config_from_shapes():
     assert fused_config(Layout(1, 4, 8, 2, 256, 128, 32), 8, 1, cpu, "exact").block_m == 32  # never above the pool's
     assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
     assert fused_config(L, 8, 1, cpu, "hopper").kind == "hopper" and fused_config(L, 8, 1, cpu).kind == "exact"
-    # SM90 FP8 (one EP8 rank of V4-Pro: T / 8 expected tokens per expert): swap-AB up to FP8_SWAP_MAX_EXPECTED
+    # SM90 FP8 (one EP8 rank of V4-Pro: T / 8 expected tokens per expert): swap-AB (block FP8_SWAP_BLOCK_M) up to
+    # FP8_SWAP_MAX_EXPECTED
     F = Layout(8, 384, 8192, 6, 7168, 3072, 128, "fp8")
-    assert FP8_SWAP_MAX_EXPECTED == 32
+    assert FP8_SWAP_MAX_EXPECTED == FP8_SWAP_BLOCK_M == 32
     kinds = {t: (fused_config(F, t, 1, cpu).kind, fused_config(F, t, 1, cpu).block_m)
              for t in (8, 32, 128, 136, 256, 264, 512, 2048)}
-    assert kinds == {8: ("fp8_swap", 16), 32: ("fp8_swap", 16), 128: ("fp8_swap", 16), 136: ("fp8_swap", 32),
+    assert kinds == {8: ("fp8_swap", 32), 32: ("fp8_swap", 32), 128: ("fp8_swap", 32), 136: ("fp8_swap", 32),
                      256: ("fp8_swap", 32), 264: ("fp8", 64), 512: ("fp8", 64), 2048: ("fp8", 128)}
     for t, kind in ((8, "fp8_swap"), (512, "fp8")):
         cfg = fused_config(F, t, 1, cpu)
