@@ -83,42 +83,19 @@ TAG_INTERNAL_WAIT = tl.constexpr(TAG_FUSED_INTERNAL_WAIT)
 
 
 # ---------------------------------------------------------------------------------------------------- sync
-#: Lanes of the reduction in :func:`_uniform`: at least the threads of the largest program (8 warps), so that no
-#: lane is replicated over threads.
-UNIFORM_LANES = tl.constexpr(1024)
-
-
-@triton.jit
-def _uniform(x):
-    """A per-thread scalar made the same in every thread of the program (the maximum over its threads). A Triton
-    scalar is computed by each thread on its own: a volatile load racing with a store, or ``%globaltimer``, can
-    differ between the warps of one program, and a branch or loop exit taken on it by some warps only diverges the
-    program around its ``bar.sync``s (an H200 ran into illegal addresses after in-kernel timeouts)."""
-    return tl.max(tl.full([UNIFORM_LANES], 0, x.dtype) + x, axis=0)
-
-
 @triton.jit
 def _now(TIMED: tl.constexpr):
-    """``%globaltimer`` (ns), the same in every thread of the program (decisions are taken on it)."""
     if TIMED:
-        return _uniform(_globaltimer_ns())
+        return _globaltimer_ns()
     else:
         return tl.zeros([], tl.int64)
-
-
-@triton.jit
-def _failed(state):
-    """The failure tag recorded in ``state[1]`` (0: none), the same in every thread of the program."""
-    return _uniform(tl.load(state + 1, volatile=True))
 
 
 @triton.jit
 def _grid_sync(ctr, cta, G, state, timeout_ns, TIMED: tl.constexpr):
     """All ``G`` programs of this rank meet here. Self-resetting (DeepGEMM's scheme): program 0 adds
     ``2^31 - (G - 1)``, the others 1, so bit 31 of ``ctr`` flips once all arrived and the low bits return to 0.
-    Bounded on the GPU (a program that never arrives is a bug: record TAG_INTERNAL_WAIT rather than hang), but the
-    clock stands still while ``ctr[3]`` is set: program 0 is in a cross-rank barrier, whose wait is bounded by the
-    peers' heartbeats, not by ``timeout_ns`` (a slow but live peer must not fail the programs waiting here)."""
+    Bounded on the GPU (a program that never arrives is a bug: record TAG_INTERNAL_WAIT rather than hang)."""
     first = tl.full([], 2147483648, tl.int64) - (G - 1)
     inc = tl.where(cta == 0, first, 1).to(tl.int32)  # truncation wraps 2^31 to -2^31 for G == 1
     old = tl.atomic_add(ctr, inc, sem="acq_rel", scope="gpu")
@@ -128,24 +105,21 @@ def _grid_sync(ctr, cta, G, state, timeout_ns, TIMED: tl.constexpr):
     while ((cur ^ old) >= 0) & (G > 1) & alive:
         cur = tl.atomic_add(ctr, 0, sem="acquire", scope="gpu")
         if TIMED:
-            if tl.atomic_add(ctr + 3, 0, sem="relaxed", scope="gpu") != 0:
-                t0 = _now(TIMED)
             alive = (_now(TIMED) - t0) <= timeout_ns
     if ((cur ^ old) >= 0) & (G > 1):
         tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
 
 
 @triton.jit
-def _cross_rank_barrier(signal, state, progress, hold, buffer_ptrs, me, epoch, tag, R: tl.constexpr,
+def _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch, tag, R: tl.constexpr,
                         BLOCK_R: tl.constexpr, timeout_ns, max_polls, TIMED: tl.constexpr):
     """Program 0 only: arrive with ``epoch`` at every rank (release, sys) and wait until every rank's signal here
     reached it. The wait gives up when no missing rank's progress counter moved for ``timeout_ns`` (GPU;
     ``max_polls`` polls under the interpreter) and records ``[tag, lowest missing rank]`` in ``state``.
-    Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32); ``hold``
-    (i32) is set while the wait runs, so the rank's other programs waiting in the next grid sync hold their clock."""
-    tl.atomic_xchg(hold, 1, sem="relaxed", scope="gpu")
+    Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32)."""
     tl.atomic_add(progress, 1, sem="relaxed", scope="sys")  # arriving is progress too (peers' liveness)
-    if _failed(state) == 0:
+    failed = tl.load(state + 1, volatile=True)
+    if failed == 0:
         tl.store(state, epoch)
         peers = tl.arange(0, BLOCK_R)
         valid = peers < R
@@ -176,7 +150,6 @@ def _cross_rank_barrier(signal, state, progress, hold, buffer_ptrs, me, epoch, t
             lowest = tl.min(tl.where(valid & (seen < epoch), peers, BLOCK_R))
             tl.store(state + 2, lowest)
             tl.store(state + 1, tag)
-    tl.atomic_xchg(hold, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -540,7 +513,6 @@ def fused_mega_moe_kernel(
     grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
     progress = grid_ctr + 1
     task_ctr = grid_ctr + 2  # the next task index to hand out (dynamic schedule); zero between calls
-    barrier_hold = grid_ctr + 3  # set while program 0 waits in a cross-rank barrier (see _grid_sync)
     signal = (buf + OFF_SIGNAL).to(tl.pointer_type(tl.int32))
     state = (buf + OFF_STATE).to(tl.pointer_type(tl.int32))
     send = (buf + OFF_SEND).to(tl.pointer_type(tl.int64))
@@ -583,13 +555,13 @@ def fused_mega_moe_kernel(
     n_ev = _event(timeline, cta, n_ev, EV_COUNT, t0, TIMELINE, MAX_EVENTS)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R,
-                            timeout_ns, max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER1, t0, TIMELINE, MAX_EVENTS)
 
     # ---- the task loop
-    if _failed(state) == 0:
+    if tl.load(state + 1, volatile=True) == 0:
         n, blocks, cum = expert_blocks(recv, R, El, BM, BLOCK_R, BLOCK_E)
         BRE: tl.constexpr = BLOCK_E * BLOCK_R
         f = tl.arange(0, BRE)  # flat (expert, source) index: expert-major
@@ -665,14 +637,14 @@ def fused_mega_moe_kernel(
         tl.store(task_ctr, 0)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R,
-                            timeout_ns, max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER2, t0, TIMELINE, MAX_EVENTS)
 
     # ---- combine reduce into y, then clean the workspace (+ recv stats)
     t0 = _now(TIMED)
-    ok_all = _failed(state) == 0
+    ok_all = tl.load(state + 1, volatile=True) == 0
     if ok_all:
         combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
         # Work items are (COMBINE_T tokens x COMBINE_H columns) strided over the programs: with few tokens a
@@ -725,6 +697,6 @@ def fused_mega_moe_kernel(
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R,
-                            timeout_ns, max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R, timeout_ns,
+                            max_polls, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER3, t0, TIMELINE, MAX_EVENTS)
