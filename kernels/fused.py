@@ -6,17 +6,16 @@ local rank ``pid // G``. Every program walks the same phases::
 
     count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
     grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
-    task loop: [pull tasks | L1 tiles | L2 tiles], handed out in increasing t by an atomic task counter
+    task loop: [pull tasks | L1 tiles | L2 tiles], task t on program t % G, in increasing t
     grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce ((tokens x columns) strided) + cleanup
     grid sync -> program 0: barrier tag 3
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
 spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
 an L2 tile spins until every bit of ``l2_arrival_mask[b]`` is set (the L1 tile that produced an N-block of
-intermediate columns ORs in its bit, release). Tasks are handed out in increasing order and all programs
+intermediate columns ORs in its bit, release). Every program takes its tasks in increasing order and all programs
 are resident, so the smallest unfinished task can always run: GEMMs start while the pull is still running, L2
-while L1 is still running -- the seed's per-block arrival mechanism. Tasks are drawn from a per-rank atomic
-counter (slot 2 of the grid-sync area), so a program that drew a cheap tile takes the next task at once.
+while L1 is still running -- the seed's per-block arrival mechanism.
 
 **Two formats.** FP8 x FP4 (``fp8_fp4_mega_moe``, below) and DeepGEMM SM90's FP8 x FP8 with float32 128-block
 scales (``fp8_mega_moe``, constexpr ``FP8W``): the latter runs the staged tiles of ``megamoe.kernels.gemm_fp8``
@@ -512,7 +511,6 @@ def fused_mega_moe_kernel(
     timeline = _rank_ptr(timeline0, tab, 8, tl.int64)
     grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
     progress = grid_ctr + 1
-    task_ctr = grid_ctr + 2  # the next task index to hand out (dynamic schedule); zero between calls
     signal = (buf + OFF_SIGNAL).to(tl.pointer_type(tl.int32))
     state = (buf + OFF_STATE).to(tl.pointer_type(tl.int32))
     send = (buf + OFF_SEND).to(tl.pointer_type(tl.int64))
@@ -574,11 +572,7 @@ def fused_mega_moe_kernel(
         num_blocks = tl.max(cum, axis=0)
         num_l1 = num_blocks * N1
         num_l2 = num_blocks * N2
-        # Tasks are handed out in index order by an atomic counter (a work queue), not statically as cta, cta + G,
-        # ...: L1 and L2 tiles differ in cost (K = H vs I) and a static round-robin left the programs that drew an
-        # extra L1 tile finishing last. Every task's prerequisites (pull chunks of its block, the block's L1 tiles)
-        # have smaller indices, so they were handed to resident programs before it: no wait can dead-lock.
-        t = tl.atomic_add(task_ctr, 1, sem="relaxed", scope="gpu")
+        t = cta
         while t < num_pull + num_l1 + num_l2:
             t0 = _now(TIMED)
             if t < num_pull:
@@ -631,10 +625,8 @@ def fused_mega_moe_kernel(
                             OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)
                 n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
             tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
-            t = tl.atomic_add(task_ctr, 1, sem="relaxed", scope="gpu")
+            t += G
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
-    if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
-        tl.store(task_ctr, 0)
     t0 = _now(TIMED)
     if cta == 0:
         _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R, timeout_ns,
