@@ -66,9 +66,9 @@ FP8_BLOCK64_MAX_EXPECTED = 64
 #: of block 32 ran 1402 us against 1338 us for "fp8" of block 64 (``results/probes/fused_fp8_sched_probe_h200.jsonl``).
 FP8_SWAP_MAX_EXPECTED = 32
 #: Pool block (MMA N) of the "fp8_swap" tiles, whatever the expectation: a block is read against all of its expert's
-#: weights, so an expert whose tokens overflow one block streams its weights twice. On an H200 (same probe file),
-#: block 32 against 16: T = 8 506 / 501 us, T = 128 (16 expected; routing puts more than 16 on many experts: 68
-#: blocks of 16 for 48 experts) 861 / 935 us.
+#: weights, so an expert whose tokens overflow one block streams its weights twice. On an H200 (same probe file, a
+#: kernel with an atomic task counter, c186048 / 6e7f8ff), block 32 against 16: T = 8 506 / 501 us, T = 128 (16
+#: expected; routing puts more than 16 on many experts: 68 blocks of 16 for 48 experts) 861 / 935 us.
 FP8_SWAP_BLOCK_M = 32
 #: Largest pool block (MMA N) the swap-AB ("hopper") tiles take: the L1 tile holds gate and up accumulators
 #: [128, BM] fp32 and their promotion partials; at BM 64 with 4 warps that is 256 registers a thread and the kernel
