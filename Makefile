@@ -22,8 +22,10 @@ endif
 lint:  ## ruff (config in pyproject.toml)
 	$(VPY) -m ruff check megamoe kernels tests
 
+# pytest-xdist workers for `make test` (tests/conftest.py says which tests share one worker and why).
+TEST_WORKERS ?= 2
 test:  ## the CPU test suite (Triton interpreter, CPU ranks); includes executing the notebooks
-	$(VPY) -m pytest tests --ignore=tests/gpu -q
+	$(VPY) -m pytest tests --ignore=tests/gpu -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast:  ## the CPU suite without the tests marked slow (> ~5 s each; notebooks, multi-rank, fuzz), ~1.5 min
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -m "not slow"
