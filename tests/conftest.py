@@ -12,12 +12,13 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import rank_fns by name
 
 # `make test` runs this suite on pytest-xdist workers with ``--dist loadgroup``. The tests marked
-# ``xdist_group("shm")`` (tests/test_symm.py, tests/test_launch.py, the barrier-timeout tests of
-# tests/test_reliability.py) all run on one worker, one after another, because they are not safe beside each other:
+# ``xdist_group("shm")`` (tests/test_symm.py, tests/test_launch.py) all run on one worker, one after another,
+# because they are not safe beside each other:
 # ``no_leftovers`` lists every ``/dev/shm/megamoe-*`` file of a dead creator, and the ones that kill ranks on purpose
 # or sweep stale files (``sweep_stale_shm``, also with ``min_age_s=0``) would show up in, or remove files of, a test
-# running beside them; the barrier-timeout tests assert bounds on elapsed time. Every other test either makes no
-# shm file or only ones whose creator is alive until it unlinks them (never counted as leaked, never swept).
+# running beside them. Every other test either makes no shm file or only ones whose creator is alive until it
+# unlinks them (never counted as leaked, never swept). The tests marked ``timing`` (bounds on elapsed time) are left
+# out of the parallel run and run afterwards, alone (see the Makefile).
 
 
 @pytest.fixture

@@ -117,6 +117,7 @@ def test_barrier_rounds_with_skew_self_reset():
         assert info["signal"] == [2 * rounds] * 4
 
 
+@pytest.mark.timing  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_barrier_timeout_names_missing_rank_and_tag():
     timeout = 2.0
     out = launch(rank_fns.symm_barrier_timeout, 3, 1, timeout, backend="cpu", timeout_s=60)
