@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import
 
 # `make test` runs this suite on pytest-xdist workers with ``--dist loadgroup``. The tests marked
 # ``xdist_group("shm")`` (tests/test_symm.py, tests/test_launch.py) all run on one worker, one after another,
-# because they are not safe beside each other:
-# ``no_leftovers`` lists every ``/dev/shm/megamoe-*`` file of a dead creator, and the ones that kill ranks on purpose
-# or sweep stale files (``sweep_stale_shm``, also with ``min_age_s=0``) would show up in, or remove files of, a test
-# running beside them. Every other test either makes no shm file or only ones whose creator is alive until it
+# because they are not safe beside each other: they kill ranks on purpose mid-set-up (leaving shm files that a
+# sweep beside them would remove before the test looks) and sweep stale files themselves (``sweep_stale_shm``, also
+# with ``min_age_s=0``, and asserting exactly what it removed).
+# Every other test either makes no shm file or only ones whose creator is alive until it
 # unlinks them (never counted as leaked, never swept). The tests marked ``timing`` (bounds on elapsed time) are left
 # out of the parallel run and run afterwards, alone (see the Makefile).
 
