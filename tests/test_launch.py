@@ -17,7 +17,10 @@ import rank_fns  # noqa: E402
 launch_mod = importlib.import_module("megamoe.launch")
 from megamoe.launch import LaunchError, PeerFailure, init_from_env, is_communication_error, launch  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("no_leftovers")
+# xdist_group: these tests list /dev/shm for leaked files of dead ranks, kill ranks on purpose and time barrier
+# timeouts; under `make test` (pytest-xdist, --dist loadgroup) they all run on one worker, one after another
+# (see tests/conftest.py).
+pytestmark = [pytest.mark.usefixtures("no_leftovers"), pytest.mark.xdist_group("shm")]
 
 
 def test_results_in_rank_order_with_args_and_env():

@@ -1,9 +1,9 @@
 """The notebooks: every one executes on CPU ranks without error, and the committed files are in order.
 
 Execution: papermill runs each notebook into a temporary directory (the committed files are never touched) with
-``world_size=2`` on CPU ranks, once more with a parameter set of its own that changes what it shows
-(:data:`STORY_PARAMETERS`: other rank counts, routings, masking, sizes -- so every parameter path is proven to run),
-and one of them again with ``world_size=4``; figures go to a temporary directory
+``world_size=2`` on CPU ranks, and once more with a parameter set of its own that changes what it shows
+(:data:`STORY_PARAMETERS`: other rank counts, routings, masking, sizes -- so every parameter path is proven to run);
+one of those sets (:data:`FOUR_RANKS`) runs four processes. Figures go to a temporary directory
 through ``MEGAMOE_FIGURES_DIR``. The static checks read the committed notebooks: outputs present, no error outputs,
 a ``parameters`` cell, a provenance line, no kernel code (see ``megamoe.notebooks.check_notebook``).
 """
@@ -16,7 +16,8 @@ NOTEBOOKS = nbs.notebook_paths()
 NAMES = [p.stem for p in NOTEBOOKS]
 EXPECTED = ["00_overview", "01_symmetric_memory", "02_symbuffer_map", "03_pool_sizing", "04_dispatch_pull",
             "05_gemm_swiglu", "06_combine", "07_end_to_end", "08_fused_kernel"]
-#: The notebook also executed with four CPU ranks (one process per rank: launch, shm mapping, barriers, e2e).
+#: The notebook whose story parameter set runs four CPU ranks (one process per rank: launch, shm mapping, barriers,
+#: e2e); its execution must report all four.
 FOUR_RANKS = "06_combine"
 #: Per notebook, a non-default parameter set that changes its story, executed once on CPU ranks (CI otherwise only
 #: injects world_size and backend). Sized to cost about what the default run costs.
@@ -27,7 +28,7 @@ STORY_PARAMETERS = {
     "03_pool_sizing": {"world_size": 4, "block_m": 64},
     "04_dispatch_pull": {"routing": "one_expert", "num_tokens": 16},                  # worst-case pool on rank 0
     "05_gemm_swiglu": {"hidden": 512, "intermediate": 256, "num_topk": 4},            # two scale words per K row
-    "06_combine": {"masked_ratio": 0.5, "num_topk": 4},                               # half the slots masked
+    "06_combine": {"world_size": 4, "masked_ratio": 0.5, "num_topk": 4},              # 4 processes, half masked
     "07_end_to_end": {"grid_ranks": [2], "grid_topk": [3], "grid_tokens": 8},         # a different grid
     "08_fused_kernel": {"routing": "one_expert", "num_tokens": 16},                   # skew at its worst
 }
@@ -81,6 +82,10 @@ def test_notebook_executes_with_a_story_changing_parameter_set(name, tmp_path, f
     values: dict = {}
     exec(injected, values)  # the cell papermill wrote: plain assignments
     assert {k: values[k] for k in STORY_PARAMETERS[name]} == STORY_PARAMETERS[name], injected
+    if name == FOUR_RANKS:
+        assert STORY_PARAMETERS[name]["world_size"] == 4
+        text = "".join(nbs._outputs_text(c) for c in nb.cells if c.cell_type == "code")
+        assert "all 4 ranks" in text
 
 
 def test_story_parameters_exist_in_each_notebook():
@@ -105,14 +110,6 @@ def test_run_cli_parses_params_and_writes_into_an_output_dir(tmp_path, monkeypat
     assert calls[0][1] == tmp_path / "01_symmetric_memory.ipynb"
     assert calls[0][2]["parameters"] == {"world_size": 2, "backend": "cpu", "num_tokens": 16}
     assert (tmp_path / f"notebook_times_{nbs.device_tag()}.json").exists() and not record.get("failed")
-
-
-@pytest.mark.slow
-def test_one_notebook_executes_on_four_cpu_ranks(tmp_path, figures_tmp):
-    nb = _execute(FOUR_RANKS, tmp_path, world_size=4)
-    assert not _errors(nb)
-    text = "".join(nbs._outputs_text(c) for c in nb.cells if c.cell_type == "code")
-    assert "all 4 ranks" in text
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)

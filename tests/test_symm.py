@@ -32,7 +32,10 @@ from megamoe.symm import (  # noqa: E402
     sweep_stale_shm,
 )
 
-pytestmark = pytest.mark.usefixtures("no_leftovers")
+# xdist_group: these tests list /dev/shm for leaked files of dead ranks, kill ranks on purpose and time barrier
+# timeouts; under `make test` (pytest-xdist, --dist loadgroup) they all run on one worker, one after another
+# (see tests/conftest.py).
+pytestmark = [pytest.mark.usefixtures("no_leftovers"), pytest.mark.xdist_group("shm")]
 
 SHAPE = dict(num_experts=8, num_max_tokens_per_rank=rank_fns.T, num_topk=rank_fns.TOPK, hidden=rank_fns.H,
              intermediate_hidden=rank_fns.I, block_m=rank_fns.BLOCK_M)
@@ -114,6 +117,7 @@ def test_barrier_rounds_with_skew_self_reset():
         assert info["signal"] == [2 * rounds] * 4
 
 
+@pytest.mark.timing  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_barrier_timeout_names_missing_rank_and_tag():
     timeout = 2.0
     out = launch(rank_fns.symm_barrier_timeout, 3, 1, timeout, backend="cpu", timeout_s=60)
