@@ -23,12 +23,14 @@ lint:  ## ruff (config in pyproject.toml)
 	$(VPY) -m ruff check megamoe kernels tests
 
 # pytest-xdist workers for `make test` (tests/conftest.py says which tests share one worker and why). The tests
-# marked `timing` bound elapsed times (a barrier timeout must fire within ~1 timeout): with another worker's ranks
-# on the same cores they overran (4.08 s for < 4.0 s), so they run afterwards, alone.
+# marked `alone` must not have another test beside them: bounds on elapsed times (a barrier timeout must fire
+# within ~1 timeout; with another worker's ranks on the same cores one overran, 4.08 s for < 4.0 s), or a sweep of
+# every megamoe shm file (`sweep_stale_shm(min_age_s=0)` removed a file of another worker's rank that had just
+# exited). They run afterwards, alone.
 TEST_WORKERS ?= 2
 test:  ## the CPU test suite (Triton interpreter, CPU ranks); includes executing the notebooks
-	$(VPY) -m pytest tests --ignore=tests/gpu -q -n $(TEST_WORKERS) --dist loadgroup -m "not timing"
-	$(VPY) -m pytest tests --ignore=tests/gpu -q -m timing
+	$(VPY) -m pytest tests --ignore=tests/gpu -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
+	$(VPY) -m pytest tests --ignore=tests/gpu -q -m alone
 
 test-fast:  ## the CPU suite without the tests marked slow (> ~5 s each; notebooks, multi-rank, fuzz), ~1.5 min
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -m "not slow"

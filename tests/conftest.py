@@ -16,9 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import
 # because they are not safe beside each other: they kill ranks on purpose mid-set-up (leaving shm files that a
 # sweep beside them would remove before the test looks) and sweep stale files themselves (``sweep_stale_shm``, also
 # with ``min_age_s=0``, and asserting exactly what it removed).
-# Every other test either makes no shm file or only ones whose creator is alive until it
-# unlinks them (never counted as leaked, never swept). The tests marked ``timing`` (bounds on elapsed time) are left
-# out of the parallel run and run afterwards, alone (see the Makefile).
+# Other tests make shm files too, and a rank's file can outlive its creator for a moment (until its launcher
+# unlinks it): ``no_leftovers`` therefore counts only files of processes its own test started, and the test that
+# sweeps with ``min_age_s=0`` (which would take such a file) is marked ``alone``. The tests marked ``alone`` (that,
+# and bounds on elapsed time) are left out of the parallel run and run afterwards, serially (see the Makefile).
 
 
 @pytest.fixture

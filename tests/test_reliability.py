@@ -203,7 +203,7 @@ def test_unfinished_call_recorded_in_the_workspace_is_detected():
 
 # ---------------------------------------------------------------------------------------------------- item 2
 @pytest.mark.slow
-@pytest.mark.timing  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
+@pytest.mark.alone  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_slow_but_alive_rank_does_not_time_out():
     """Rank 0 spends 3 x the barrier timeout in its L1 step while rank 1 waits at barrier 2: sleeping but beating
     its heartbeat, busy in Python (the interpreter's progress beacon beats), and its genuine GEMM work on every
@@ -219,7 +219,7 @@ def test_slow_but_alive_rank_does_not_time_out():
 
 
 @pytest.mark.slow
-@pytest.mark.timing  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
+@pytest.mark.alone  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_stuck_rank_is_named_within_the_timeout_and_reset_recovers():
     timeout = 1.5
     out = launch(rank_fns.stuck_rank_then_reset, 2, timeout, backend="cpu", timeout_s=120)

@@ -117,7 +117,7 @@ def test_barrier_rounds_with_skew_self_reset():
         assert info["signal"] == [2 * rounds] * 4
 
 
-@pytest.mark.timing  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
+@pytest.mark.alone  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_barrier_timeout_names_missing_rank_and_tag():
     timeout = 2.0
     out = launch(rank_fns.symm_barrier_timeout, 3, 1, timeout, backend="cpu", timeout_s=60)
@@ -192,6 +192,7 @@ def _fake_shm(pid, age_s: float, tag: str) -> str:
     return path
 
 
+@pytest.mark.alone  # sweeps every megamoe shm file (min_age_s=0): never beside another test's ranks (Makefile)
 def test_sweep_removes_only_stale_files_of_dead_creators():
     import fcntl
 
