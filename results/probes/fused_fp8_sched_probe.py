@@ -1,12 +1,13 @@
 """Fused kernel, SM90 FP8 x FP8 format: tile configurations and the task schedule, one EP8 rank's 48 V4-Pro experts.
 
 ``python fused_fp8_sched_probe.py TAG "T,T,..:auto;T,..:kind:bm:warps:stages:ppsm;..."`` appends JSON lines to
-$OUT/fused_fp8_sched_probe.jsonl: per (T, variant) the median time (L2 flushed), the error against the reference,
+$OUT/fused_fp8_sched_probe.jsonl: a provenance line (GPU, versions, commit, command), then per (T, variant) the median time (L2 flushed), the error against the reference,
 and for ``auto`` (the configuration ``megamoe.fused.fused_config`` picks) a timeline summary -- per event kind count
 and mean, the span, and how far apart the programs finish their last task (the schedule's tail). ``TAG`` names the
 kernel source being measured (e.g. the task schedule), so two runs with different sources can be compared."""
 import json, os, sys, torch
 from megamoe.bench import _median_ms
+from megamoe.env import provenance
 from megamoe.cases import MoECase, prepare_rank
 from megamoe.fused import TIMELINE_KINDS, FusedConfig, fused_config, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state, reset_workspace
@@ -25,6 +26,7 @@ sms = torch.cuda.get_device_properties(0).multi_processor_count
 sb = SymmBuffer.local(1, 48, max(t for t, _ in plan), 6, 7168, 3072, block_m=128, device="cuda",
                       barrier_timeout_s=5.0, format="fp8")[0]
 out = open(os.path.join(os.environ.get("OUT", "/tmp"), "fused_fp8_sched_probe.jsonl"), "a")
+out.write(json.dumps({"tag": tag, "provenance": provenance(" ".join(["python"] + sys.argv))}) + "\n")
 problems = {}
 for n, spec in plan:
     if n not in problems:
