@@ -1,8 +1,8 @@
 """Fused kernel, SM90 FP8 x FP8 format: tile configurations and the task schedule, one EP8 rank's 48 V4-Pro experts.
 
 ``python fused_fp8_sched_probe.py TAG "T,T,..:auto;T,..:kind:bm:warps:stages:ppsm;..."`` appends JSON lines to
-$OUT/fused_fp8_sched_probe.jsonl: a provenance line (GPU, versions, commit, command), then per (T, variant) the median time (L2 flushed), the error against the reference,
-and for ``auto`` (the configuration ``megamoe.fused.fused_config`` picks) a timeline summary -- per event kind count
+$OUT/fused_fp8_sched_probe.jsonl: a provenance line (GPU, versions, commit, command), then per (T, variant) the
+median time (L2 flushed), the error against the reference, and for ``auto`` (the configuration ``megamoe.fused.fused_config`` picks) a timeline summary -- per event kind count
 and mean, the span, and how far apart the programs finish their last task (the schedule's tail). ``TAG`` names the
 kernel source being measured (e.g. the task schedule), so two runs with different sources can be compared."""
 import json, os, sys, torch
