@@ -6,16 +6,17 @@ local rank ``pid // G``. Every program walks the same phases::
 
     count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
     grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
-    task loop: [pull tasks | L1 tiles | L2 tiles], task t on program t % G, in increasing t
+    task loop: [pull tasks | L1 tiles | L2 tiles], handed out in increasing t by an atomic task counter
     grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce ((tokens x columns) strided) + cleanup
     grid sync -> program 0: barrier tag 3
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
 spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
 an L2 tile spins until every bit of ``l2_arrival_mask[b]`` is set (the L1 tile that produced an N-block of
-intermediate columns ORs in its bit, release). Every program takes its tasks in increasing order and all programs
+intermediate columns ORs in its bit, release). Tasks are handed out in increasing order and all programs
 are resident, so the smallest unfinished task can always run: GEMMs start while the pull is still running, L2
-while L1 is still running -- the seed's per-block arrival mechanism.
+while L1 is still running -- the seed's per-block arrival mechanism. Tasks are drawn from a per-rank atomic
+counter (slot 2 of the grid-sync area), so a program that drew a cheap tile takes the next task at once.
 
 **Two formats.** FP8 x FP4 (``fp8_fp4_mega_moe``, below) and DeepGEMM SM90's FP8 x FP8 with float32 128-block
 scales (``fp8_mega_moe``, constexpr ``FP8W``): the latter runs the staged tiles of ``megamoe.kernels.gemm_fp8``
@@ -84,6 +85,7 @@ TAG_INTERNAL_WAIT = tl.constexpr(TAG_FUSED_INTERNAL_WAIT)
 # ---------------------------------------------------------------------------------------------------- sync
 @triton.jit
 def _now(TIMED: tl.constexpr):
+    """``%globaltimer`` (ns) as this thread reads it (0 when not ``TIMED``)."""
     if TIMED:
         return _globaltimer_ns()
     else:
@@ -91,10 +93,27 @@ def _now(TIMED: tl.constexpr):
 
 
 @triton.jit
+def _failed(state):
+    """The failure tag recorded in ``state[1]`` (0: none; a volatile read).
+
+    Tried and dropped (45d059c): making this and :func:`_now` the same in every thread of the program with a
+    ``tl.max`` over 1024 lanes, against warps of one program deciding a wait's timeout differently. On an H200 the
+    four-local-rank skewed case then returned NaN rows and timed out in 3 runs of 3, with the static schedule too;
+    without the reductions it is exact. The illegal address it was meant to cure came from the grid sync's own
+    timeout racing program 0's barrier timeout (see :func:`_grid_sync`), not from warp divergence."""
+    return tl.load(state + 1, volatile=True)
+
+
+@triton.jit
 def _grid_sync(ctr, cta, G, state, timeout_ns, TIMED: tl.constexpr):
     """All ``G`` programs of this rank meet here. Self-resetting (DeepGEMM's scheme): program 0 adds
     ``2^31 - (G - 1)``, the others 1, so bit 31 of ``ctr`` flips once all arrived and the low bits return to 0.
-    Bounded on the GPU (a program that never arrives is a bug: record TAG_INTERNAL_WAIT rather than hang)."""
+    Bounded on the GPU (a program that never arrives is a bug: record TAG_INTERNAL_WAIT rather than hang), but the
+    clock stands still while ``ctr[3]`` is set: program 0 is in a cross-rank barrier, whose wait is bounded by the
+    peers' heartbeats, not by ``timeout_ns``. Without that hold a slow but live peer failed the programs waiting
+    here, and when a peer never arrived the others left this sync by their own timeout at about the moment program
+    0 gave up on the barrier: some saw no failure yet, entered the task loop with incomplete receive counts and,
+    with the atomic task counter, drew tasks whose rows were never published (illegal addresses on an H200)."""
     first = tl.full([], 2147483648, tl.int64) - (G - 1)
     inc = tl.where(cta == 0, first, 1).to(tl.int32)  # truncation wraps 2^31 to -2^31 for G == 1
     old = tl.atomic_add(ctr, inc, sem="acq_rel", scope="gpu")
@@ -104,21 +123,24 @@ def _grid_sync(ctr, cta, G, state, timeout_ns, TIMED: tl.constexpr):
     while ((cur ^ old) >= 0) & (G > 1) & alive:
         cur = tl.atomic_add(ctr, 0, sem="acquire", scope="gpu")
         if TIMED:
+            if tl.atomic_add(ctr + 3, 0, sem="relaxed", scope="gpu") != 0:
+                t0 = _now(TIMED)
             alive = (_now(TIMED) - t0) <= timeout_ns
     if ((cur ^ old) >= 0) & (G > 1):
         tl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
 
 
 @triton.jit
-def _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch, tag, R: tl.constexpr,
+def _cross_rank_barrier(signal, state, progress, hold, buffer_ptrs, me, epoch, tag, R: tl.constexpr,
                         BLOCK_R: tl.constexpr, timeout_ns, max_polls, TIMED: tl.constexpr):
     """Program 0 only: arrive with ``epoch`` at every rank (release, sys) and wait until every rank's signal here
     reached it. The wait gives up when no missing rank's progress counter moved for ``timeout_ns`` (GPU;
     ``max_polls`` polls under the interpreter) and records ``[tag, lowest missing rank]`` in ``state``.
-    Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32)."""
+    Skipped (returns at once) when an earlier barrier failed. ``progress``: this rank's counter (i32); ``hold``
+    (i32) is set while the wait runs, so the rank's other programs waiting in the next grid sync hold their clock."""
+    tl.atomic_xchg(hold, 1, sem="relaxed", scope="gpu")
     tl.atomic_add(progress, 1, sem="relaxed", scope="sys")  # arriving is progress too (peers' liveness)
-    failed = tl.load(state + 1, volatile=True)
-    if failed == 0:
+    if _failed(state) == 0:
         tl.store(state, epoch)
         peers = tl.arange(0, BLOCK_R)
         valid = peers < R
@@ -149,6 +171,7 @@ def _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch, tag, R:
             lowest = tl.min(tl.where(valid & (seen < epoch), peers, BLOCK_R))
             tl.store(state + 2, lowest)
             tl.store(state + 1, tag)
+    tl.atomic_xchg(hold, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -511,6 +534,8 @@ def fused_mega_moe_kernel(
     timeline = _rank_ptr(timeline0, tab, 8, tl.int64)
     grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
     progress = grid_ctr + 1
+    task_ctr = grid_ctr + 2  # the next task index to hand out (dynamic schedule); zero between calls
+    barrier_hold = grid_ctr + 3  # set while program 0 waits in a cross-rank barrier (see _grid_sync)
     signal = (buf + OFF_SIGNAL).to(tl.pointer_type(tl.int32))
     state = (buf + OFF_STATE).to(tl.pointer_type(tl.int32))
     send = (buf + OFF_SEND).to(tl.pointer_type(tl.int64))
@@ -553,13 +578,13 @@ def fused_mega_moe_kernel(
     n_ev = _event(timeline, cta, n_ev, EV_COUNT, t0, TIMELINE, MAX_EVENTS)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R, timeout_ns,
-                            max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 1, 1, R, BLOCK_R,
+                            timeout_ns, max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER1, t0, TIMELINE, MAX_EVENTS)
 
     # ---- the task loop
-    if tl.load(state + 1, volatile=True) == 0:
+    if _failed(state) == 0:
         n, blocks, cum = expert_blocks(recv, R, El, BM, BLOCK_R, BLOCK_E)
         BRE: tl.constexpr = BLOCK_E * BLOCK_R
         f = tl.arange(0, BRE)  # flat (expert, source) index: expert-major
@@ -572,7 +597,11 @@ def fused_mega_moe_kernel(
         num_blocks = tl.max(cum, axis=0)
         num_l1 = num_blocks * N1
         num_l2 = num_blocks * N2
-        t = cta
+        # Tasks are handed out in index order by an atomic counter (a work queue), not statically as cta, cta + G,
+        # ...: L1 and L2 tiles differ in cost (K = H vs I) and a static round-robin left the programs that drew an
+        # extra L1 tile finishing last. Every task's prerequisites (pull chunks of its block, the block's L1 tiles)
+        # have smaller indices, so they were handed to resident programs before it: no wait can dead-lock.
+        t = tl.atomic_add(task_ctr, 1, sem="relaxed", scope="gpu")
         while t < num_pull + num_l1 + num_l2:
             t0 = _now(TIMED)
             if t < num_pull:
@@ -625,18 +654,20 @@ def fused_mega_moe_kernel(
                             OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)
                 n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
             tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
-            t += G
+            t = tl.atomic_add(task_ctr, 1, sem="relaxed", scope="gpu")
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
+        tl.store(task_ctr, 0)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R, timeout_ns,
-                            max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R,
+                            timeout_ns, max_polls, TIMED)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER2, t0, TIMELINE, MAX_EVENTS)
 
     # ---- combine reduce into y, then clean the workspace (+ recv stats)
     t0 = _now(TIMED)
-    ok_all = tl.load(state + 1, volatile=True) == 0
+    ok_all = _failed(state) == 0
     if ok_all:
         combine = (buf + OFF_COMBINE).to(tl.pointer_type(tl.int16))
         # Work items are (COMBINE_T tokens x COMBINE_H columns) strided over the programs: with few tokens a
@@ -689,6 +720,6 @@ def fused_mega_moe_kernel(
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     t0 = _now(TIMED)
     if cta == 0:
-        _cross_rank_barrier(signal, state, progress, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R, timeout_ns,
-                            max_polls, TIMED)
+        _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R,
+                            timeout_ns, max_polls, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER3, t0, TIMELINE, MAX_EVENTS)

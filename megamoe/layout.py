@@ -182,7 +182,8 @@ class Layout:
         ws = "workspace"
         self._add("grid_sync", ws, torch.int32, (8,),
                   "32 B grid-sync area of the persistent kernel (4 counters + NVLink barrier words in DeepGEMM); ours: "
-                  "[grid-sync counter, fused-kernel heartbeat, spare x6]; zero in the staged pipeline")
+                  "[grid-sync counter, fused-kernel heartbeat, fused task counter, program 0 in a cross-rank barrier, "
+                  "spare x4]; zero in the staged pipeline")
         self._add("barrier_signal", ws, torch.int32, (R,),
                   "slot r = last barrier epoch rank r signalled to this rank (written remotely, release/sys)")
         self._add("barrier_state", ws, torch.int32, (4,),
