@@ -1,6 +1,6 @@
 """The fused kernel on a GPU: against its numerics model (``numerics="hopper"``) at small and real sizes, on one rank
 and on 4 local ranks in one launch, skew and masks, repeated calls, CUDA-graph capture and replay, the timeline,
-and a rank that never arrives (named by the timeout)."""
+and a rank that never arrives (named by the timeout) or arrives late but alive (waited for)."""
 import pytest
 import torch
 
@@ -96,5 +96,32 @@ def test_fused_rank_that_never_arrives_is_named():
     with pytest.raises(BarrierTimeout) as info:
         check_barrier_state(sbs[0])
     assert info.value.tag == 1 and info.value.missing_rank == 1
+    for sb in sbs:
+        sb.destroy()
+
+
+def test_fused_slow_but_live_rank_is_not_named():
+    """Two local ranks; every pair goes to rank 0's experts ("one_expert" routing), so rank 1 has no task and waits
+    in barrier 2 for rank 0 many times ``barrier_timeout_s`` while rank 0's heartbeat moves. The call must succeed:
+    a live rank is waited for however slow, and the programs of rank 1 parked in the grid sync behind that barrier
+    hold their clock meanwhile (without the hold they would time out there: TAG_INTERNAL_WAIT)."""
+    timeout_s = 0.002
+    case = MoECase(num_ranks=2, num_tokens=4096, routing="one_expert", hidden=7168, intermediate=3072,
+                   num_experts=16, num_topk=6)
+    sbs = SymmBuffer.local(2, case.num_experts, 4096, case.num_topk, case.hidden, case.intermediate, block_m=128,
+                           device="cuda", barrier_timeout_s=timeout_s)
+    problem = case.problem(device="cuda")
+    prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
+    ys, l1s, l2s, _ = (list(t) for t in zip(*prepared))
+    fp8_fp4_mega_moe(ys, l1s, l2s, sbs, impl="fused")  # warm-up (compiles); raises BarrierTimeout on a failure
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fp8_fp4_mega_moe(ys, l1s, l2s, sbs, impl="fused")
+    end.record()
+    torch.cuda.synchronize()
+    # The test means something only if rank 1 really waited longer than the timeout.
+    assert start.elapsed_time(end) / 1e3 > 5 * timeout_s, "the case is too small to outlast the barrier timeout"
+    for y, ref in zip(ys, problem.reference()):
+        assert_moe_close(y, ref, accumulation="fp8_mma")
     for sb in sbs:
         sb.destroy()
