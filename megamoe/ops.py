@@ -1,7 +1,9 @@
 """The public op: ``fp8_fp4_mega_moe`` (DeepGEMM's name and arguments) and the ``MegaMoE`` module-style wrapper.
 
-One call runs the staged pipeline below on every rank; each step is one kernel launch, so the step boundaries are
-exactly where a persistent fused kernel would put its grid syncs::
+One call runs either the fused persistent kernel (``impl="fused"``, the default on sm_90: one launch,
+:mod:`megamoe.fused`) or the staged pipeline below on every rank (``impl="staged"``: the portable path, CPU
+interpreter included); each staged step is one kernel launch, and the step boundaries are where the fused kernel
+puts its grid syncs::
 
     count_and_publish_indices -> publish_counts -> barrier(1)
     -> dispatch (pull; or push + barrier(4) for the DeepEP-style baseline)
@@ -15,6 +17,10 @@ Backends: with one process per rank (``cuda``, ``cpu``) each process runs its ow
 backend the caller passes lists (one entry per rank) and the steps run in lock-step -- step s for every rank before
 step s+1 -- so a barrier's arrive for all ranks precedes any wait, and N ranks need no concurrency (one GPU, or the
 Triton interpreter in one process).
+
+(Just over 500 lines: the op, its argument binding and validation, the staged steps and the interruption guard are
+one call's life; the fused kernel's host side lives in :mod:`megamoe.fused`, the FP8 x FP8 op in
+:mod:`megamoe.ops_fp8`.)
 """
 from __future__ import annotations
 
