@@ -1,11 +1,14 @@
-"""Run a function on N ranks, one spawned process per rank, and collect the results in rank order.
+"""Run a function on N ranks, one process per rank, and collect the results in rank order.
 
     results = launch(my_module.rank_fn, 4, arg, backend="cpu")    # rank_fn(rank, world_size, arg) on 4 processes
 
 ``cpu``: gloo ranks and Triton's interpreter (``TRITON_INTERPRET=1``) in every child; ``cuda``: NCCL, one GPU per
-rank. The process group is initialized from a FileStore in a temporary directory (no ports are opened); the
-torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set anyway so
-that code written for torchrun runs unchanged. Scripts started by torchrun call :func:`init_from_env` instead.
+rank. Ranks are spawned (a fresh interpreter each), except CPU ranks on a machine without CUDA, which are forked from
+multiprocessing's fork server with torch, Triton and megamoe already imported (:func:`_context` says why that is
+safe and what stays the same). The process group is initialized from a FileStore in a temporary directory (no
+ports are opened); the torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+are set anyway so that code written for torchrun runs unchanged. Scripts started by torchrun call
+:func:`init_from_env` instead.
 
 Failures come back as :class:`LaunchError` naming the rank that caused them: its traceback if it raised, its exit
 code or signal if it died without a result, or a timeout. One rank's failure makes its peers fail too (a collective
