@@ -1,11 +1,14 @@
-"""Run a function on N ranks, one spawned process per rank, and collect the results in rank order.
+"""Run a function on N ranks, one process per rank, and collect the results in rank order.
 
     results = launch(my_module.rank_fn, 4, arg, backend="cpu")    # rank_fn(rank, world_size, arg) on 4 processes
 
 ``cpu``: gloo ranks and Triton's interpreter (``TRITON_INTERPRET=1``) in every child; ``cuda``: NCCL, one GPU per
-rank. The process group is initialized from a FileStore in a temporary directory (no ports are opened); the
-torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set anyway so
-that code written for torchrun runs unchanged. Scripts started by torchrun call :func:`init_from_env` instead.
+rank. Ranks are spawned (a fresh interpreter each), except CPU ranks on a machine without CUDA, which are forked from
+multiprocessing's fork server with torch, Triton and megamoe already imported (:func:`_context` says why that is
+safe and what stays the same). The process group is initialized from a FileStore in a temporary directory (no
+ports are opened); the torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+are set anyway so that code written for torchrun runs unchanged. Scripts started by torchrun call
+:func:`init_from_env` instead.
 
 Failures come back as :class:`LaunchError` naming the rank that caused them: its traceback if it raised, its exit
 code or signal if it died without a result, or a timeout. One rank's failure makes its peers fail too (a collective
@@ -131,21 +134,23 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     from megamoe.env import resolve_backend
 
     backend = resolve_backend(backend, world_size, local=False)
-    ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="megamoe-launch-")
-    env = _child_env(backend, world_size) | {LAUNCH_DIR_ENV: store_dir}
+    env = _child_env(backend, world_size) | {LAUNCH_DIR_ENV: _marker_dir()}
     procs, readers = [], []
     try:
         with _environ(env):
+            ctx, parent_pid = _context(backend)
+            environ = dict(os.environ)  # what a spawned rank would inherit; a forked one gets it from _child_main
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child_main, name=f"megamoe-rank{rank}",
-                                args=(fn, rank, world_size, backend, store_dir, os.getpid(), args, kwargs, writer))
+                                args=(fn, rank, world_size, backend, store_dir, parent_pid, environ, args, kwargs,
+                                      writer))
                 p.start()
                 writer.close()
                 procs.append(p)
                 readers.append(reader)
-        results = _collect(procs, readers, timeout_s, store_dir, fn)
+        results = _collect(procs, readers, timeout_s, fn)
         _stop(procs, grace_s=TERMINATE_GRACE_S)
         return results
     finally:
@@ -168,8 +173,55 @@ def init_from_env() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
+#: What the CPU ranks' fork server imports once, so that a rank does not spend ~2.3 s of CPU importing torch, Triton
+#: and megamoe (see :func:`_context`).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megamoe.launch", "megamoe.cases", "megamoe.process_ranks"]
+
+
+def _context(backend: str):
+    """The multiprocessing context for the ranks and the pid their parent will have.
+
+    ``spawn`` (a fresh interpreter per rank), except for ``cpu`` ranks on a machine without CUDA, which are forked
+    from multiprocessing's fork server: one interpreter per launching process that imports
+    :data:`FORKSERVER_PRELOAD` once (under ``TRITON_INTERPRET=1``, the only mode CPU ranks run in) and forks a rank
+    per request. It never initializes CUDA, threads or a process group, so forking it is safe, and a rank starts in
+    milliseconds instead of re-importing torch (the suite starts ~150 ranks). What a rank sees is the same: it
+    re-runs the launching script's top-level code as ``__mp_main__`` (multiprocessing's preparation data, as with
+    spawn), gets ``sys.path`` and the working directory from the launcher, and the launch's environment is applied
+    by :func:`_child_main` (a forked rank otherwise has the server's, from the first launch). Started on the first
+    CPU launch of a process with that launch's environment; it exits with the launching process, and the ranks'
+    parent-death signal (``_die_with_parent``) then reaches them through it."""
+    from megamoe.env import cuda_available, interpreting
+
+    if backend == "cpu" and interpreting() and "forkserver" in mp.get_all_start_methods() and not cuda_available():
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the server (re)starts
+        forkserver.ensure_running()
+        return ctx, forkserver._forkserver._forkserver_pid
+    return mp.get_context("spawn"), os.getpid()
+
+
+_MARKER_DIR: list[str] = []
+
+
+def _marker_dir() -> str:
+    """This process's folder for the bootstrap markers of its ranks (``_refuse_launch_while_bootstrapping``): one
+    per launching process, not per launch, because a forked rank bootstraps with the fork server's environment,
+    which holds the first launch's ``MEGAMOE_LAUNCH_DIR``. Removed when the process exits."""
+    if not _MARKER_DIR or not os.path.isdir(_MARKER_DIR[0]):
+        import atexit
+
+        path, pid = tempfile.mkdtemp(prefix=f"megamoe-launch-markers-{os.getpid()}-"), os.getpid()
+        atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
+        _MARKER_DIR[:] = [path]
+    return _MARKER_DIR[0]
+
+
 def _child_env(backend: str, world_size: int) -> dict[str, str]:
-    """Variables the children inherit (set around ``Process.start``, since spawn copies the environment)."""
+    """Variables the children get: set around ``Process.start`` (spawn copies the environment) and applied again by
+    ``_child_main`` (a rank forked from the fork server has the server's environment)."""
     env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
     if backend == "cpu":
@@ -226,7 +278,7 @@ class _Outcome:
         return self.message.removeprefix(f"rank {self.rank} ")
 
 
-def _collect(procs, readers, timeout_s: float, store_dir: str, fn) -> list:
+def _collect(procs, readers, timeout_s: float, fn) -> list:
     """Wait for one outcome per rank. On the first failure, keep collecting for up to :data:`BLAME_GRACE_S` (or
     until every rank has an outcome), then raise :func:`_blame`'s LaunchError; at the deadline raise a timeout."""
     n = len(procs)
@@ -245,7 +297,7 @@ def _collect(procs, readers, timeout_s: float, store_dir: str, fn) -> list:
             rank = handles[h]
             if rank in outcomes:
                 continue
-            outcome = _poll_rank(rank, readers[rank], procs[rank], started, store_dir, fn)
+            outcome = _poll_rank(rank, readers[rank], procs[rank], started, fn)
             if outcome is None:
                 continue
             outcomes[rank] = outcome
@@ -259,7 +311,7 @@ def _collect(procs, readers, timeout_s: float, store_dir: str, fn) -> list:
     return [outcomes[r].result for r in range(n)]
 
 
-def _poll_rank(rank: int, reader, proc, started: set[int], store_dir: str, fn) -> _Outcome | None:
+def _poll_rank(rank: int, reader, proc, started: set[int], fn) -> _Outcome | None:
     """Read what rank ``rank`` sent; its outcome, or None while it is still running."""
     while reader.poll():
         try:
@@ -278,9 +330,13 @@ def _poll_rank(rank: int, reader, proc, started: set[int], store_dir: str, fn) -
     proc.join()
     code = proc.exitcode
     how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+    marker = _bootstrap_marker(_marker_dir(), proc.pid)
+    rerun_launch = os.path.exists(marker)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(marker)  # a later rank may get this pid
     if rank in started:
         message = f"rank {rank} {how} without returning a result"
-    elif os.path.exists(_bootstrap_marker(store_dir, proc.pid)):
+    elif rerun_launch:
         message = (f"rank {rank} {how} before it started: its interpreter re-ran the top-level code of the launching "
                    f"script {_main_file()}, which called launch() again (multiprocessing's 'attempt has been made "
                    f"to start a new process before the current process has finished its bootstrapping phase'). "
@@ -333,8 +389,8 @@ def _main_file() -> str:
     return repr(path) if path else "(the __main__ module)"
 
 
-def _bootstrap_marker(store_dir: str, pid: int) -> str:
-    return os.path.join(store_dir, f"bootstrap-launch-{pid}")
+def _bootstrap_marker(marker_dir: str, pid: int) -> str:
+    return os.path.join(marker_dir, f"bootstrap-launch-{pid}")
 
 
 def _signal_name(signum: int) -> str:
@@ -378,9 +434,9 @@ def _refuse_launch_while_bootstrapping() -> None:
 
     if not getattr(multiprocessing.process.current_process(), "_inheriting", False):
         return
-    store_dir = os.environ.get(LAUNCH_DIR_ENV)
-    if store_dir and os.path.isdir(store_dir):
-        with contextlib.suppress(OSError), open(_bootstrap_marker(store_dir, os.getpid()), "w"):
+    marker_dir = os.environ.get(LAUNCH_DIR_ENV)
+    if marker_dir and os.path.isdir(marker_dir):
+        with contextlib.suppress(OSError), open(_bootstrap_marker(marker_dir, os.getpid()), "w"):
             pass
     raise RuntimeError(f"launch() was called while a spawned rank re-ran the top-level code of the launching script "
                        f"{_main_file()}; {MAIN_GUARD_FIX}")
@@ -398,15 +454,19 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(1)
 
 
-def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, parent_pid: int, args, kwargs,
-                conn) -> None:
+def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, parent_pid: int, env: dict, args,
+                kwargs, conn) -> None:
     """Entry point of one rank: send ``("started", pid)``, init the process group, run ``fn``, send ``("ok",
     result)`` or ``("error", report)`` (see :func:`_failure_report`). An exception of ``fn`` is reported *before*
-    the process group is torn down (which makes the peers fail), so that the root cause is not reported last."""
+    the process group is torn down (which makes the peers fail), so that the root cause is not reported last.
+    ``parent_pid``: the launcher (spawn) or the fork server (see :func:`_context`); ``env``: the launcher's
+    environment with the launch's variables, which becomes this rank's."""
     signal.signal(signal.SIGTERM, _raise_system_exit)  # so that `finally` blocks (shm unlink) run on terminate
     _send(conn, ("started", os.getpid()))
     _die_with_parent(parent_pid)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    for key in set(os.environ) - set(env):  # the launcher's environment, as spawn would have copied it
+        del os.environ[key]
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 

@@ -225,6 +225,11 @@ def whoami(rank: int, world_size: int, payload, *, scale: int = 1) -> dict:
                                                    "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}}
 
 
+def environ_of(rank: int, world_size: int, keys: list[str]) -> dict:
+    """The rank's values of ``keys`` in its environment (None where unset)."""
+    return {k: os.environ.get(k) for k in keys}
+
+
 def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
     """``bad_rank`` raises a ValueError; the others return their rank."""
     if rank == bad_rank:

@@ -38,6 +38,19 @@ def test_results_in_rank_order_with_args_and_env():
     assert mp.active_children() == []
 
 
+def test_ranks_get_the_launchers_environment_of_each_launch(monkeypatch):
+    """A rank's environment is the launcher's when ``launch`` is called (as spawn copies it), also where ranks are
+    forked from a fork server started by an earlier launch with another environment."""
+    keys = ["MEGAMOE_TEST_VALUE", "MEGAMOE_TEST_GONE"]
+    monkeypatch.setenv("MEGAMOE_TEST_GONE", "here")
+    assert launch(rank_fns.environ_of, 2, keys, backend="cpu", timeout_s=60) == [{keys[0]: None, keys[1]: "here"}] * 2
+    monkeypatch.setenv("MEGAMOE_TEST_VALUE", "set later")
+    monkeypatch.delenv("MEGAMOE_TEST_GONE")
+    assert launch(rank_fns.environ_of, 2, keys, backend="cpu", timeout_s=60) == [{keys[0]: "set later",
+                                                                                  keys[1]: None}] * 2
+    assert mp.active_children() == []
+
+
 def test_exception_is_forwarded_with_rank_and_traceback():
     with pytest.raises(LaunchError, match="rank 1 raised") as info:
         launch(rank_fns.raise_on, 2, 1, backend="cpu", timeout_s=60)

@@ -7,10 +7,13 @@ one of those sets (:data:`FOUR_RANKS`) runs four processes. Figures go to a temp
 through ``MEGAMOE_FIGURES_DIR``. The static checks read the committed notebooks: outputs present, no error outputs,
 a ``parameters`` cell, a provenance line, no kernel code (see ``megamoe.notebooks.check_notebook``).
 """
-import nbformat
 import pytest
 
 from megamoe import notebooks as nbs
+
+# nbformat is imported inside the tests that use it: importing it takes ~4 s here (jsonschema's format checkers
+# build their grammars), which every pytest process would otherwise pay while collecting, `make test`'s serial
+# `-m alone` part included.
 
 NOTEBOOKS = nbs.notebook_paths()
 NAMES = [p.stem for p in NOTEBOOKS]
@@ -46,7 +49,8 @@ def figures_tmp(tmp_path, monkeypatch):
     return out
 
 
-def _execute(name: str, tmp_path, world_size: int = 2, **params) -> nbformat.NotebookNode:
+def _execute(name: str, tmp_path, world_size: int = 2, **params):
+    import nbformat
     src = nbs.NOTEBOOK_DIR / f"{name}.ipynb"
     before = src.read_bytes()
     out = tmp_path / f"{name}_ws{world_size}.ipynb"
@@ -90,6 +94,7 @@ def test_notebook_executes_with_a_story_changing_parameter_set(name, tmp_path, f
 
 def test_story_parameters_exist_in_each_notebook():
     """Every notebook has a story parameter set, and each of its keys is a parameter of that notebook."""
+    import nbformat
     assert sorted(STORY_PARAMETERS) == EXPECTED
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
@@ -119,6 +124,7 @@ def test_committed_notebook_is_executed_clean_and_has_provenance(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_committed_notebook_structure(path):
+    import nbformat
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
@@ -140,6 +146,7 @@ def test_committed_notebook_is_small(path):
 
 
 def test_check_flags_problems(tmp_path):
+    import nbformat
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("@triton.jit\ndef k(x):\n    pass")
     cell.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])]
@@ -162,6 +169,8 @@ def test_notebook_names_resolve():
 def test_freshness_check_flags_outputs_made_from_changed_results(tmp_path, monkeypatch):
     """A notebook output records ``read results/x.json sha256:<h>``; changing the file makes it stale, an output
     without any record (from a notebook whose code reads results) is stale too, and a matching one passes."""
+    import nbformat
+
     from megamoe import figures
 
     monkeypatch.setenv("MEGAMOE_RESULTS_DIR", str(tmp_path))

@@ -146,3 +146,34 @@ def test_cupy_kernels_source_is_the_file_next_to_the_headers():
     assert all(f'#include "{h}"' in source for h in cupy_prims.HEADERS) and "// headers sha1 " in source
     assert "cuda/*.cu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "megamoe.kernels"]
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's patch only exists without CUDA")
+def test_interpreter_patches_triton_language_once_per_launch():
+    """``megamoe.env.patch_language_once_per_launch`` (installed by ``megamoe.kernels``): the layer (kernels with
+    device functions) matches the reference bit for bit with it and with Triton's own re-patching, and after each
+    launch ``triton.language`` is Triton's own again (the launch's patch is restored as before)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from megamoe.cases import MoECase, run_case_local
+    from megamoe.env import patch_language_once_per_launch
+
+    assert patch_language_once_per_launch() and interpreter._patch_lang._megamoe_once
+
+    def bitwise_equal_to_reference() -> bool:
+        case = MoECase(num_ranks=1, num_tokens=8, num_experts=2, num_topk=1, seed=3)
+        return all(r["bitwise_equal"] for r in run_case_local(case))
+
+    def language_is_tritons_own() -> bool:
+        return all(tl.core.is_builtin(f) for f in (tl.load, tl.math.exp, tl.core.tensor.__add__,
+                                                   tl.core.tensor_descriptor_base.load))
+
+    assert bitwise_equal_to_reference() and language_is_tritons_own()
+    once = interpreter._patch_lang
+    interpreter._patch_lang = once.__wrapped__  # Triton's own: a re-patch on every device-function call
+    try:
+        assert bitwise_equal_to_reference() and language_is_tritons_own()
+    finally:
+        interpreter._patch_lang = once
