@@ -148,7 +148,6 @@ def test_cupy_kernels_source_is_the_file_next_to_the_headers():
         "megamoe.kernels"]
 
 
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's patch only exists without CUDA")
 def test_interpreter_patches_triton_language_once_per_launch():
     """``megamoe.env.patch_language_once_per_launch`` (installed by ``megamoe.kernels``): the layer (kernels with
