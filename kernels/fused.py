@@ -56,7 +56,15 @@ waits, the swap-AB FP4 tiles, the timeline); the tiles it shares with the staged
 import triton
 import triton.language as tl
 
-from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
+from megamoe.kernels.formats import (
+    AMAX_FLOOR,
+    FOLD_LUT_MAX_SHIFT,
+    FP8_MAX,
+    L1_INTERLEAVE,
+    SF_GRAN_K,
+    TILE_HEADER,
+    TILE_WORDS,
+)
 from megamoe.kernels.gemm import l1_tile, l2_tile, swiglu
 from megamoe.kernels.gemm_fp8 import l1_tile_fp8, l1_tile_fp8_swap, l2_tile_fp8, l2_tile_fp8_swap
 from megamoe.kernels.numerics import (
@@ -72,7 +80,7 @@ from megamoe.kernels.pool import expert_blocks, interleaved_position, locate_blo
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns, sym_map
 
 #: Entries of one local rank's row in the argument table (int64), see ``megamoe.fused``.
-ARG_NAMES = ("buffer", "y", "w1", "w1_sf", "w2", "w2_sf", "stats", "num_tokens", "timeline")
+ARG_NAMES = ("buffer", "y", "w1", "w1_sf", "w2", "w2_sf", "stats", "num_tokens", "timeline", "tiles")
 NUM_ARGS = tl.constexpr(len(ARG_NAMES))
 #: Timeline event kinds, in the order of ``EVENT_NAMES``.
 EVENT_NAMES = ("count", "barrier1", "pull", "l1", "l2", "barrier2", "combine", "barrier3")
@@ -486,6 +494,50 @@ def _tile_rows(tile, N_TILES: tl.constexpr, n, blocks, cum, BM: tl.constexpr, BL
 
 
 @triton.jit
+def _tile_entries(tiles, first, cta, G, n, blocks, cum, N_T: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Entries ``first ..`` of the tile table for one GEMM of ``N_T`` n-tiles per pool block, ordered expert, n-tile,
+    then pool block of the expert (consecutive tiles share a weight tile, which the L2 cache then serves):
+    ``(pool block, n-tile, local expert, valid rows)`` int32 each. Strided over the rank's programs; returns the
+    number of tiles."""
+    CHUNK: tl.constexpr = 128
+    count = blocks * N_T  # tiles per expert [BLOCK_E]
+    cum_t = tl.cumsum(count, axis=0)
+    total = tl.max(cum_t, axis=0)
+    ev = tl.arange(0, BLOCK_E)
+    t0 = cta * CHUNK
+    while t0 < total:
+        t = t0 + tl.arange(0, CHUNK)
+        e = tl.sum((cum_t[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        sel = ev[None, :] == e[:, None]
+        start = tl.sum(tl.where(sel, (cum_t - count)[None, :], 0), axis=1)
+        nb = tl.maximum(tl.sum(tl.where(sel, blocks[None, :], 0), axis=1), 1)
+        first_block = tl.sum(tl.where(sel, (cum - blocks)[None, :], 0), axis=1)
+        n_e = tl.sum(tl.where(sel, n[None, :], 0), axis=1)
+        r = t - start
+        m = r % nb
+        p = tiles + TILE_HEADER + (first + t) * TILE_WORDS
+        ok = t < total
+        tl.store(p, first_block + m, mask=ok)
+        tl.store(p + 1, r // nb, mask=ok)
+        tl.store(p + 2, e, mask=ok)
+        tl.store(p + 3, tl.minimum(n_e - m * BM, BM), mask=ok)
+        t0 += G * CHUNK
+    return total
+
+
+@triton.jit
+def _write_tile_table(tiles, cta, G, n, blocks, cum, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
+    """The GEMM phase's tile table (:mod:`megamoe.kernels.gemm_fp8_ws`): header ``(L1 tiles, L2 tiles)``, then the
+    L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see :func:`_tile_entries`."""
+    num_l1 = _tile_entries(tiles, 0, cta, G, n, blocks, cum, N1, BM, BLOCK_E)
+    num_l2 = _tile_entries(tiles, num_l1, cta, G, n, blocks, cum, N2, BM, BLOCK_E)
+    if cta == 0:
+        tl.store(tiles, num_l1)
+        tl.store(tiles + 1, num_l2)
+
+
+@triton.jit
 def _rank_ptr(base, tab, i: tl.constexpr, dtype: tl.constexpr):
     """Local rank's pointer = rank 0's tensor argument ``base`` + the byte delta in column ``i`` of its table row.
     Deltas are multiples of 16 (checked on the host): with the hint, Triton keeps 16-byte vector accesses, which a
@@ -496,7 +548,7 @@ def _rank_ptr(base, tab, i: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def fused_mega_moe_kernel(
-        buf0, y0, w1_0, w1_sf0, w2_0, w2_sf0, stats0, timeline0, args, buffer_ptrs, fold_lut, rank0, G, clamp,
+        buf0, y0, w1_0, w1_sf0, w2_0, w2_sf0, stats0, timeline0, tiles0, args, buffer_ptrs, fold_lut, rank0, G, clamp,
         timeout_ns,
         max_polls,
         OFF_GRID: tl.constexpr, OFF_SIGNAL: tl.constexpr, OFF_STATE: tl.constexpr, OFF_SEND: tl.constexpr,
@@ -512,12 +564,14 @@ def fused_mega_moe_kernel(
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
-        FP8_SWAP: tl.constexpr = False):
+        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
-    0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank."""
-    N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
-    N2: tl.constexpr = H // BN2
+    0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
+
+    ``PHASE``: 0 = the whole call (the one persistent launch). With the GEMM phase in a separate Gluon launch
+    (:mod:`megamoe.kernels.gemm_fp8_ws`): 1 = the front (count, publish, barrier 1, pull tasks only, and the tile
+    table of the GEMM phase at ``tiles``), 2 = the back (barrier 2, combine, cleanup, barrier 3)."""
     pid = tl.program_id(0)
     lr = pid // G
     cta = pid % G
@@ -532,6 +586,7 @@ def fused_mega_moe_kernel(
     stats = _rank_ptr(stats0, tab, 6, tl.int32)
     num_tokens = tl.load(tab + 7).to(tl.int32)
     timeline = _rank_ptr(timeline0, tab, 8, tl.int64)
+    tiles = _rank_ptr(tiles0, tab, 9, tl.int32)
     grid_ctr = (buf + OFF_GRID).to(tl.pointer_type(tl.int32))
     progress = grid_ctr + 1
     task_ctr = grid_ctr + 2  # the next task index to hand out (dynamic schedule); zero between calls
@@ -544,7 +599,44 @@ def fused_mega_moe_kernel(
     arrival = (buf + OFF_ARRIVAL).to(tl.pointer_type(tl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(tl.pointer_type(tl.int64))
     epoch0 = tl.load(state, volatile=True)
+    if PHASE == 2:  # the front launch's barrier 1 stored epoch0 + 1
+        epoch0 -= 1
     n_ev = 0
+    if PHASE != 2:
+        n_ev = _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, progress, task_ctr,
+                      barrier_hold, signal, state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, w1, w1_sf,
+                      w2, w2_sf, fold_lut, clamp, timeout_ns, max_polls, OFF_SRC_IDX, OFF_META, OFF_X, OFF_X_SF,
+                      OFF_TOPK_IDX, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_COMBINE, R, E, El,
+                      T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
+                      COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
+                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE)
+    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
+        tl.store(task_ctr, 0)
+    if PHASE != 1:
+        _back(buf, buffer_ptrs, me, cta, G, num_tokens, y, stats, timeline, grid_ctr, progress, barrier_hold, signal,
+              state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, timeout_ns, max_polls, OFF_TOPK_IDX,
+              OFF_COMBINE, R, E, El, T, K, H, BM, BLOCK_R, BLOCK_E, COMBINE_T, COMBINE_H, HAS_STATS, TIMED, TIMELINE,
+              MAX_EVENTS)
+
+
+@triton.jit
+def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, progress, task_ctr, barrier_hold,
+           signal, state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, w1, w1_sf, w2, w2_sf, fold_lut, clamp,
+           timeout_ns, max_polls, OFF_SRC_IDX: tl.constexpr, OFF_META: tl.constexpr, OFF_X: tl.constexpr,
+           OFF_X_SF: tl.constexpr, OFF_TOPK_IDX: tl.constexpr, OFF_TOPK_W: tl.constexpr, OFF_L1: tl.constexpr,
+           OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
+           OFF_COMBINE: tl.constexpr, R: tl.constexpr, E: tl.constexpr, El: tl.constexpr, T: tl.constexpr,
+           K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr,
+           LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+           BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+           HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
+           TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr,
+           KW2_PAD: tl.constexpr, FOLDED: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr,
+           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr):
+    """The call up to the end of the task loop (count, publish, barrier 1, tasks); returns the timeline count."""
+    N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
+    N2: tl.constexpr = H // BN2
 
     # ---- count + publish source indices (as kernels/dispatch.py, strided over this rank's programs)
     t0 = _now(TIMED)
@@ -597,6 +689,10 @@ def fused_mega_moe_kernel(
         num_blocks = tl.max(cum, axis=0)
         num_l1 = num_blocks * N1
         num_l2 = num_blocks * N2
+        if PHASE == 1:  # the GEMM tiles run in the Gluon launch: write its tile table, hand out pull tasks only
+            _write_tile_table(tiles, cta, G, n, blocks, cum, I // 128, H // 256, BM, BLOCK_E)
+            num_l1 = 0
+            num_l2 = 0
         # Tasks are handed out in index order by an atomic counter (a work queue), not statically as cta, cta + G,
         # ...: L1 and L2 tiles differ in cost (K = H vs I) and a static round-robin left the programs that drew an
         # extra L1 tile finishing last. Every task's prerequisites (pull chunks of its block, the block's L1 tiles)
@@ -610,6 +706,8 @@ def fused_mega_moe_kernel(
                            R, El, T, K, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H,
                            BLOCK_W, HW_CVT, FOLDED)
                 n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
+            elif PHASE == 1:
+                pass
             elif t < num_pull + num_l1:
                 b, nt, expert, rows, sf_rows, mask_m, valid = _tile_rows(t - num_pull, N1, n, blocks, cum, BM,
                                                                          BLOCK_E, LAYOUT_BM, LAYOUT_SF_BM)
@@ -655,9 +753,18 @@ def fused_mega_moe_kernel(
                 n_ev = _event(timeline, cta, n_ev, EV_L2, t0, TIMELINE, MAX_EVENTS)
             tl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # liveness for the peers' barrier waits
             t = tl.atomic_add(task_ctr, 1, sem="relaxed", scope="gpu")
-    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
-    if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
-        tl.store(task_ctr, 0)
+    return n_ev
+
+
+@triton.jit
+def _back(buf, buffer_ptrs, me, cta, G, num_tokens, y, stats, timeline, grid_ctr, progress, barrier_hold, signal,
+          state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, timeout_ns, max_polls,
+          OFF_TOPK_IDX: tl.constexpr, OFF_COMBINE: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+          El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, COMBINE_T: tl.constexpr, COMBINE_H: tl.constexpr,
+          HAS_STATS: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr):
+    """The call from barrier 2 on: barrier 2, combine reduce into ``y``, workspace cleanup, barrier 3."""
+    topk_idx = (buf + OFF_TOPK_IDX).to(tl.pointer_type(tl.int64))
     t0 = _now(TIMED)
     if cta == 0:
         _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 2, 2, R, BLOCK_R,

@@ -29,6 +29,7 @@ import torch
 
 from megamoe.cases import MoECase, expected_recv_counts, prepare_rank
 from megamoe.env import RESULTS_DIR, device_tag, provenance
+from megamoe.fused import fused_config
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
 from megamoe.stepping import time_steps
 from megamoe.symm import SymmBuffer
@@ -179,7 +180,12 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
                     refs[numerics] = problem.reference(numerics=numerics)[0]
                 err = moe_error_stats(y, refs[numerics])
                 ms = _median_ms(lambda: call(y, l1, l2, sb, impl, numerics, False))
-                rows.append({**base, "impl": impl, "numerics": numerics, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                if impl == "fused":  # which tile family megamoe.fused.fused_config chose for this call
+                    base_impl = {"tile_kind": fused_config(sb.layout, n, 1, sb.buffer.device, numerics).kind}
+                else:
+                    base_impl = {}
+                rows.append({**base, **base_impl, "impl": impl, "numerics": numerics, "us": ms * 1e3,
+                             "tflops": flops / ms / 1e9,
                              "weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
                              "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
             ms = _median_ms(torch_grouped_mm_peer(recv, case.hidden, case.intermediate))

@@ -49,14 +49,17 @@ TIMELINE_MAX_EVENTS = 512
 #: with no spill and 104448 / 110592 B of shared memory, so both
 #: registers and shared memory hold exactly two. (Two stages with a 168-register cap would hold three at block 16 --
 #: 69632 B, 24 B of stack -- but spill 376 B at block 32; one 8-warp 3-stage program: 229 registers, 104448 B.)
-PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None)}
+#: "fp8_ws": the front and back launches around the Gluon GEMM phase (no GEMM tile compiled in; see FP8_WS_*):
+#: offline sm_90a compile, front 211 registers at 8 warps (one program an SM; at 4 warps it spills 968 B), back 40.
+PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None),
+                   "fp8_ws": (1, None)}
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
 #: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block
 #: 128 762 / 1205 / 3145 / 10031 us, against 975 / 1591 / 5988 / 21020 us for two 4-warp 2-stage programs of block 64
 #: (255 registers, 352 bytes spilled); two 4-warp 3-stage programs do not fit one SM's shared memory together and
 #: dead-lock in the first grid sync (``_check_resident`` now refuses such a launch). "fp8_swap": see PROGRAMS_PER_SM.
-WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4, 3)}
+WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4, 3), "fp8_ws": (8, 2)}
 #: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
 FP8_BLOCK64_MAX_EXPECTED = 64
 #: The SM90 FP8 format takes its swap-AB tiles ("fp8_swap": 128 weight rows on the MMA's M, block_m tokens on N,
@@ -104,18 +107,46 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
 #: Columns per L1 / L2 tile (weight rows of L2) by numerics: "exact" reuses the staged tile of
 #: ``megamoe.kernels.gemm`` (tokens on the MMA's M, BLOCK_N weight rows), "hopper" its own swap-AB tile (128
 #: weight rows on the MMA's M, tokens on N).
-TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128), "fp8_swap": (128, 128)}
+TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128), "fp8_swap": (128, 128), "fp8_ws": (128, 128)}
 #: The tile kinds of the SM90 FP8 x FP8 format (the others are the FP8 x FP4 format's numerics).
-FP8_KINDS = ("fp8", "fp8_swap")
+FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
+#: "fp8_ws": the SM90 FP8 format's GEMMs as one warp-specialised Gluon launch (``megamoe.kernels.gemm_fp8_ws``:
+#: TMA ring, mbarriers, two math warpgroups + a loader warp) between a front launch (count, barrier 1, pull, tile
+#: table) and a back launch (barrier 2, combine, cleanup) of ``fused_mega_moe_kernel``. Taken above this many expected
+#: tokens per local expert (its tile is 128 pool rows, so the pool block is 128).
+FP8_WS_MIN_EXPECTED = 64
+#: Ring stages and register split (math warpgroups / loader warp, the kernel's maxnreg) of the Gluon GEMM phase:
+#: 4 x 48.5 KB of shared memory; offline sm_90a compile (Triton 3.6, V4-Pro shapes): the K loops without spill, the
+#: epilogue of one math warpgroup 272 B.
+FP8_WS_STAGES, FP8_WS_REGS = 4, (232, 40, 168)
 
 
-def tile_kind(layout, numerics: str, expected: float | None = None) -> str:
+def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
+    """Why the Gluon GEMM phase ("fp8_ws") cannot run ``layout`` on ``device`` (None = it can)."""
+    if interpreting() or device is None or device.type != "cuda":
+        return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "the Gluon GEMM phase uses sm_90 wgmma"
+    if layout.block_m < 128:
+        return f"pool block_m={layout.block_m} < 128 (the Gluon tile is 128 pool rows)"
+    if layout.intermediate_hidden % 128 or layout.hidden % 256 or 2 * layout.intermediate_hidden // 128 > 64:
+        return (f"H={layout.hidden}, I={layout.intermediate_hidden}: the Gluon GEMM phase needs I % 128 == 0, "
+                "H % 256 == 0 and I <= 4096 (two bits per 128 columns in the 64-bit arrival mask)")
+    return None
+
+
+def tile_kind(layout, numerics: str, expected: float | None = None, device: torch.device | None = None) -> str:
     """The tile family of a call. The layout's format ``"fp8"`` (``fp8_mega_moe``): ``"fp8_swap"`` (swap-AB) when
-    ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``, else ``"fp8"`` (the staged
-    FP8 x FP8 tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``."""
+    ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``; ``"fp8_ws"`` (the Gluon
+    GEMM phase) above ``FP8_WS_MIN_EXPECTED`` where it can run on ``device``; else ``"fp8"`` (the staged FP8 x FP8
+    tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``."""
     if getattr(layout, "format", "fp8_fp4") != "fp8":
         return numerics
-    return "fp8_swap" if expected is not None and expected <= FP8_SWAP_MAX_EXPECTED else "fp8"
+    if expected is not None and expected <= FP8_SWAP_MAX_EXPECTED:
+        return "fp8_swap"
+    if expected is not None and expected > FP8_WS_MIN_EXPECTED and ws_unsupported_reason(layout, device) is None:
+        return "fp8_ws"
+    return "fp8"
 
 
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
@@ -123,7 +154,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
-    kind = tile_kind(layout, numerics, expected)
+    kind = tile_kind(layout, numerics, expected, device)
     warps, stages = WARPS_STAGES[kind]
     if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
@@ -131,6 +162,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = max(MIN_BLOCK_M, min(layout.block_m, FP8_SWAP_BLOCK_M))
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
+    elif kind == "fp8_ws":
+        block_m = 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -197,25 +230,25 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
-def _arg_table(calls, timelines) -> torch.Tensor:
+def _arg_table(calls, timelines, tiles) -> torch.Tensor:
     """int64 ``[local ranks, NUM_ARGS]``: per local rank the byte deltas of its tensors from local rank 0's
     (``kf.ARG_NAMES`` order) and its token count. Cached on the first buffer so a repeated call (and a CUDA-graph
     capture after a warm-up call) allocates nothing. Every address must be 16-byte aligned (the kernel keeps vector
     accesses)."""
-    def addrs(c, tl_):
+    def addrs(c, tl_, tiles_):
         base = c.sb.buffer.data_ptr()
         return [base, c.y.data_ptr(), c.l1[0].data_ptr(), c.l1[1].data_ptr(), c.l2[0].data_ptr(),
                 c.l2[1].data_ptr(), c.stats.data_ptr() if c.stats is not None else base,
-                None, tl_.data_ptr() if tl_ is not None else base]
+                None, tl_.data_ptr() if tl_ is not None else base, tiles_.data_ptr() if tiles_ is not None else base]
 
-    rows = [addrs(c, t) for c, t in zip(calls, timelines)]
+    rows = [addrs(c, t, g) for c, t, g in zip(calls, timelines, tiles)]
     for r, (c, row) in enumerate(zip(calls, rows)):
         for name, a in zip(kf.ARG_NAMES, row):
             if a is not None and a % 16:
                 raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused "
                                  "kernel needs aligned tensors (a fresh allocation, not an offset view)")
     table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
-    key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8))
+    key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9))
     cache = calls[0].sb.__dict__.setdefault("_fused_arg_tables", {})
     table = cache.get(key)
     if table is None:
@@ -247,11 +280,16 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     sb0 = calls[0].sb
     L, dev = sb0.layout, sb0.buffer.device
     cfg = config or fused_config(L, calls[0].n, len(calls), dev, numerics)
+    if timeline and cfg.kind == "fp8_ws":  # the Gluon GEMM phase records no timeline: the one-launch kernel does
+        cfg = FusedConfig(block_m=128, programs_per_rank=cfg.programs_per_rank // PROGRAMS_PER_SM["fp8_ws"][0]
+                          * PROGRAMS_PER_SM["fp8"][0], numerics=cfg.numerics, num_warps=WARPS_STAGES["fp8"][0],
+                          num_stages=WARPS_STAGES["fp8"][1], kind="fp8")
     timelines = [None] * len(calls)
     if timeline and not interpreting():
         timelines = [torch.full((cfg.programs_per_rank, TIMELINE_MAX_EVENTS, 3), -1, dtype=torch.int64, device=dev)
                      for _ in calls]
-    table = _arg_table(calls, timelines)
+    tiles = [_tile_table(c.sb) if cfg.kind == "fp8_ws" else None for c in calls]
+    table = _arg_table(calls, timelines, tiles)
     clamp = calls[0].clamp
     timeout_s = sb0.barrier_timeout_s
     meta = kernel_meta(L, cfg, has_clamp=clamp is not None, has_stats=calls[0].stats is not None,
@@ -262,13 +300,93 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     args = (c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
             c0.stats if c0.stats is not None else c0.sb.buffer,
             timelines[0] if timelines[0] is not None else c0.sb.buffer,
+            tiles[0] if tiles[0] is not None else c0.sb.buffer,
             table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
             float(clamp) if clamp is not None else 0.0,
             int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
+    if cfg.kind == "fp8_ws":
+        _run_ws(calls, args, grid, meta, tiles, rank0, L, dev)
+        return None
     if not interpreting():
         _check_resident(args, grid, meta, dev)
     kf.fused_mega_moe_kernel[grid](*args, **meta)
     return timelines if timeline else None
+
+
+def _tile_table(sb) -> torch.Tensor:
+    """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
+    words, then ``TILE_WORDS`` per tile), sized for the most 128-row pool blocks; allocated once per buffer."""
+    t = sb.__dict__.get("_ws_tiles")
+    if t is None:
+        L = sb.layout
+        blocks = L.num_max_pool_tokens // 128
+        n = blocks * (L.intermediate_hidden // 128 + L.hidden // 256)
+        t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n, dtype=torch.int32, device=sb.buffer.device)
+        sb._ws_tiles = t
+    return t
+
+
+def _ws_descriptors(c, L):
+    """TMA descriptors of one rank's GEMM phase (``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel``), cached on
+    its buffer by the weights' addresses (a repeated or captured call builds none)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    cache = c.sb.__dict__.setdefault("_ws_descs", {})
+    if key in cache:
+        return cache[key]
+    if len(cache) > 8:
+        cache.clear()
+    H, I, P, SP = L.hidden, L.intermediate_hidden, L.num_max_pool_tokens, L.num_padded_sf_pool_tokens
+    buf = c.sb.buffer
+    f8 = torch.float8_e4m3fn
+
+    def region(name, n, dtype):
+        off = L.offset(name)
+        return buf[off: off + n * torch.tensor([], dtype=dtype).element_size()].view(dtype)
+
+    lay_a = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    lay_w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)
+    lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    sa1 = region("l1_acts_sf", (H // 128) * SP, torch.float32)
+    sa2 = region("l2_acts_sf", (I // 128) * SP, torch.float32)
+    descs = (
+        TensorDescriptor.from_tensor(region("l1_acts", P * H, f8).view(P, H), [128, 128], lay_a),
+        TensorDescriptor.from_tensor(region("l2_acts", P * I, f8).view(P, I), [128, 128], lay_a),
+        TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [256, 128], lay_w),
+        TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [256, 128], lay_w),
+        TensorDescriptor(sa1, [sa1.numel()], [1], [128], lay_s),
+        TensorDescriptor(sa2, [sa2.numel()], [1], [128], lay_s),
+    )
+    cache[key] = descs
+    return descs
+
+
+def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
+    """The "fp8_ws" call: front launch (every local rank's programs), one Gluon GEMM phase per local rank (one CTA
+    per SM each; they need no other rank inside, so local ranks take turns), back launch."""
+    from megamoe.kernels import gemm_fp8_ws as kws
+
+    front = dict(meta, PHASE=1)
+    back = dict(meta, PHASE=2)
+    _check_resident(args, grid, front, dev)
+    _check_resident(args, grid, back, dev)
+    kf.fused_mega_moe_kernel[grid](*args, **front)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    math_regs, load_regs, maxnreg = FP8_WS_REGS
+    timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
+    offs = _offsets(L)
+    for lr, c in enumerate(calls):
+        kws.fp8_gemm_phase_kernel[(sms,)](
+            *_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
+            float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
+            OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"], OFF_L1_W=offs["OFF_L1_W"],
+            OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
+            OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES,
+            MATH_REGS=math_regs, LOAD_REGS=load_regs, num_warps=4, maxnreg=maxnreg)
+    kf.fused_mega_moe_kernel[grid](*args, **back)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -34,3 +34,53 @@ def test_fp8_real_size_one_rank(impl, num_tokens):
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} real r1")
+
+
+# ------------------------------------------------------------------ the Gluon GEMM phase ("fp8_ws")
+WS = dict(format="fp8", block_m=128)
+WS_CASES = [
+    MoECase(num_ranks=1, num_topk=2, num_experts=4, num_tokens=300, hidden=512, intermediate=256, **WS),
+    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[145, 0], masked_ratio=0.3, hidden=768,
+            intermediate=384, **WS),
+    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[133, 7, 0, 212], activation_clamp=0.25, hidden=512,
+            intermediate=640, **WS),
+    MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
+            num_calls=3, **WS),
+]
+
+
+def _layout(case):
+    from megamoe.layout import Layout
+
+    return Layout(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                  case.block_m, format=case.format)
+
+
+def _force_ws(monkeypatch):
+    """Take the Gluon GEMM phase whatever the expected tokens per expert (it needs the pool's block_m of 128)."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)
+
+
+@pytest.mark.parametrize("case", WS_CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls"])
+def test_fp8_ws_small_cases(case, monkeypatch):
+    """The front launch / Gluon GEMM phase / back launch ("fp8_ws") on 1, 2 and 4 local ranks: several pool blocks
+    per expert, partial blocks, masks, an empty rank, clamp, I / 128 odd (5 L1 tiles a block), skew, repeated calls."""
+    _force_ws(monkeypatch)
+    import megamoe.fused as mf
+
+    assert mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda")).kind == "fp8_ws"
+    case.impl = "fused"
+    assert_reports(run_case_local(case, device="cuda"), "fp8 fused (Gluon GEMM phase) small")
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens", [(1, [8192]), (4, [4096, 0, 2048, 77])], ids=["r1-t8192", "r4-skew"])
+def test_fp8_ws_real_size(num_ranks, num_tokens):
+    """Real size, chosen by ``fused_config`` (128 / 64 expected tokens per expert on rank 0 > FP8_WS_MIN_EXPECTED)."""
+    import megamoe.fused as mf
+
+    case = MoECase(format="fp8", num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
+                   routing="skewed" if num_ranks > 1 else "uniform", impl="fused", **REAL)
+    assert mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda")).kind == "fp8_ws"
+    assert_reports(run_case_local(case, device="cuda"), f"fp8 fused (Gluon GEMM phase) real r{num_ranks}")

@@ -1,0 +1,312 @@
+"""The GEMM phase of the fused SM90 FP8 x FP8 path, warp-specialised in Gluon: both grouped GEMMs (L1 + SwiGLU +
+top-k weight + FP8 requant, then L2 + write-back into the source ranks' combine buffers) in one persistent launch.
+
+Why Gluon: the plain Triton tiles of :mod:`megamoe.kernels.gemm_fp8` reach ~525 TFLOP/s on the L1 shape of V4-Pro
+on an H200, this structure ~1040-1100 (``results/probes/gluon_fp8_gemm_probe_h200.jsonl``: the same tile as a
+plain grouped GEMM). What plain ``tl`` cannot say and this kernel does (DeepGEMM SM90's structure):
+
+* **warp roles** (``gl.warp_specialize``): one TMA loader warp (``LOAD_REGS`` registers) and two math warpgroups
+  (``MATH_REGS``), which ``setmaxnreg`` rebalances -- DeepGEMM's 40 / 232 split;
+* a **STAGES-deep shared-memory ring** filled by TMA (A ``[128, 128]``, W ``[256, 128]``, the 128 A scales of one K
+  block) with ``ready`` / ``empty`` mbarriers, so the loader runs ahead of the math for as long as the ring allows;
+* **the promotion order**: each warpgroup issues the wgmma of one 128-wide K block into a fresh register tile, waits
+  for it and adds it into its float32 accumulator times ``sa * sw`` (the per-block promotion of
+  :func:`megamoe.reference.block_scaled_matmul`) while the other warpgroup's wgmma runs; BLOCK_N = 256 is done
+  "in halves" (two ``[64, 128]`` dot tiles one after the other, so 64 + 64 accumulator + 64 dot registers fit 232), with
+  :func:`_pin` keeping LLVM from sinking the left half's promotion below the right half's wgmma (660 B of spill
+  without it, offline sm_90a compile).
+
+Tiles (one CTA per SM, static stride ``t = pid, pid + G, ...`` over the tile table the front launch wrote, see
+:func:`megamoe.kernels.fused.fused_mega_moe_kernel` with ``PHASE=1``): L1 tiles, then L2 tiles. A tile is 128 pool
+rows (one pool block; the pool's ``block_m`` must be 128) x 256 weight rows:
+
+* L1: W1 rows ``[nt*256, nt*256+256)`` of the expert = intermediate columns ``[nt*128, nt*128+128)``, gate and up
+  interleaved by 8 (``transform_weights_for_mega_moe_sm90``). In the wgmma accumulator layout columns ``j`` and
+  ``j + 8`` sit in the same thread, so splitting gate from up is a free register reshape (no shared memory). The
+  weight scales are per 128x128 block of the *untransformed* rows: gate block row ``nt``, up block row
+  ``I/128 + nt``, chosen per column by a select in the promotion.
+  Epilogue: bf16 round, clamp, SwiGLU, top-k weight, the per-128 requant (``scale = max(amax, 1e-4) / 448``) into the
+  L2 pool; then ``fence.proxy.async`` (generic-proxy stores that TMA will read) and the warpgroup's bit ``2*nt + wg``
+  OR-ed into ``l2_arrival_mask[b]`` (release).
+* L2: W2 rows ``[nt*256, nt*256+256)`` = hidden columns, weight scale rows ``2nt`` / ``2nt+1`` (one per half). The
+  loader waits **per K block** ``kb`` for the two bits of L1 tile ``kb`` of the block (acquire, then
+  ``fence.proxy.async``): an L2 tile starts while later L1 tiles of its block are still running -- the seed's
+  arrival-mask mechanism at the finest grain. Epilogue: bf16 rows into ``combine[slot][token]`` of each row's source
+  rank (``sym_map`` arithmetic, rows past the block's valid count skipped).
+
+Waits are bounded (``timeout_ns`` on ``%globaltimer``): on expiry the loader records ``TAG_FUSED_INTERNAL_WAIT`` in
+``barrier_state[1]`` and carries on (the output is then garbage and the call raises), so nothing hangs. A launch
+that finds the state already failed (the front launch's barrier timed out) does no tile.
+
+Numerics: the model is the "exact" FP8 reference (:func:`megamoe.reference.fp8_mega_moe_reference`): per K block the
+float32 promotion ``acc += dot * (sa * sw)``; only the order of the float32 sums inside one 128-wide dot (the
+tensor cores') differs, which the GPU tests bound with the tolerance of the other FP8 tiles.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS
+from megamoe.kernels.gemm import swiglu
+from megamoe.kernels.numerics import f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
+from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
+
+BK = gl.constexpr(128)  #: K block = scale block along K
+WM = gl.constexpr(64)  #: rows per math warpgroup (the wgmma M)
+TILE_M = gl.constexpr(128)  #: pool rows per tile: two math warpgroups
+TILE_N = gl.constexpr(256)  #: weight rows per tile (two halves of 128)
+HN = gl.constexpr(128)  #: weight rows per half
+TAG_INTERNAL_WAIT = gl.constexpr(TAG_FUSED_INTERNAL_WAIT)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """``fence.proxy.async.global``: order this thread's generic-proxy global accesses with async-proxy (TMA) ones."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _pin(x):
+    """Identity through a side-effecting no-op (``mov.b32``, coalesced away by ptxas): LLVM may not move what
+    computes ``x`` below a later wgmma (module docstring, "halves")."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile(tiles, t):
+    """Entry ``t`` of the tile table: (pool block, n-tile, local expert, valid rows)."""
+    p = tiles + TILE_HEADER + t * TILE_WORDS
+    return gl.load(p), gl.load(p + 1), gl.load(p + 2), gl.load(p + 3)
+
+
+@gluon.jit
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
+                    tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, N1: gl.constexpr, H: gl.constexpr,
+                    I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
+    """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
+    stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
+    two bits of the block's arrival mask."""
+    nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            w_row = (e * H + nt * TILE_N)
+            mask_seen = gl.atomic_or(l2_mask + b, 0, sem="acquire", scope="gpu")
+        else:
+            KB = H // BK
+            w_row = (e * 2 * I + nt * TILE_N)
+            mask_seen = gl.to_tensor(0).to(gl.int64)
+        for kb in range(KB):
+            if is_l2:  # the L1 tile kb of this block (both warpgroups) has landed its 128 columns in the L2 pool
+                need = gl.to_tensor(3).to(gl.int64) << (2 * kb)
+                if (mask_seen & need) != need:
+                    t0 = _globaltimer_ns()
+                    alive = True
+                    while ((mask_seen & need) != need) & alive:
+                        mask_seen = gl.atomic_or(l2_mask + b, 0, sem="acquire", scope="gpu")
+                        alive = (_globaltimer_ns() - t0) <= timeout_ns
+                    if (mask_seen & need) != need:
+                        gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+                        mask_seen = mask_seen | need  # carry on: the call is failed, nothing may hang
+                _fence_proxy_async_global()
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first STAGES waits pass
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            if is_l2:
+                tma.async_copy_global_to_shared(a2_desc, [b * TILE_M, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BK], bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * TILE_M], bar, sa_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(a1_desc, [b * TILE_M, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BK], bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * TILE_M], bar, sa_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _promote(acc, dot, sa, s_gate, s_up, gate_col):
+    """acc [64, 128] += dot * (sa[m] * sw[n]), the scale product first; sw is ``s_gate`` on the columns where
+    ``gate_col`` (``[1, 128]``) is true, ``s_up`` elsewhere (L2: both the same)."""
+    pg = gl.expand_dims(sa * s_gate, 1)
+    pu = gl.expand_dims(sa * s_up, 1)
+    return acc + dot * gl.where(gate_col, pg, pu)
+
+
+@gluon.jit
+def _split_gate_up(acc):
+    """[64, 128] columns interleaved by 8 (gate 0..7, up 8..15, ...) -> gate, up [64, 64] (a register reshape)."""
+    g, u = gl.split(gl.permute(gl.reshape(acc, [WM, 8, 2, 8]), (0, 1, 3, 2)))
+    return gl.reshape(g, [WM, 64]), gl.reshape(u, [WM, 64])
+
+
+@gluon.jit
+def _l1_half(acc, clamp, HAS_CLAMP: gl.constexpr):
+    """SwiGLU of one half (64 intermediate columns): float32 ``[64, 64]``."""
+    g, u = _split_gate_up(acc)
+    gate = round_to_bf16(g)
+    up = round_to_bf16(u)
+    if HAS_CLAMP:
+        gate = gl.minimum(gate, clamp)
+        up = gl.minimum(gl.maximum(up, -clamp), clamp)
+    return swiglu(gate, up, False)
+
+
+@gluon.jit
+def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr, OFF_L1_W: gl.constexpr,
+                 OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                 HAS_CLAMP: gl.constexpr):
+    """This warpgroup's 64 rows of an L1 tile: SwiGLU, top-k weight, requant per the tile's 128 intermediate
+    columns into the L2 pool (bytes + one float32 scale per row), then its arrival bit."""
+    act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
+    act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
+    L: gl.constexpr = act_lo.type.layout
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
+    row_ok = r < valid - wg * WM
+    row = b * TILE_M + wg * WM + r
+    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    topk_w = gl.expand_dims(topk_w, 1)
+    act_lo = act_lo * topk_w
+    act_hi = act_hi * topk_w
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(act_lo), axis=1), gl.max(gl.abs(act_hi), axis=1)), AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    inv = gl.expand_dims(1.0 / scale, 1)
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    ok = gl.expand_dims(row_ok, 1)
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 1) \
+        + gl.expand_dims(c, 0)
+    gl.store(out, f32_to_e4m3_bits(act_lo * inv).to(gl.uint8), mask=ok)
+    gl.store(out + 64, f32_to_e4m3_bits(act_hi * inv).to(gl.uint8), mask=ok)
+    gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
+    _fence_proxy_async_global()  # the L2 tiles read these bytes and scales by TMA
+    gl.thread_barrier()  # every thread of the warpgroup has stored (and fenced) before the bit is published
+    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+
+
+@gluon.jit
+def _l2_epilogue(acc, buf, buffer_ptrs, me, b, n0, valid, wg: gl.constexpr, OFF_META: gl.constexpr,
+                 OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr):
+    """This warpgroup's 64 rows x 128 hidden columns ``[n0, n0 + 128)`` of an L2 tile as bf16 into
+    ``combine[slot][token]`` of each row's source rank."""
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
+    c = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
+    ok = r < valid - wg * WM
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (b * TILE_M + wg * WM + r) * 3
+    src = gl.load(meta, mask=ok, other=0)
+    token = gl.load(meta + 1, mask=ok, other=0)
+    slot = gl.load(meta + 2, mask=ok, other=0)
+    # sym_map: the same byte offset in the source rank's buffer (bases 16-byte aligned: the delta is in int16s)
+    delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 2
+    dst_row = (slot * T + token).to(gl.int64) * H + n0 + delta
+    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
+    gl.store(dst, f32_to_bf16_bits(acc).to(gl.int16), mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
+                    tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
+                    OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
+                    OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
+    gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
+    spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes into it)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            # weight scale rows 2nt (left half) and 2nt+1 (right half) of [El, H/128, I/128]
+            sw_a = w2_sf + (e * (H // 128) + 2 * nt) * KB
+            sw_b = sw_a + KB
+        else:
+            KB = H // BK
+            # gate block row nt and up block row I/128 + nt of [El, 2I/128, H/128]
+            sw_a = w1_sf + (e * (2 * I // 128) + nt) * KB
+            sw_b = sw_a + (I // 128) * KB
+        acc_lo = gl.zeros([WM, HN], gl.float32, mma)
+        acc_hi = gl.zeros([WM, HN], gl.float32, mma)
+        for kb in range(KB):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            x = gl.load(sw_a + kb)  # issued before the wait: its latency hides behind it
+            y = gl.load(sw_b + kb)
+            # L1: both halves (gate x, up y); L2: left half x, right half y
+            lo_u = gl.where(is_l2, x, y)
+            hi_g = gl.where(is_l2, y, x)
+            mbarrier.wait(ready.index(s), ph)
+            a_s = a_bufs.index(s).slice(wg * WM, WM)
+            w_s = w_bufs.index(s)
+            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
+            sa = sa_bufs.index(s).slice(wg * WM, WM).load(rows_l)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
+            dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc_hi = _promote(acc_hi, d_hi, sa, hi_g, y, gate_col)
+            spare = d_hi
+            it += 1
+        if is_l2:
+            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, b, nt * TILE_N, valid, wg, OFF_META, OFF_COMBINE, T, H, mma)
+            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, b, nt * TILE_N + HN, valid, wg, OFF_META, OFF_COMBINE, T, H,
+                         mma)
+        else:
+            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
+                         HAS_CLAMP)
+
+
+@gluon.jit
+def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, buf, w1_sf, w2_sf, tiles,
+                          buffer_ptrs, me, clamp, timeout_ns,
+                          OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr, OFF_L1_W: gl.constexpr,
+                          OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
+                          OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                          SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
+                          MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
+    fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
+    pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
+    ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
+    int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
+    state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
+    l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
+    num_l1 = gl.load(tiles)
+    num_tiles = num_l1 + gl.load(tiles + 1)
+    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile (read once, before the
+        num_tiles = 0            # roles split, so every partition sees the same count)
+    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, TILE_M, BK], a1_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK], w1_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_M], sa1_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
+        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+    fence_async_shared()  # barrier inits visible to the async proxy before first use
+    gl.warp_specialize([
+        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, tiles,
+                           num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
+                           SP, STAGES, HAS_CLAMP)),
+        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, tiles,
+                           num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
+                           SP, STAGES, HAS_CLAMP)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
+                           empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, I // 128, H, I, SP, STAGES)),
+    ], [4, 1], [MATH_REGS, LOAD_REGS])
