@@ -113,8 +113,10 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: "fp8_ws": the SM90 FP8 format's GEMMs as one warp-specialised Gluon launch (``megamoe.kernels.gemm_fp8_ws``:
 #: TMA ring, mbarriers, two math warpgroups + a loader warp) between a front launch (count, barrier 1, pull, tile
 #: table) and a back launch (barrier 2, combine, cleanup) of ``fused_mega_moe_kernel``. Taken above this many expected
-#: tokens per local expert (its tile is 128 pool rows, so the pool block is 128).
-FP8_WS_MIN_EXPECTED = 64
+#: tokens per local expert (its tile is 128 pool rows, so the pool block is 128). On an H200 at T = 512 (64 expected,
+#: ``results/probes/fused_fp8_ws_profile_h200.jsonl``): front + back launches 68 us + GEMM phase 1035 us, against
+#: 1325 us for the one-launch "fp8" kernel of block 64.
+FP8_WS_MIN_EXPECTED = 32
 #: Ring stages and register split (math warpgroups / loader warp, the kernel's maxnreg) of the Gluon GEMM phase:
 #: 4 x 48.5 KB of shared memory; offline sm_90a compile (Triton 3.6, V4-Pro shapes): the K loops without spill, the
 #: epilogue of one math warpgroup 272 B.

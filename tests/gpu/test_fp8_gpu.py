@@ -25,12 +25,13 @@ def test_fp8_small_cases(case, impl):
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} small")
 
 
-@pytest.mark.parametrize("num_tokens", [1024, 4096], ids=["t1024-swap16", "t4096-bm64"])
+@pytest.mark.parametrize("num_tokens", [1024, 4096], ids=["t1024-swap16", "t4096-ws"])
 @pytest.mark.parametrize("impl", ["staged", "fused"])
 def test_fp8_real_size_one_rank(impl, num_tokens):
-    """One rank of 384 experts, top-6: 16 / 64 expected tokens per expert, so the fused kernel runs its swap-AB tiles
-    at block 16 / the staged tile at block 64 (``megamoe.fused.fused_config``); the small cases above cover the
-    swap-AB tiles at block 32 (r1, r2-h384) and the staged tile at block 16 / 32 (r4, r2k6)."""
+    """One rank of 384 experts, top-6: 16 / 64 expected tokens per expert, so the fused path runs its swap-AB tiles
+    at block 16 / the Gluon GEMM phase (``megamoe.fused.fused_config``); the small cases above cover the swap-AB tiles
+    at block 32 (r1, r2-h384) and the one-launch staged-tile kernel at block 16 / 32 (r4, r2k6: pools of block_m
+    < 128, where the Gluon phase cannot run)."""
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} real r1")
