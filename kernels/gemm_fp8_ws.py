@@ -165,21 +165,21 @@ def _l1_half(acc, clamp, HAS_CLAMP: gl.constexpr):
 
 
 @gluon.jit
-def _l1_epilogue(acc_lo, acc_hi, topk_w, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
+def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr, OFF_L1_W: gl.constexpr,
                  OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                  HAS_CLAMP: gl.constexpr):
-    """This warpgroup's 64 rows of an L1 tile: SwiGLU, top-k weight (``topk_w`` [64], loaded before the K loop),
-    requant per the tile's 128 intermediate columns into the L2 pool (bytes + one float32 scale per row), then its
-    arrival bit."""
+    """This warpgroup's 64 rows of an L1 tile: SwiGLU, top-k weight, requant per the tile's 128 intermediate
+    columns into the L2 pool (bytes + one float32 scale per row), then its arrival bit."""
     act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
     act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
     L: gl.constexpr = act_lo.type.layout
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
     row_ok = r < valid - wg * WM
     row = b * TILE_M + wg * WM + r
-    w = gl.expand_dims(gl.convert_layout(topk_w, gl.SliceLayout(1, L)), 1)
-    act_lo = act_lo * w
-    act_hi = act_hi * w
+    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    topk_w = gl.expand_dims(topk_w, 1)
+    act_lo = act_lo * topk_w
+    act_hi = act_hi * topk_w
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(act_lo), axis=1), gl.max(gl.abs(act_hi), axis=1)), AMAX_FLOOR)
     scale = amax / FP8_MAX
     inv = gl.expand_dims(1.0 / scale, 1)
@@ -196,27 +196,21 @@ def _l1_epilogue(acc_lo, acc_hi, topk_w, buf, clamp, b, nt, valid, l2_mask, wg: 
 
 
 @gluon.jit
-def _l2_rows(buf, buffer_ptrs, me, b, valid, wg: gl.constexpr, OFF_META: gl.constexpr, T: gl.constexpr,
-             H: gl.constexpr, rows_l: gl.constexpr):
-    """Where this warpgroup's 64 rows of an L2 tile go: int16 offsets from the local ``combine`` buffer of
-    ``combine[slot][token][0]`` in each row's source rank (``sym_map`` arithmetic: the bases are 16-byte aligned),
-    and the row mask. Loaded before the K loop, so the epilogue does not wait on these loads."""
-    r = gl.arange(0, WM, layout=rows_l)
+def _l2_epilogue(acc, buf, buffer_ptrs, me, b, n0, valid, wg: gl.constexpr, OFF_META: gl.constexpr,
+                 OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr):
+    """This warpgroup's 64 rows x 128 hidden columns ``[n0, n0 + 128)`` of an L2 tile as bf16 into
+    ``combine[slot][token]`` of each row's source rank."""
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
+    c = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
     ok = r < valid - wg * WM
     meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (b * TILE_M + wg * WM + r) * 3
     src = gl.load(meta, mask=ok, other=0)
     token = gl.load(meta + 1, mask=ok, other=0)
     slot = gl.load(meta + 2, mask=ok, other=0)
+    # sym_map: the same byte offset in the source rank's buffer (bases 16-byte aligned: the delta is in int16s)
     delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 2
-    return (slot * T + token).to(gl.int64) * H + delta, ok
-
-
-@gluon.jit
-def _l2_epilogue(acc, buf, dst_row, ok, n0, OFF_COMBINE: gl.constexpr, mma: gl.constexpr):
-    """This warpgroup's 64 rows x 128 hidden columns ``[n0, n0 + 128)`` of an L2 tile as bf16 into
-    ``combine[slot][token]`` of each row's source rank (``dst_row``, ``ok``: :func:`_l2_rows`)."""
-    c = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
-    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row + n0, 1) + gl.expand_dims(c, 0)
+    dst_row = (slot * T + token).to(gl.int64) * H + n0 + delta
+    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
     gl.store(dst, f32_to_bf16_bits(acc).to(gl.int16), mask=gl.expand_dims(ok, 1))
 
 
@@ -246,16 +240,6 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             # gate block row nt and up block row I/128 + nt of [El, 2I/128, H/128]
             sw_a = w1_sf + (e * (2 * I // 128) + nt) * KB
             sw_b = sw_a + (I // 128) * KB
-        # the epilogue's row data, loaded now so its latency hides behind the K loop
-        if is_l2:
-            dst_row, row_ok = _l2_rows(buf, buffer_ptrs, me, b, valid, wg, OFF_META, T, H, rows_l)
-            topk_w = gl.zeros([WM], gl.float32, rows_l)
-        else:
-            r = gl.arange(0, WM, layout=rows_l)
-            row_ok = r < valid - wg * WM
-            dst_row = gl.zeros([WM], gl.int64, rows_l)
-            topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + b * TILE_M + wg * WM + r,
-                             mask=row_ok, other=0.0)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
         for kb in range(KB):
@@ -280,10 +264,11 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             spare = d_hi
             it += 1
         if is_l2:
-            _l2_epilogue(acc_lo, buf, dst_row, row_ok, nt * TILE_N, OFF_COMBINE, mma)
-            _l2_epilogue(acc_hi, buf, dst_row, row_ok, nt * TILE_N + HN, OFF_COMBINE, mma)
+            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, b, nt * TILE_N, valid, wg, OFF_META, OFF_COMBINE, T, H, mma)
+            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, b, nt * TILE_N + HN, valid, wg, OFF_META, OFF_COMBINE, T, H,
+                         mma)
         else:
-            _l1_epilogue(acc_lo, acc_hi, topk_w, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L2, OFF_L2_SF, I, SP,
+            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
                          HAS_CLAMP)
 
 
