@@ -3,7 +3,9 @@ call, its argument table, the launch and the optional intra-kernel timeline.
 
 ``fp8_fp4_mega_moe(..., impl="fused")`` lands here after the same validation as the staged path. One call is
 **one launch**: with the ``local`` backend the grid holds every local rank's programs (``programs_per_rank``
-each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-kernel.
+each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-kernel. The exception is the SM90 FP8
+format's ``"fp8_ws"`` tile kind (see ``FP8_WS_MIN_EXPECTED``): front launch, one warp-specialised Gluon GEMM launch
+per local rank, back launch (``_run_ws``).
 
 Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
 
