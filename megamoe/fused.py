@@ -369,11 +369,20 @@ def _ws_descriptors(c, L):
 
 def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
     """The "fp8_ws" call: front launch (every local rank's programs), one Gluon GEMM phase per local rank (one CTA
-    per SM each; they need no other rank inside, so local ranks take turns), back launch."""
+    per SM each; they need no other rank inside, so local ranks take turns), back launch. Under the interpreter
+    (only with an explicit ``FusedConfig(kind="fp8_ws")``: ``fused_config`` picks it on sm_90 GPUs) the GEMM phase
+    is its torch model, ``megamoe.gemm_phase``."""
     from megamoe.kernels import gemm_fp8_ws as kws
 
     front = dict(meta, PHASE=1)
     back = dict(meta, PHASE=2)
+    if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
+        from megamoe.gemm_phase import run_gemm_phase
+
+        kf.fused_mega_moe_kernel[grid](*args, **front)
+        run_gemm_phase(calls, tiles)
+        kf.fused_mega_moe_kernel[grid](*args, **back)
+        return
     _check_resident(args, grid, front, dev)
     _check_resident(args, grid, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)

@@ -63,9 +63,10 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
             exp is float64-rounded on the interpreter (bit-reproducible) and the fast float32 exp on a GPU.
         dispatch, check: as :func:`megamoe.ops.fp8_fp4_mega_moe` (``check`` also rejects non-finite or non-positive
             ``x_sf`` scales).
-        impl: as :func:`megamoe.ops.fp8_fp4_mega_moe`: ``"staged"``, ``"fused"`` (one persistent launch on a Hopper
-            GPU, running this format's staged GEMM tiles, or their swap-AB variants for few tokens per expert,
-            inside ``megamoe.kernels.fused``'s task loop) or
+        impl: as :func:`megamoe.ops.fp8_fp4_mega_moe`: ``"staged"``, ``"fused"`` (on a Hopper GPU: one persistent
+            launch running this format's swap-AB tiles inside ``megamoe.kernels.fused``'s task loop up to 32
+            expected tokens per expert; above, a front launch, the GEMMs as one warp-specialised Gluon launch
+            (``megamoe.kernels.gemm_fp8_ws``) and a back launch; see ``megamoe.fused.tile_kind``) or
             ``"auto"`` (fused wherever it can run; :func:`megamoe.ops.resolve_impl`).
 
     Interruption and repair are those of :func:`megamoe.ops.fp8_fp4_mega_moe`.

@@ -208,3 +208,35 @@ def test_symm_buffer_factory_for_sm90():
     sb = get_symm_buffer_for_mega_moe_sm90(None, 4, 8, 2, 256, 128, block_m=16, backend="cpu")
     assert sb.layout.format == "fp8" and sb.x_sf.dtype == torch.float32
     sb.destroy()
+
+
+def test_fused_three_launch_split_bitwise(monkeypatch):
+    """The "fp8_ws" call on a CPU rank: the fused kernel's front launch (PHASE=1: count, barrier 1, pull, tile
+    table), the GEMM phase's torch model (``megamoe.gemm_phase``, what the Gluon kernel computes per tile) and the
+    back launch (PHASE=2: barrier 2, combine, cleanup) -- bit-exact against the reference, twice (the workspace is
+    clean between calls). 300 tokens x top-3 over 6 experts: ~150 rows an expert, so experts span two pool blocks of
+    128 (a full and a partial one); I = 384: three L1 tiles a block; H = 512: two L2 tiles. The tile table is
+    checked against the pool schedule."""
+    from megamoe.fused import FusedConfig
+    from megamoe.gemm_phase import tile_table
+
+    cfg = FusedConfig(block_m=128, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
+    monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
+    tables = []
+    real = megamoe.fused._tile_table
+    monkeypatch.setattr(megamoe.fused, "_tile_table", lambda sb: tables.append(real(sb)) or tables[-1])
+    case = MoECase(format="fp8", num_ranks=1, num_tokens=300, hidden=512, intermediate=384, num_topk=3,
+                   num_experts=6, masked_ratio=0.1, activation_clamp=0.5, num_calls=2, block_m=128, impl="fused",
+                   seed=21)
+    _check(run_case_local(case))
+    entries, num_l1 = tile_table(tables[-1])
+    l1, l2 = entries[:num_l1], entries[num_l1:]
+    blocks = sorted({b for b, *_ in l1})
+    assert blocks == list(range(len(blocks))) and len(blocks) > 6  # every block once, some expert with two
+    assert len(l1) == 3 * len(blocks) and len(l2) == 2 * len(blocks)
+    for part, n_tiles in ((l1, 3), (l2, 2)):
+        assert sorted((b, nt) for b, nt, *_ in part) == [(b, nt) for b in blocks for nt in range(n_tiles)]
+        assert [e for _, _, e, _ in part] == sorted(e for _, _, e, _ in part)  # expert-major
+        assert all(0 < v <= 128 for *_, v in part)
+    rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
+    assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())

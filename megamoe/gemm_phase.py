@@ -1,0 +1,81 @@
+"""The fused FP8 path's GEMM phase (:mod:`megamoe.kernels.gemm_fp8_ws`, tile kind ``"fp8_ws"``) in pure torch, tile
+by tile from the tile table the front launch wrote: what each Gluon tile reads and writes, with the reference's
+numerics (:func:`megamoe.reference.block_scaled_matmul`, SwiGLU, the per-128 requant), so that
+
+    front launch (PHASE=1)  ->  :func:`run_gemm_phase`  ->  back launch (PHASE=2)
+
+runs the three-launch call on CPU ranks under Triton's interpreter, bit-exact against the reference
+(``tests/test_fp8_mega_moe.py``): it checks the front launch's tile table (which blocks, which expert, how many valid
+rows, in which order) and the split of the fused kernel into its two phases without a GPU. On a GPU the Gluon kernel
+itself is checked against the reference (``tests/gpu/test_fp8_gpu.py``).
+
+Per tile ``(b, nt, e, valid)`` of the table (header: L1 tiles, L2 tiles; :data:`megamoe.kernels.formats.TILE_HEADER`):
+
+* L1: pool rows ``[128 b, 128 b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert ``e``: gate
+  and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale blocks; bf16
+  round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
+* L2: the same rows x hidden columns ``[256 nt, 256 nt + 256)``: bf16 rows into ``combine[slot][token]`` of each
+  row's source rank (``token_src_metadata``).
+"""
+from __future__ import annotations
+
+import torch
+
+from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS
+from megamoe.quant import L1_INTERLEAVE_ROWS
+from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
+from megamoe.reference import block_scaled_matmul, swiglu
+
+#: Rows per tile (one pool block) and weight rows per tile, as the Gluon kernel.
+TILE_M, TILE_N = 128, 256
+
+
+def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int]:
+    """The table as written by the front launch: ``([(block, n-tile, local expert, valid rows)], number of L1
+    tiles)``; L1 tiles first, then L2 tiles."""
+    t = tiles.cpu()
+    num_l1, num_l2 = int(t[0]), int(t[1])
+    h, w = TILE_HEADER.value, TILE_WORDS.value
+    entries = t[h: h + (num_l1 + num_l2) * w].view(-1, w).tolist()
+    return [tuple(e) for e in entries], num_l1
+
+
+def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):
+    """Gate and up weight rows (float32 values) and their per-row block scales for intermediate columns
+    ``[128 nt, 128 nt + 128)`` of local expert ``e`` from the transformed ``w1`` ``[El, 2I, H]``."""
+    c = torch.arange(nt * 128, nt * 128 + 128, device=w1.device)
+    gate = (c // L1_INTERLEAVE_ROWS) * (2 * L1_INTERLEAVE_ROWS) + c % L1_INTERLEAVE_ROWS
+    wg, wu = w1[e, gate].float(), w1[e, gate + L1_INTERLEAVE_ROWS].float()
+    sg = sf1[e, c // FP8_BLOCK].float()  # scale blocks are not interleaved: gate blocks, then up blocks
+    su = sf1[e, I // FP8_BLOCK + c // FP8_BLOCK].float()
+    return wg, sg, wu, su
+
+
+def run_gemm_phase(calls, tiles: list[torch.Tensor]) -> None:
+    """Every tile of every rank's table, L1 tiles before L2 tiles (a rank's L2 reads only its own L1 output).
+    ``calls``: ``megamoe.ops`` bound calls; ``tiles``: their tile tables. L2 rows go to the source rank's
+    ``combine`` through ``SymmBuffer.peer_view``."""
+    for c, t in zip(calls, tiles):
+        sb, I = c.sb, c.sb.layout.intermediate_hidden
+        entries, num_l1 = tile_table(t)
+        l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
+        l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
+        w1, sf1 = c.l1
+        w2, sf2 = c.l2
+        for i, (b, nt, e, valid) in enumerate(entries):
+            rows = slice(b * TILE_M, b * TILE_M + valid)
+            if i < num_l1:
+                wg, sg, wu, su = _l1_rows(e, nt, I, w1, sf1)
+                a, sa = l1[rows].float(), l1_sf[rows].float()
+                gate = block_scaled_matmul(a, sa, wg, sg).to(torch.bfloat16)
+                up = block_scaled_matmul(a, sa, wu, su).to(torch.bfloat16)
+                act = swiglu(torch.cat([gate, up], dim=1), c.clamp) * l1_w[rows].unsqueeze(1)
+                q, s = per_token_cast_to_fp8_128(act)
+                l2[rows, nt * 128: nt * 128 + 128] = q
+                l2_sf[rows, nt] = s[:, 0]
+            else:
+                n = slice(nt * TILE_N, nt * TILE_N + TILE_N)
+                sw = sf2[e][torch.arange(n.start, n.stop, device=sf2.device) // FP8_BLOCK].float()
+                out = block_scaled_matmul(l2[rows].float(), l2_sf[rows].float(), w2[e, n].float(), sw)
+                for (src, token, slot), row in zip(meta[rows].tolist(), out.to(torch.bfloat16)):
+                    sb.peer_view(src, "combine")[slot, token, n] = row
