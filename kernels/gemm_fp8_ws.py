@@ -1,12 +1,18 @@
-"""The GEMM phase of the fused SM90 FP8 x FP8 path, warp-specialised in Gluon: both grouped GEMMs (L1 + SwiGLU +
-top-k weight + FP8 requant, then L2 + write-back into the source ranks' combine buffers) in one persistent launch.
+"""The GEMM phase of the fused SM90 FP8 x FP8 path, warp-specialised in Gluon: the pull of the tokens into the L1
+pool, both grouped GEMMs (L1 + SwiGLU + top-k weight + FP8 requant, then L2 + write-back into the source ranks'
+combine buffers) in one persistent launch, the GEMMs starting while the pull is still running.
 
 Why Gluon: the plain Triton tiles of :mod:`megamoe.kernels.gemm_fp8` reach ~525 TFLOP/s on the L1 shape of V4-Pro
 on an H200, this structure ~1040-1100 (``results/probes/gluon_fp8_gemm_probe_h200.jsonl``: the same tile as a
 plain grouped GEMM). What plain ``tl`` cannot say and this kernel does (DeepGEMM SM90's structure):
 
-* **warp roles** (``gl.warp_specialize``): one TMA loader warp (``LOAD_REGS`` registers) and two math warpgroups
-  (``MATH_REGS``), which ``setmaxnreg`` rebalances -- DeepGEMM's 40 / 232 split;
+* **warp roles** (``gl.warp_specialize``): one TMA loader warp (``LOAD_REGS`` registers), two math warpgroups
+  (``MATH_REGS``) and ``PULL_WARPS`` pull warps (``PULL_REGS``), which ``setmaxnreg`` rebalances -- DeepGEMM's
+  dispatch / TMA / math roles;
+* **the pull overlapping L1** (:func:`_pull_partition`): CTA ``i`` copies pool blocks ``i, i + G, ...`` (the rows
+  the front launch placed, from the source ranks' inputs) and publishes each block's row count in
+  ``l1_arrival_count``; the loader of an L1 tile waits for its block's count (acquire) -- the seed's per-block
+  arrival counter;
 * a **STAGES-deep shared-memory ring** filled by TMA (A ``[128, 128]``, W ``[256, 128]``, the 128 A scales of one K
   block) with ``ready`` / ``empty`` mbarriers, so the loader runs ahead of the math for as long as the ring allows;
 * **the promotion order**: each warpgroup issues the wgmma of one 128-wide K block into a fresh register tile, waits
@@ -88,7 +94,7 @@ def _tile(tiles, t):
 
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
-                    tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, N1: gl.constexpr, H: gl.constexpr,
+                    tiles, num_l1, num_tiles, l2_mask, arrival, state, timeout_ns, N1: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
@@ -106,6 +112,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             KB = H // BK
             w_row = (e * 2 * I + nt * TILE_N)
             mask_seen = gl.to_tensor(0).to(gl.int64)
+            # the block's rows have landed in the L1 pool (the pull partition of CTA b % G, :func:`_pull_partition`)
+            landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")
+            if landed < valid:
+                t0 = _globaltimer_ns()
+                alive = True
+                while (landed < valid) & alive:
+                    landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")
+                    alive = (_globaltimer_ns() - t0) <= timeout_ns
+                if landed < valid:
+                    gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+            _fence_proxy_async_global()
         for kb in range(KB):
             if is_l2:  # the L1 tile kb of this block (both warpgroups) has landed its 128 columns in the L2 pool
                 need = gl.to_tensor(3).to(gl.int64) << (2 * kb)
@@ -134,6 +151,58 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
                 tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BK], bar, w_bufs.index(s))
                 tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * TILE_M], bar, sa_bufs.index(s))
             it += 1
+
+
+@gluon.jit
+def _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META: gl.constexpr, OFF_X: gl.constexpr,
+                    OFF_X_SF: gl.constexpr, OFF_L1: gl.constexpr, OFF_L1_SF: gl.constexpr, H: gl.constexpr,
+                    SP: gl.constexpr, PULL_WARPS: gl.constexpr):
+    """The pull (``PULL_WARPS`` warps): pool blocks ``b = pid, pid + G, ...`` in order -- so the first blocks, which
+    the first L1 tiles read, land first on every CTA at once -- row by row from the source rank's ``x`` / ``x_sf``
+    (``token_src_metadata``, written by the front launch) into the L1 pool and its scales; then
+    ``l1_arrival_count[b] = valid rows`` (release, after ``fence.proxy.async``: the L1 loader reads them by TMA)."""
+    ROWS: gl.constexpr = PULL_WARPS  # one row per warp and step
+    CH: gl.constexpr = 512  # bytes of a row per step: 16 B a thread (what keeps the partition in 40 registers)
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [PULL_WARPS, 1], [1, 0])
+    KW: gl.constexpr = H // 128
+    KW_PAD: gl.constexpr = 64 if KW <= 64 else 128
+    LS: gl.constexpr = gl.BlockedLayout([1, KW_PAD // 32], [1, 32], [PULL_WARPS, 1], [1, 0])
+    blk = gl.load(tiles + 3)
+    base_me = gl.load(buffer_ptrs + me)
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32))
+    l1 = buf + OFF_L1
+    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
+    c = gl.arange(0, CH, layout=gl.SliceLayout(0, L))
+    kw = gl.arange(0, KW_PAD, layout=gl.SliceLayout(0, LS))
+    for b in range(gl.program_id(0), num_blocks, gl.num_programs(0)):
+        valid = gl.load(tiles + blk + b)
+        for r0 in range(0, valid, ROWS):
+            r = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+            ok = r < valid
+            row = b * TILE_M + r
+            src = gl.load(meta + row * 3, mask=ok, other=0)
+            token = gl.load(meta + row * 3 + 1, mask=ok, other=0)
+            # sym_map: the same offset in the source's buffer (bases 16-byte aligned, so the delta is too)
+            delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - base_me) // 16 * 16
+            x_row = gl.expand_dims(delta + OFF_X + token.to(gl.int64) * H, 1)
+            dst_row = gl.expand_dims(row.to(gl.int64) * H, 1)
+            ok2 = gl.expand_dims(ok, 1)
+            for h0 in range(0, H, CH):  # not unrolled: one chunk in flight per thread
+                v = gl.load(buf + x_row + h0 + gl.expand_dims(c, 0), mask=ok2 & gl.expand_dims(h0 + c < H, 0))
+                gl.store(l1 + dst_row + h0 + gl.expand_dims(c, 0), v, mask=ok2 & gl.expand_dims(h0 + c < H, 0))
+            # the row's KW float32 scale words (K-major in x_sf) into the pool's MN-major scales, bit for bit
+            rs = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
+            oks = gl.expand_dims(rs < valid, 1) & gl.expand_dims(kw < KW, 0)
+            rows_s = b * TILE_M + rs
+            src_s = gl.load(meta + rows_s * 3, mask=rs < valid, other=0)
+            tok_s = gl.load(meta + rows_s * 3 + 1, mask=rs < valid, other=0)
+            delta_s = (gl.load(buffer_ptrs + src_s, mask=rs < valid, other=0) - base_me) // 4
+            x_sf = (buf + OFF_X_SF).to(gl.pointer_type(gl.int32))
+            w = gl.load(x_sf + gl.expand_dims(delta_s + tok_s.to(gl.int64) * KW, 1) + gl.expand_dims(kw, 0), mask=oks)
+            gl.store(l1_sf + gl.expand_dims(kw.to(gl.int64), 0) * SP + gl.expand_dims(rows_s, 1), w, mask=oks)
+        _fence_proxy_async_global()  # the L1 loader reads these rows and scales by TMA
+        gl.thread_barrier()  # every warp of the partition has stored (and fenced) before the count is published
+        gl.atomic_xchg(arrival + b, valid, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -275,11 +344,14 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
 @gluon.jit
 def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, buf, w1_sf, w2_sf, tiles,
                           buffer_ptrs, me, clamp, timeout_ns,
-                          OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr, OFF_L1_W: gl.constexpr,
+                          OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr, OFF_ARRIVAL: gl.constexpr,
+                          OFF_X: gl.constexpr, OFF_X_SF: gl.constexpr,
+                          OFF_L1: gl.constexpr, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
                           OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
-                          MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                          MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
+                          PULL_REGS: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
@@ -287,10 +359,13 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
+    arrival = (buf + OFF_ARRIVAL).to(gl.pointer_type(gl.int32))
     num_l1 = gl.load(tiles)
     num_tiles = num_l1 + gl.load(tiles + 1)
-    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile (read once, before the
-        num_tiles = 0            # roles split, so every partition sees the same count)
+    num_blocks = gl.load(tiles + 2)
+    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile, no pull (read once,
+        num_tiles = 0            # before the roles split, so every partition sees the same counts)
+        num_blocks = 0
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, TILE_M, BK], a1_desc.layout)
     w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK], w1_desc.layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_M], sa1_desc.layout)
@@ -308,5 +383,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
                            SP, STAGES, HAS_CLAMP)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
-                           empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, I // 128, H, I, SP, STAGES)),
-    ], [4, 1], [MATH_REGS, LOAD_REGS])
+                           empty, tiles, num_l1, num_tiles, l2_mask, arrival, state, timeout_ns, I // 128, H, I, SP,
+                           STAGES)),
+        (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
+                           OFF_L1_SF, H, SP, PULL_WARPS)),
+    ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

@@ -119,10 +119,10 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: ``results/probes/fused_fp8_ws_profile_h200.jsonl``): front + back launches 68 us + GEMM phase 1035 us, against
 #: 1325 us for the one-launch "fp8" kernel of block 64.
 FP8_WS_MIN_EXPECTED = 32
-#: Ring stages and register split (math warpgroups / loader warp, the kernel's maxnreg) of the Gluon GEMM phase:
-#: 4 x 48.5 KB of shared memory; offline sm_90a compile (Triton 3.6, V4-Pro shapes): the K loops without spill, the
-#: epilogue of one math warpgroup 272 B.
-FP8_WS_STAGES, FP8_WS_REGS = 4, (232, 40, 168)
+#: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
+#: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
+#: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
+FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = 4, (216, 40, 40, 128), 4
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -319,13 +319,15 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
 def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
-    words, then ``TILE_WORDS`` per tile), sized for the most 128-row pool blocks; allocated once per buffer."""
+    words, ``TILE_WORDS`` per tile, one word per pool block), sized for the most 128-row pool blocks; allocated once
+    per buffer."""
     t = sb.__dict__.get("_ws_tiles")
     if t is None:
         L = sb.layout
         blocks = L.num_max_pool_tokens // 128
         n = blocks * (L.intermediate_hidden // 128 + L.hidden // 256)
-        t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n, dtype=torch.int32, device=sb.buffer.device)
+        t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n + blocks, dtype=torch.int32,
+                        device=sb.buffer.device)
         sb._ws_tiles = t
     return t
 
@@ -387,18 +389,21 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
     _check_resident(args, grid, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, maxnreg = FP8_WS_REGS
+    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     offs = _offsets(L)
     for lr, c in enumerate(calls):
         kws.fp8_gemm_phase_kernel[(sms,)](
             *_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"], OFF_L1_W=offs["OFF_L1_W"],
+            OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"], OFF_ARRIVAL=offs["OFF_ARRIVAL"],
+            OFF_X=offs["OFF_X"], OFF_X_SF=offs["OFF_X_SF"], OFF_L1=offs["OFF_L1"], OFF_L1_SF=offs["OFF_L1_SF"],
+            OFF_L1_W=offs["OFF_L1_W"],
             OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
             OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
             SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES,
-            MATH_REGS=math_regs, LOAD_REGS=load_regs, num_warps=4, maxnreg=maxnreg)
+            MATH_REGS=math_regs, LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs,
+            num_warps=4, maxnreg=maxnreg)
     kf.fused_mega_moe_kernel[grid](*args, **back)
 
 

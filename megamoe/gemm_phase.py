@@ -9,7 +9,9 @@ runs the three-launch call on CPU ranks under Triton's interpreter, bit-exact ag
 rows, in which order) and the split of the fused kernel into its two phases without a GPU. On a GPU the Gluon kernel
 itself is checked against the reference (``tests/gpu/test_fp8_gpu.py``).
 
-Per tile ``(b, nt, e, valid)`` of the table (header: L1 tiles, L2 tiles; :data:`megamoe.kernels.formats.TILE_HEADER`):
+First the pull: the valid rows of every pool block (the table's block list) from the source rank's ``x`` /
+``x_sf`` (``token_src_metadata``) into the L1 pool and its scales. Then per tile ``(b, nt, e, valid)`` of the
+table (layout: :data:`megamoe.kernels.formats.TILE_HEADER`):
 
 * L1: pool rows ``[128 b, 128 b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert ``e``: gate
   and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale blocks; bf16
@@ -30,14 +32,14 @@ from megamoe.reference import block_scaled_matmul, swiglu
 TILE_M, TILE_N = 128, 256
 
 
-def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int]:
+def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int, list[int]]:
     """The table as written by the front launch: ``([(block, n-tile, local expert, valid rows)], number of L1
-    tiles)``; L1 tiles first, then L2 tiles."""
+    tiles, [valid rows of each pool block])``; L1 tiles first, then L2 tiles."""
     t = tiles.cpu()
-    num_l1, num_l2 = int(t[0]), int(t[1])
+    num_l1, num_l2, num_blocks, blk = (int(v) for v in t[:4])
     h, w = TILE_HEADER.value, TILE_WORDS.value
     entries = t[h: h + (num_l1 + num_l2) * w].view(-1, w).tolist()
-    return [tuple(e) for e in entries], num_l1
+    return [tuple(e) for e in entries], num_l1, t[blk: blk + num_blocks].tolist()
 
 
 def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):
@@ -57,11 +59,16 @@ def run_gemm_phase(calls, tiles: list[torch.Tensor]) -> None:
     ``combine`` through ``SymmBuffer.peer_view``."""
     for c, t in zip(calls, tiles):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
-        entries, num_l1 = tile_table(t)
+        entries, num_l1, block_rows = tile_table(t)
         l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
         l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
         w1, sf1 = c.l1
         w2, sf2 = c.l2
+        # the pull: every block's rows from the source rank's input (the front launch wrote their metadata)
+        for b, valid in enumerate(block_rows):
+            for row, (src, token, _) in enumerate(meta[b * TILE_M: b * TILE_M + valid].tolist(), start=b * TILE_M):
+                l1[row] = sb.peer_view(src, "x")[token]
+                l1_sf[row] = sb.peer_view(src, "x_sf")[token]
         for i, (b, nt, e, valid) in enumerate(entries):
             rows = slice(b * TILE_M, b * TILE_M + valid)
             if i < num_l1:

@@ -229,7 +229,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
                    num_experts=6, masked_ratio=0.1, activation_clamp=0.5, num_calls=2, block_m=128, impl="fused",
                    seed=21)
     _check(run_case_local(case))
-    entries, num_l1 = tile_table(tables[-1])
+    entries, num_l1, block_rows = tile_table(tables[-1])
     l1, l2 = entries[:num_l1], entries[num_l1:]
     blocks = sorted({b for b, *_ in l1})
     assert blocks == list(range(len(blocks))) and len(blocks) > 6  # every block once, some expert with two
@@ -240,3 +240,4 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
         assert all(0 < v <= 128 for *_, v in part)
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
+    assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
