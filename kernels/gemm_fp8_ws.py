@@ -94,7 +94,8 @@ def _tile(tiles, t):
 
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
-                    tiles, num_l1, num_tiles, l2_mask, arrival, state, timeout_ns, N1: gl.constexpr, H: gl.constexpr,
+                    tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
+                    H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
@@ -102,6 +103,9 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
     nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        # the rank's heartbeat: a peer waiting in barrier 2 for this rank sees it move (it names only ranks whose
+        # counter stood still for barrier_timeout_s), as the one-launch kernel's task loop does per task
+        gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
         if is_l2:
@@ -344,7 +348,8 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
 @gluon.jit
 def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, buf, w1_sf, w2_sf, tiles,
                           buffer_ptrs, me, clamp, timeout_ns,
-                          OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr, OFF_ARRIVAL: gl.constexpr,
+                          OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
+                          OFF_ARRIVAL: gl.constexpr,
                           OFF_X: gl.constexpr, OFF_X_SF: gl.constexpr,
                           OFF_L1: gl.constexpr, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
                           OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
@@ -360,6 +365,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
     arrival = (buf + OFF_ARRIVAL).to(gl.pointer_type(gl.int32))
+    progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)
     num_l1 = gl.load(tiles)
     num_tiles = num_l1 + gl.load(tiles + 1)
     num_blocks = gl.load(tiles + 2)
@@ -383,7 +389,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
                            SP, STAGES, HAS_CLAMP)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
-                           empty, tiles, num_l1, num_tiles, l2_mask, arrival, state, timeout_ns, I // 128, H, I, SP,
+                           empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
+                           I, SP,
                            STAGES)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS)),

@@ -396,7 +396,8 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
         kws.fp8_gemm_phase_kernel[(sms,)](
             *_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"], OFF_ARRIVAL=offs["OFF_ARRIVAL"],
+            OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
+            OFF_ARRIVAL=offs["OFF_ARRIVAL"],
             OFF_X=offs["OFF_X"], OFF_X_SF=offs["OFF_X_SF"], OFF_L1=offs["OFF_L1"], OFF_L1_SF=offs["OFF_L1_SF"],
             OFF_L1_W=offs["OFF_L1_W"],
             OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
