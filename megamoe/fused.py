@@ -122,7 +122,8 @@ FP8_WS_MIN_EXPECTED = 32
 #: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
 #: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
-FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = 4, (216, 40, 40, 128), 4
+#: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64.
+FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -166,8 +167,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = max(MIN_BLOCK_M, min(layout.block_m, FP8_SWAP_BLOCK_M))
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
-    elif kind == "fp8_ws":
-        block_m = 128
+    elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
+        block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -319,12 +320,12 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
 def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
-    words, ``TILE_WORDS`` per tile, one word per pool block), sized for the most 128-row pool blocks; allocated once
-    per buffer."""
+    words, ``TILE_WORDS`` per tile, one word per pool block), sized for the most pool blocks (of 64 rows); allocated
+    once per buffer."""
     t = sb.__dict__.get("_ws_tiles")
     if t is None:
         L = sb.layout
-        blocks = L.num_max_pool_tokens // 128
+        blocks = L.num_max_pool_tokens // 64  # the smallest pool block the Gluon phase takes
         n = blocks * (L.intermediate_hidden // 128 + L.hidden // 256)
         t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n + blocks, dtype=torch.int32,
                         device=sb.buffer.device)
@@ -332,13 +333,13 @@ def _tile_table(sb) -> torch.Tensor:
     return t
 
 
-def _ws_descriptors(c, L):
+def _ws_descriptors(c, L, bm: int):
     """TMA descriptors of one rank's GEMM phase (``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel``), cached on
     its buffer by the weights' addresses (a repeated or captured call builds none)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
     cache = c.sb.__dict__.setdefault("_ws_descs", {})
     if key in cache:
         return cache[key]
@@ -352,18 +353,18 @@ def _ws_descriptors(c, L):
         off = L.offset(name)
         return buf[off: off + n * torch.tensor([], dtype=dtype).element_size()].view(dtype)
 
-    lay_a = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     lay_w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)
     lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     sa1 = region("l1_acts_sf", (H // 128) * SP, torch.float32)
     sa2 = region("l2_acts_sf", (I // 128) * SP, torch.float32)
     descs = (
-        TensorDescriptor.from_tensor(region("l1_acts", P * H, f8).view(P, H), [128, 128], lay_a),
-        TensorDescriptor.from_tensor(region("l2_acts", P * I, f8).view(P, I), [128, 128], lay_a),
+        TensorDescriptor.from_tensor(region("l1_acts", P * H, f8).view(P, H), [bm, 128], lay_a),
+        TensorDescriptor.from_tensor(region("l2_acts", P * I, f8).view(P, I), [bm, 128], lay_a),
         TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [256, 128], lay_w),
         TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [256, 128], lay_w),
-        TensorDescriptor(sa1, [sa1.numel()], [1], [128], lay_s),
-        TensorDescriptor(sa2, [sa2.numel()], [1], [128], lay_s),
+        TensorDescriptor(sa1, [sa1.numel()], [1], [bm], lay_s),
+        TensorDescriptor(sa2, [sa2.numel()], [1], [bm], lay_s),
     )
     cache[key] = descs
     return descs
@@ -382,7 +383,7 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
         from megamoe.gemm_phase import run_gemm_phase
 
         kf.fused_mega_moe_kernel[grid](*args, **front)
-        run_gemm_phase(calls, tiles)
+        run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     _check_resident(args, grid, front, dev)
@@ -394,7 +395,7 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
     offs = _offsets(L)
     for lr, c in enumerate(calls):
         kws.fp8_gemm_phase_kernel[(sms,)](
-            *_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
+            *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
             OFF_ARRIVAL=offs["OFF_ARRIVAL"],
@@ -402,7 +403,7 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
             OFF_L1_W=offs["OFF_L1_W"],
             OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
             OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES[meta["BM"]],
             MATH_REGS=math_regs, LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs,
             num_warps=4, maxnreg=maxnreg)
     kf.fused_mega_moe_kernel[grid](*args, **back)

@@ -13,9 +13,9 @@ First the pull: the valid rows of every pool block (the table's block list) from
 ``x_sf`` (``token_src_metadata``) into the L1 pool and its scales. Then per tile ``(b, nt, e, valid)`` of the
 table (layout: :data:`megamoe.kernels.formats.TILE_HEADER`):
 
-* L1: pool rows ``[128 b, 128 b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert ``e``: gate
-  and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale blocks; bf16
-  round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
+* L1: pool rows ``[block_m b, block_m b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert
+  ``e``: gate and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale
+  blocks; bf16 round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
 * L2: the same rows x hidden columns ``[256 nt, 256 nt + 256)``: bf16 rows into ``combine[slot][token]`` of each
   row's source rank (``token_src_metadata``).
 """
@@ -28,8 +28,8 @@ from megamoe.quant import L1_INTERLEAVE_ROWS
 from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
 from megamoe.reference import block_scaled_matmul, swiglu
 
-#: Rows per tile (one pool block) and weight rows per tile, as the Gluon kernel.
-TILE_M, TILE_N = 128, 256
+#: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
+TILE_N = 256
 
 
 def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int, list[int]]:
@@ -53,9 +53,10 @@ def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):
     return wg, sg, wu, su
 
 
-def run_gemm_phase(calls, tiles: list[torch.Tensor]) -> None:
+def run_gemm_phase(calls, tiles: list[torch.Tensor], block_m: int) -> None:
     """Every tile of every rank's table, L1 tiles before L2 tiles (a rank's L2 reads only its own L1 output).
-    ``calls``: ``megamoe.ops`` bound calls; ``tiles``: their tile tables. L2 rows go to the source rank's
+    ``calls``: ``megamoe.ops`` bound calls; ``tiles``: their tile tables; ``block_m``: rows per pool block (the
+    front launch's). L2 rows go to the source rank's
     ``combine`` through ``SymmBuffer.peer_view``."""
     for c, t in zip(calls, tiles):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
@@ -66,11 +67,11 @@ def run_gemm_phase(calls, tiles: list[torch.Tensor]) -> None:
         w2, sf2 = c.l2
         # the pull: every block's rows from the source rank's input (the front launch wrote their metadata)
         for b, valid in enumerate(block_rows):
-            for row, (src, token, _) in enumerate(meta[b * TILE_M: b * TILE_M + valid].tolist(), start=b * TILE_M):
+            for row, (src, token, _) in enumerate(meta[b * block_m: b * block_m + valid].tolist(), start=b * block_m):
                 l1[row] = sb.peer_view(src, "x")[token]
                 l1_sf[row] = sb.peer_view(src, "x_sf")[token]
         for i, (b, nt, e, valid) in enumerate(entries):
-            rows = slice(b * TILE_M, b * TILE_M + valid)
+            rows = slice(b * block_m, b * block_m + valid)
             if i < num_l1:
                 wg, sg, wu, su = _l1_rows(e, nt, I, w1, sf1)
                 a, sa = l1[rows].float(), l1_sf[rows].float()

@@ -210,7 +210,8 @@ def test_symm_buffer_factory_for_sm90():
     sb.destroy()
 
 
-def test_fused_three_launch_split_bitwise(monkeypatch):
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     """The "fp8_ws" call on a CPU rank: the fused kernel's front launch (PHASE=1: count, barrier 1, pull, tile
     table), the GEMM phase's torch model (``megamoe.gemm_phase``, what the Gluon kernel computes per tile) and the
     back launch (PHASE=2: barrier 2, combine, cleanup) -- bit-exact against the reference, twice (the workspace is
@@ -220,7 +221,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
     from megamoe.fused import FusedConfig
     from megamoe.gemm_phase import tile_table
 
-    cfg = FusedConfig(block_m=128, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
+    cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
     tables = []
     real = megamoe.fused._tile_table
@@ -237,7 +238,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
     for part, n_tiles in ((l1, 3), (l2, 2)):
         assert sorted((b, nt) for b, nt, *_ in part) == [(b, nt) for b in blocks for nt in range(n_tiles)]
         assert [e for _, _, e, _ in part] == sorted(e for _, _, e, _ in part)  # expert-major
-        assert all(0 < v <= 128 for *_, v in part)
+        assert all(0 < v <= block_m for *_, v in part)
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
     assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
