@@ -47,6 +47,8 @@ WS_CASES = [
             intermediate=640, **WS),
     MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
             num_calls=3, **WS),
+    MoECase(num_ranks=2, num_topk=2, num_experts=8, num_tokens=[100, 40], masked_ratio=0.2, activation_clamp=0.3,
+            hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert: pool block 64
 ]
 
 
@@ -64,7 +66,8 @@ def _force_ws(monkeypatch):
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)
 
 
-@pytest.mark.parametrize("case", WS_CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls"])
+@pytest.mark.parametrize("case", WS_CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
+                                                "r2-bm64-clamp"])
 def test_fp8_ws_small_cases(case, monkeypatch):
     """The front launch / Gluon GEMM phase / back launch ("fp8_ws") on 1, 2 and 4 local ranks: several pool blocks
     per expert, partial blocks, masks, an empty rank, clamp, I / 128 odd (5 L1 tiles a block), skew, repeated calls."""
