@@ -240,3 +240,28 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
         assert all(0 < v <= 128 for *_, v in part)
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
+
+
+def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
+    """``tile_kind`` / ``ws_unsupported_reason`` on an sm_90 device (faked: this test runs on CPU): the Gluon GEMM
+    phase above FP8_WS_MIN_EXPECTED expected tokens per expert with a pool of block 128 and I <= 4096; otherwise the
+    one-launch tiles, with the reason naming what is missing; never for the FP8 x FP4 format or another GPU."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    big = mf.FP8_WS_MIN_EXPECTED + 1
+    ok = Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8")
+    assert mf.ws_unsupported_reason(ok, cuda) is None
+    assert mf.tile_kind(ok, "exact", big, cuda) == "fp8_ws"
+    assert mf.tile_kind(ok, "exact", mf.FP8_SWAP_MAX_EXPECTED, cuda) == "fp8_swap"
+    assert mf.tile_kind(ok, "exact", big, torch.device("cpu")) == "fp8"
+    for layout, word in ((Layout(1, 48, 8192, 6, 7168, 3072, 64, "fp8"), "block_m=64"),
+                         (Layout(1, 48, 8192, 6, 7168, 5120, 128, "fp8"), "I=5120"),
+                         (Layout(1, 48, 8192, 6, 7296, 3072, 128, "fp8"), "H=7296")):
+        assert word in mf.ws_unsupported_reason(layout, cuda)
+        assert mf.tile_kind(layout, "exact", big, cuda) == "fp8"
+    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128), "exact", big, cuda) == "exact"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "sm_90" in mf.ws_unsupported_reason(ok, cuda)
