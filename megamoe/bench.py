@@ -146,14 +146,14 @@ def _layer_call(fmt: str):
     return lambda y, l1, l2, sb, impl, numerics, check: fp8_mega_moe(y, l1, l2, sb, impl=impl, check=check)
 
 
-def bench_layer(quick: bool, fmt: str = "fp8_fp4") -> dict:
+def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = None) -> dict:
     """Our implementations and the torch grouped-mm peer side by side, same inputs, same run (one EP8 rank's 48
     V4-Pro experts at world size 1) in weight format ``fmt``; per row: µs, TFLOP/s, weight GB/s (FP4 or FP8 with
     scales), % of this run's roofline for that format, error vs the implementation's reference numerics."""
     spec = LAYER_FORMATS[fmt]
     call = _layer_call(fmt)
     case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
-    tokens = [8, 512] if quick else list(LAYER_TOKENS)
+    tokens = tokens or ([8, 512] if quick else list(LAYER_TOKENS))
     ceil = {r["what"]: r for r in bench_ceilings()["rows"]}
     fp8_tflops, copy_tbs = ceil["fp8_scaled_mm_8192"]["tflops"], ceil["copy_1GiB"]["tb_per_s"]
     sb = SymmBuffer.local(1, case.num_experts, max(tokens), case.num_topk, case.hidden, case.intermediate,
@@ -404,14 +404,34 @@ def write_result(kind: str, result: dict, command: str, out_dir: Path = RESULTS_
     return path
 
 
+#: The layer suites and their weight format (``--tokens`` applies to them).
+LAYER_SUITES = {"layer": "fp8_fp4", "layer_fp8": "fp8"}
+
+
+def _token_list(text: str) -> list[int]:
+    """``--tokens`` "8,512" -> [8, 512] (positive ints)."""
+    try:
+        tokens = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens: expected comma-separated ints, got {text!r}") from None
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens: expected positive ints, got {text!r}")
+    return tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--tokens", type=_token_list, default=None, metavar="T1,T2,...",
+                        help="layer suites only: these tokens per rank instead of LAYER_TOKENS (e.g. to time one "
+                             "kernel change quickly; write it with --out elsewhere than results/)")
     parser.add_argument("--merge-peer", type=Path, nargs=2, metavar=("LAYER_JSON", "PEER_JSON"),
                         help="add a peer kit's rows (DeepGEMM SM90) to a layer result and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.tokens is not None and args.suite not in LAYER_SUITES:
+        parser.error(f"--tokens applies to the layer suites {LAYER_SUITES}, not --suite {args.suite}")
     if args.merge_peer:
         merge_peer_rows(*args.merge_peer)
         return
@@ -420,7 +440,11 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m megamoe.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     for kind in ([k for k in SUITES if k not in NOT_IN_ALL] if args.suite == "all" else [args.suite]):
         print(f"[bench] {kind}", flush=True)
-        path = write_result(kind, SUITES[kind](args.quick), command, args.out)
+        if args.tokens is not None:
+            result = bench_layer(args.quick, LAYER_SUITES[kind], tokens=args.tokens)
+        else:
+            result = SUITES[kind](args.quick)
+        path = write_result(kind, result, command, args.out)
         print(f"[bench] wrote {path}", flush=True)
 
 

@@ -440,3 +440,16 @@ def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
         ops._l1 = real_l1
         sb.destroy()
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- fused FP8
+def run_case_rank_fp8_ws(rank: int, world_size: int, case, block_m: int) -> dict:
+    """``megamoe.cases.run_case_rank`` with the fused FP8 path forced onto its three-launch split (``FusedConfig``
+    kind ``"fp8_ws"``, pool block ``block_m``; under the interpreter the GEMM phase is ``megamoe.gemm_phase``'s torch
+    model). The override lives in this rank process only."""
+    import megamoe.fused as mf
+    from megamoe.cases import run_case_rank
+
+    cfg = mf.FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
+    mf.fused_config = lambda *args, **kwargs: cfg
+    return run_case_rank(rank, world_size, case)

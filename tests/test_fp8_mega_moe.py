@@ -242,3 +242,44 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
     assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
+
+
+def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
+    """``tile_kind`` / ``ws_unsupported_reason`` on an sm_90 device (faked: this test runs on CPU): the Gluon GEMM
+    phase above FP8_WS_MIN_EXPECTED expected tokens per expert with a pool of block 128 and I <= 4096; otherwise the
+    one-launch tiles, with the reason naming what is missing; never for the FP8 x FP4 format or another GPU."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    big = mf.FP8_WS_MIN_EXPECTED + 1
+    ok = Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8")
+    assert mf.ws_unsupported_reason(ok, cuda) is None
+    assert mf.tile_kind(ok, "exact", big, cuda) == "fp8_ws"
+    assert mf.tile_kind(ok, "exact", mf.FP8_SWAP_MAX_EXPECTED, cuda) == "fp8_swap"
+    assert mf.tile_kind(ok, "exact", big, torch.device("cpu")) == "fp8"
+    for layout, word in ((Layout(1, 48, 8192, 6, 7168, 3072, 64, "fp8"), "block_m=64"),
+                         (Layout(1, 48, 8192, 6, 7168, 5120, 128, "fp8"), "I=5120"),
+                         (Layout(1, 48, 8192, 6, 7296, 3072, 128, "fp8"), "H=7296")):
+        assert word in mf.ws_unsupported_reason(layout, cuda)
+        assert mf.tile_kind(layout, "exact", big, cuda) == "fp8"
+    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128), "exact", big, cuda) == "exact"
+    with pytest.raises(ValueError, match="fp8_ws.*block_m=64"):
+        mf.kernel_meta(ok, mf.FusedConfig(block_m=64, programs_per_rank=1, kind="fp8_ws"), has_clamp=False,
+                       has_stats=False, timeline=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "sm_90" in mf.ws_unsupported_reason(ok, cuda)
+
+
+@pytest.mark.slow
+def test_fused_three_launch_split_two_processes_bitwise():
+    """The three-launch split across two CPU processes: front launches meeting in barrier 1, the GEMM phase's model
+    pulling rows from the peer's input and writing L2 rows into the peer's combine buffer, back launches meeting in
+    barrier 2; skewed routing, masks, two calls. Bit-exact."""
+    import rank_fns
+
+    case = MoECase(format="fp8", num_ranks=2, num_tokens=[150, 60], num_topk=2, num_experts=4, hidden=512,
+                   intermediate=256, routing="skewed", masked_ratio=0.1, num_calls=2, block_m=128, impl="fused",
+                   seed=23)
+    _check(launch(rank_fns.run_case_rank_fp8_ws, 2, case, 128, backend="cpu", timeout_s=300))
