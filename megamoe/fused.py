@@ -217,9 +217,9 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     """The constexpr keywords of ``fused_mega_moe_kernel`` for layout ``L`` and ``cfg``."""
     gpu = not interpreting()
     kind = cfg.kind or tile_kind(L, cfg.numerics)
-    if kind == "fp8_ws" and cfg.block_m != 128:
-        raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of 128 rows (its Gluon tile), got "
-                         f"block_m={cfg.block_m}")
+    if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
+        raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
+                         f"tiles), got block_m={cfg.block_m}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
                          f"{getattr(L, 'format', 'fp8_fp4')!r}")
