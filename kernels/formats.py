@@ -26,3 +26,6 @@ FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
 #: rows)``; after the entries, one word per pool block (its valid rows).
 TILE_HEADER = tl.constexpr(4)
 TILE_WORDS = tl.constexpr(4)
+#: The Gluon GEMM phase's tile: pool rows (one pool block, two math warpgroups of 64) x weight rows (two halves).
+WS_TILE_M = tl.constexpr(128)
+WS_TILE_N = tl.constexpr(256)

@@ -62,15 +62,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.gemm import swiglu
 from megamoe.kernels.numerics import f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
 
 BK = gl.constexpr(128)  #: K block = scale block along K
 WM = gl.constexpr(64)  #: rows per math warpgroup (the wgmma M)
-TILE_M = gl.constexpr(128)  #: pool rows per tile: two math warpgroups
-TILE_N = gl.constexpr(256)  #: weight rows per tile (two halves of 128)
+TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups
+TILE_N = WS_TILE_N  #: weight rows per tile (two halves of 128)
 HN = gl.constexpr(128)  #: weight rows per half
 TAG_INTERNAL_WAIT = gl.constexpr(TAG_FUSED_INTERNAL_WAIT)
 

@@ -24,16 +24,18 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from megamoe.env import interpreting
 from megamoe.kernels import fused as kf
+from megamoe.kernels.formats import WS_TILE_M, WS_TILE_N
 from megamoe.layout import MIN_BLOCK_M
 from megamoe.ops import largest_pow2_tile
 from megamoe.quant import fold_lut
+from megamoe.quant_fp8 import FP8_BLOCK
 
 #: Intra-kernel timeline events, as recorded per program: ``(kind, start ns, end ns)``, kind indexing this tuple.
 TIMELINE_KINDS = kf.EVENT_NAMES
@@ -132,8 +134,8 @@ def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
         return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "the Gluon GEMM phase uses sm_90 wgmma"
-    if layout.block_m < 128:
-        return f"pool block_m={layout.block_m} < 128 (the Gluon tile is 128 pool rows)"
+    if layout.block_m < WS_TILE_M.value:
+        return f"pool block_m={layout.block_m} < {WS_TILE_M.value} (the Gluon tile's pool rows)"
     if layout.intermediate_hidden % 128 or layout.hidden % 256 or 2 * layout.intermediate_hidden // 128 > 64:
         return (f"H={layout.hidden}, I={layout.intermediate_hidden}: the Gluon GEMM phase needs I % 128 == 0, "
                 "H % 256 == 0 and I <= 4096 (two bits per 128 columns in the 64-bit arrival mask)")
@@ -289,9 +291,8 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     L, dev = sb0.layout, sb0.buffer.device
     cfg = config or fused_config(L, calls[0].n, len(calls), dev, numerics)
     if timeline and cfg.kind == "fp8_ws":  # the Gluon GEMM phase records no timeline: the one-launch kernel does
-        cfg = FusedConfig(block_m=128, programs_per_rank=cfg.programs_per_rank // PROGRAMS_PER_SM["fp8_ws"][0]
-                          * PROGRAMS_PER_SM["fp8"][0], numerics=cfg.numerics, num_warps=WARPS_STAGES["fp8"][0],
-                          num_stages=WARPS_STAGES["fp8"][1], kind="fp8")
+        warps, stages = WARPS_STAGES["fp8"]  # (both kinds run one program per SM; block 128 is an "fp8" block too)
+        cfg = replace(cfg, kind="fp8", num_warps=warps, num_stages=stages, maxnreg=PROGRAMS_PER_SM["fp8"][1])
     timelines = [None] * len(calls)
     if timeline and not interpreting():
         timelines = [torch.full((cfg.programs_per_rank, TIMELINE_MAX_EVENTS, 3), -1, dtype=torch.int64, device=dev)
@@ -329,7 +330,7 @@ def _tile_table(sb) -> torch.Tensor:
     if t is None:
         L = sb.layout
         blocks = L.num_max_pool_tokens // 64  # the smallest pool block the Gluon phase takes
-        n = blocks * (L.intermediate_hidden // 128 + L.hidden // 256)
+        n = blocks * (L.intermediate_hidden // 128 + L.hidden // WS_TILE_N.value)
         t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n + blocks, dtype=torch.int32,
                         device=sb.buffer.device)
         sb._ws_tiles = t
@@ -348,24 +349,19 @@ def _ws_descriptors(c, L, bm: int):
         return cache[key]
     if len(cache) > 8:
         cache.clear()
-    H, I, P, SP = L.hidden, L.intermediate_hidden, L.num_max_pool_tokens, L.num_padded_sf_pool_tokens
-    buf = c.sb.buffer
+    H, I = L.hidden, L.intermediate_hidden
     f8 = torch.float8_e4m3fn
-
-    def region(name, n, dtype):
-        off = L.offset(name)
-        return buf[off: off + n * torch.tensor([], dtype=dtype).element_size()].view(dtype)
-
-    lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
-    lay_w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)
+    bn, bk = WS_TILE_N, FP8_BLOCK
+    lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
+    lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    sa1 = region("l1_acts_sf", (H // 128) * SP, torch.float32)
-    sa2 = region("l2_acts_sf", (I // 128) * SP, torch.float32)
+    # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
+    sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
     descs = (
-        TensorDescriptor.from_tensor(region("l1_acts", P * H, f8).view(P, H), [bm, 128], lay_a),
-        TensorDescriptor.from_tensor(region("l2_acts", P * I, f8).view(P, I), [bm, 128], lay_a),
-        TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [256, 128], lay_w),
-        TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [256, 128], lay_w),
+        TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, bk], lay_a),
+        TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, bk], lay_a),
+        TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [bn, bk], lay_w),
+        TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [bn, bk], lay_w),
         TensorDescriptor(sa1, [sa1.numel()], [1], [bm], lay_s),
         TensorDescriptor(sa2, [sa2.numel()], [1], [bm], lay_s),
     )

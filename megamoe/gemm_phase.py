@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS
+from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS, WS_TILE_N
 from megamoe.quant import L1_INTERLEAVE_ROWS
 from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
 from megamoe.reference import block_scaled_matmul, swiglu
 
 #: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
-TILE_N = 256
+TILE_N = WS_TILE_N.value
 
 
 def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int, list[int]]:
