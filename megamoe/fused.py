@@ -351,7 +351,7 @@ def _ws_descriptors(c, L, bm: int):
         cache.clear()
     H, I = L.hidden, L.intermediate_hidden
     f8 = torch.float8_e4m3fn
-    bn, bk = WS_TILE_N, FP8_BLOCK
+    bn, bk = WS_TILE_N.value, FP8_BLOCK
     lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -381,6 +381,8 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
     if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
         from megamoe.gemm_phase import run_gemm_phase
 
+        for c in calls:  # host code only: the Gluon launch's descriptors are built (and checked) on CPU CI too
+            _ws_descriptors(c, L, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **front)
         run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)

@@ -229,7 +229,13 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     case = MoECase(format="fp8", num_ranks=1, num_tokens=300, hidden=512, intermediate=384, num_topk=3,
                    num_experts=6, masked_ratio=0.1, activation_clamp=0.5, num_calls=2, block_m=128, impl="fused",
                    seed=21)
+    descs = []
+    real_descs = megamoe.fused._ws_descriptors
+    monkeypatch.setattr(megamoe.fused, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _check(run_case_local(case))
+    a1, a2, w1, w2, s1, s2 = descs[-1]  # the Gluon launch's TMA descriptors, built on CPU as on the GPU
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 128]] * 2 + [[block_m]] * 2
+    assert list(w1.shape) == [6 * 2 * 384, 512] and list(w2.shape) == [6 * 512, 384]
     entries, num_l1, block_rows = tile_table(tables[-1])
     l1, l2 = entries[:num_l1], entries[num_l1:]
     blocks = sorted({b for b, *_ in l1})
