@@ -126,6 +126,8 @@ FP8_WS_MIN_EXPECTED = 32
 #: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
 #: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64.
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
+#: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
+FP8_WS_PULL_CHUNK = 1024
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -406,6 +408,7 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
             OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
             SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES[meta["BM"]],
             MATH_REGS=math_regs, LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs,
+            PULL_CHUNK=FP8_WS_PULL_CHUNK,
             num_warps=4, maxnreg=maxnreg)
     kf.fused_mega_moe_kernel[grid](*args, **back)
 
