@@ -22,7 +22,8 @@ assert quant.SF_GRAN_K == 32 and quant.SF_PACK == 4, "the GEMM tiles assume 32-w
 FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
 #: The tile table the fused FP8 path's front launch writes for its Gluon GEMM phase (``megamoe.kernels.fused``
 #: ``_write_tile_table``, read by ``megamoe.kernels.gemm_fp8_ws``): int32 words before the entries ``(L1 tiles, L2
-#: tiles, 0, 0)`` and per entry ``(pool block, n-tile, local expert, valid rows)``.
+#: tiles, pool blocks, word offset of the block table)`` and per entry ``(pool block, n-tile, local expert, valid
+#: rows)``; after the entries, one word per pool block (its valid rows).
 TILE_HEADER = tl.constexpr(4)
 TILE_WORDS = tl.constexpr(4)
 #: The Gluon GEMM phase's tile: pool rows (one pool block, two math warpgroups of 64) x weight rows (two halves).

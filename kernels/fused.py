@@ -324,7 +324,7 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
                R: tl.constexpr, El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BM: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr, FOLDED: tl.constexpr):
+               BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr, FOLDED: tl.constexpr, COPY_ROWS: tl.constexpr = True):
     """Pull task ``t``: up to BLOCK_J pairs of one (local expert, source rank) -- task order is expert-major, then
     source, then chunk of BLOCK_J pairs -- from the source's input buffer into the local L1 pool at the
     interleaved, expert-major rows of ``megamoe.kernels.pool``, folding each row's per-32 scales into its largest
@@ -349,6 +349,24 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
     x = sym_map(buf + OFF_X, buffer_ptrs, me, source).to(tl.pointer_type(tl.float8e4nv))
     x_sf = sym_map(buf + OFF_X_SF, buffer_ptrs, me, source)  # bytes: UE8M0 of group g of a token at g
     topk_w = sym_map((buf + OFF_TOPK_W).to(tl.pointer_type(tl.float32)), buffer_ptrs, me, source)
+    if COPY_ROWS:  # (False: the Gluon GEMM phase copies the rows; this task places them: metadata + weights)
+        _copy_rows(buf, x, x_sf, token, row, mj, OFF_L1, OFF_L1_SF, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BLOCK_J, BLOCK_H,
+                   BLOCK_W, HW_CVT, FOLDED)
+    tl.store((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + row, tl.load(topk_w + pair, mask=mj), mask=mj)
+    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
+    tl.store(meta + row * 3, tl.full([BLOCK_J], 0, tl.int32) + source, mask=mj)
+    tl.store(meta + row * 3 + 1, token, mask=mj)
+    tl.store(meta + row * 3 + 2, slot, mask=mj)
+    if COPY_ROWS:
+        tl.debug_barrier()
+        tl.atomic_add(arrival + row // BM, tl.full([BLOCK_J], 1, tl.int32), mask=mj, sem="release", scope="gpu")
+
+
+@triton.jit
+def _copy_rows(buf, x, x_sf, token, row, mj, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, H: tl.constexpr,
+               SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr, BLOCK_J: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, HW_CVT: tl.constexpr, FOLDED: tl.constexpr):
+    """The bytes and scale words of ``token`` [BLOCK_J] of the source's ``x`` / ``x_sf`` into pool ``row``."""
     # s_max: the token's largest scale exponent
     g = tl.arange(0, BLOCK_W)
     sfb = tl.load(x_sf + token[:, None] * (H // SF_GRAN_K) + g[None, :],
@@ -375,13 +393,6 @@ def _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum
         sf_words = tl.load(x_sf.to(tl.pointer_type(tl.int32)) + token[:, None] * (H // 128) + w[None, :], mask=mw)
     tl.store((buf + OFF_L1_SF).to(tl.pointer_type(tl.int32)) + w[None, :].to(tl.int64) * SP + sf_r[:, None],
              sf_words, mask=mw)
-    tl.store((buf + OFF_L1_W).to(tl.pointer_type(tl.float32)) + row, tl.load(topk_w + pair, mask=mj), mask=mj)
-    meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
-    tl.store(meta + row * 3, tl.full([BLOCK_J], 0, tl.int32) + source, mask=mj)
-    tl.store(meta + row * 3 + 1, token, mask=mj)
-    tl.store(meta + row * 3 + 2, slot, mask=mj)
-    tl.debug_barrier()
-    tl.atomic_add(arrival + row // BM, tl.full([BLOCK_J], 1, tl.int32), mask=mj, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -528,13 +539,29 @@ def _tile_entries(tiles, first, cta, G, n, blocks, cum, N_T: tl.constexpr, BM: t
 @triton.jit
 def _write_tile_table(tiles, cta, G, n, blocks, cum, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
                       BLOCK_E: tl.constexpr):
-    """The GEMM phase's tile table (:mod:`megamoe.kernels.gemm_fp8_ws`): header ``(L1 tiles, L2 tiles)``, then the
-    L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see :func:`_tile_entries`."""
+    """The GEMM phase's tile table (:mod:`megamoe.kernels.gemm_fp8_ws`): header ``(L1 tiles, L2 tiles, pool blocks,
+    word offset of the block table)``, the L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see
+    :func:`_tile_entries`; then the block table: the valid rows of each pool block (what the GEMM phase's pull
+    copies and the L1 tiles of the block wait for)."""
     num_l1 = _tile_entries(tiles, 0, cta, G, n, blocks, cum, N1, BM, BLOCK_E)
     num_l2 = _tile_entries(tiles, num_l1, cta, G, n, blocks, cum, N2, BM, BLOCK_E)
+    num_blocks = tl.max(cum, axis=0)
+    blk = TILE_HEADER + (num_l1 + num_l2) * TILE_WORDS
+    ev = tl.arange(0, BLOCK_E)
+    b0 = cta * 128
+    while b0 < num_blocks:
+        b = b0 + tl.arange(0, 128)
+        e = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        sel = ev[None, :] == e[:, None]
+        first_block = tl.sum(tl.where(sel, (cum - blocks)[None, :], 0), axis=1)
+        n_e = tl.sum(tl.where(sel, n[None, :], 0), axis=1)
+        tl.store(tiles + blk + b, tl.minimum(n_e - (b - first_block) * BM, BM), mask=b < num_blocks)
+        b0 += G * 128
     if cta == 0:
         tl.store(tiles, num_l1)
         tl.store(tiles + 1, num_l2)
+        tl.store(tiles + 2, num_blocks)
+        tl.store(tiles + 3, blk)
 
 
 @triton.jit
@@ -704,7 +731,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
                 _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum, arrival,
                            OFF_SRC_IDX, OFF_X, OFF_X_SF, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_META,
                            R, El, T, K, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H,
-                           BLOCK_W, HW_CVT, FOLDED)
+                           BLOCK_W, HW_CVT, FOLDED, PHASE != 1)
                 n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
             elif PHASE == 1:
                 pass

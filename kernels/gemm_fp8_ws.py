@@ -1,12 +1,18 @@
-"""The GEMM phase of the fused SM90 FP8 x FP8 path, warp-specialised in Gluon: both grouped GEMMs (L1 + SwiGLU +
-top-k weight + FP8 requant, then L2 + write-back into the source ranks' combine buffers) in one persistent launch.
+"""The GEMM phase of the fused SM90 FP8 x FP8 path, warp-specialised in Gluon: the pull of the tokens into the L1
+pool, both grouped GEMMs (L1 + SwiGLU + top-k weight + FP8 requant, then L2 + write-back into the source ranks'
+combine buffers) in one persistent launch, the GEMMs starting while the pull is still running.
 
 Why Gluon: the plain Triton tiles of :mod:`megamoe.kernels.gemm_fp8` reach ~525 TFLOP/s on the L1 shape of V4-Pro
 on an H200, this structure ~1040-1100 (``results/probes/gluon_fp8_gemm_probe_h200.jsonl``: the same tile as a
 plain grouped GEMM). What plain ``tl`` cannot say and this kernel does (DeepGEMM SM90's structure):
 
-* **warp roles** (``gl.warp_specialize``): one TMA loader warp (``LOAD_REGS`` registers) and two math warpgroups
-  (``MATH_REGS``), which ``setmaxnreg`` rebalances -- DeepGEMM's 40 / 232 split;
+* **warp roles** (``gl.warp_specialize``): one TMA loader warp (``LOAD_REGS`` registers), two math warpgroups
+  (``MATH_REGS``) and ``PULL_WARPS`` pull warps (``PULL_REGS``), which ``setmaxnreg`` rebalances -- DeepGEMM's
+  dispatch / TMA / math roles;
+* **the pull overlapping L1** (:func:`_pull_partition`): the CTAs copy the pool's rows in order, interleaved (the
+  rows the front launch placed, from the source ranks' inputs), each landed row adding 1 to its block's
+  ``l1_arrival_count``; the loader of an L1 tile waits for its block's count to reach the block's valid rows
+  (acquire) -- the seed's per-block arrival counter;
 * a **STAGES-deep shared-memory ring** filled by TMA (A ``[128, 128]``, W ``[256, 128]``, the 128 A scales of one K
   block) with ``ready`` / ``empty`` mbarriers, so the loader runs ahead of the math for as long as the ring allows;
 * **the promotion order**: each warpgroup issues the wgmma of one 128-wide K block into a fresh register tile, waits
@@ -92,14 +98,19 @@ def _tile(tiles, t):
 
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
-                    tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, N1: gl.constexpr, H: gl.constexpr,
+                    tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
+                    H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
     two bits of the block's arrival mask."""
     nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
+    BM: gl.constexpr = a1_desc.block_type.shape[0]
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        # the rank's heartbeat: a peer waiting in barrier 2 for this rank sees it move (it names only ranks whose
+        # counter stood still for barrier_timeout_s), as the one-launch kernel's task loop does per task
+        gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
         if is_l2:
@@ -110,6 +121,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             KB = H // BK
             w_row = (e * 2 * I + nt * TILE_N)
             mask_seen = gl.to_tensor(0).to(gl.int64)
+            # the block's rows have landed in the L1 pool (every CTA's pull partition, :func:`_pull_partition`)
+            landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")
+            if landed < valid:
+                t0 = _globaltimer_ns()
+                alive = True
+                while (landed < valid) & alive:
+                    landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")
+                    alive = (_globaltimer_ns() - t0) <= timeout_ns
+                if landed < valid:
+                    gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+            _fence_proxy_async_global()
         for kb in range(KB):
             if is_l2:  # the L1 tile kb of this block (both warpgroups) has landed its 128 columns in the L2 pool
                 need = gl.to_tensor(3).to(gl.int64) << (2 * kb)
@@ -130,14 +152,73 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             if is_l2:
-                tma.async_copy_global_to_shared(a2_desc, [b * TILE_M, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
                 tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BK], bar, w_bufs.index(s))
-                tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * TILE_M], bar, sa_bufs.index(s))
+                tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(a1_desc, [b * TILE_M, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
                 tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BK], bar, w_bufs.index(s))
-                tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * TILE_M], bar, sa_bufs.index(s))
+                tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             it += 1
+
+
+@gluon.jit
+def _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META: gl.constexpr, OFF_X: gl.constexpr,
+                    OFF_X_SF: gl.constexpr, OFF_L1: gl.constexpr, OFF_L1_SF: gl.constexpr, H: gl.constexpr,
+                    SP: gl.constexpr, PULL_WARPS: gl.constexpr, BM: gl.constexpr, PULL_CHUNK: gl.constexpr):
+    """The pull (``PULL_WARPS`` warps, one pool row per warp and step). Pool rows in order, **interleaved over the
+    CTAs**: at step ``s`` CTA ``i`` takes rows ``[(i + s G) ROWS, + ROWS)``, so all G CTAs land the first blocks
+    (which the first L1 tiles read) together: a block of 128 rows is in after about one step. (The first version
+    had CTA ``i`` copy whole blocks ``i, i + G, ...`` with one 16-byte load in flight a thread: by estimate ~450 us
+    before a block of 128 rows was in, and the call measured 26 / 11 / 3 % slower than with the pull in the front
+    launch at T = 512 / 2048 / 8192.) Each row: its H bytes from the source rank's ``x`` (``sym_map`` of
+    ``token_src_metadata``, written by the front launch) in chunks of ``PULL_CHUNK`` bytes a warp
+    (``PULL_CHUNK / 512`` 16-byte loads in flight per thread), and its H/128 float32 scale words (K-major in
+    ``x_sf``) into the pool's MN-major scales, bit for bit. Then ``fence.proxy.async`` (the L1 loader reads the rows
+    by TMA), a partition barrier, and +1 per landed row on its block's ``l1_arrival_count`` (release); the L1 loader
+    waits for the count to reach the block's valid rows. Padding rows (past a block's valid count) are skipped."""
+    ROWS: gl.constexpr = PULL_WARPS  # one row per warp and step
+    CH: gl.constexpr = PULL_CHUNK
+    L: gl.constexpr = gl.BlockedLayout([1, CH // 32], [1, 32], [PULL_WARPS, 1], [1, 0])
+    KW: gl.constexpr = H // 128
+    KW_PAD: gl.constexpr = 64 if KW <= 64 else 128
+    LS: gl.constexpr = gl.BlockedLayout([1, KW_PAD // 32], [1, 32], [PULL_WARPS, 1], [1, 0])
+    blk = gl.load(tiles + 3)
+    base_me = gl.load(buffer_ptrs + me)
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32))
+    l1 = buf + OFF_L1
+    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
+    x_sf = (buf + OFF_X_SF).to(gl.pointer_type(gl.int32))
+    c = gl.arange(0, CH, layout=gl.SliceLayout(0, L))
+    kw = gl.arange(0, KW_PAD, layout=gl.SliceLayout(0, LS))
+    num_rows = num_blocks * BM
+    for g in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
+        row = g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+        b = row // BM
+        ok = (row < num_rows) & (row % BM < gl.load(tiles + blk + b, mask=row < num_rows, other=0))
+        if gl.sum(ok.to(gl.int32), axis=0) > 0:
+            src = gl.load(meta + row * 3, mask=ok, other=0)
+            token = gl.load(meta + row * 3 + 1, mask=ok, other=0)
+            # sym_map: the same offset in the source's buffer (bases 16-byte aligned, so the delta is too)
+            delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - base_me) // 16 * 16
+            x_row = gl.expand_dims(delta + OFF_X + token.to(gl.int64) * H, 1)
+            dst_row = gl.expand_dims(row.to(gl.int64) * H, 1)
+            ok2 = gl.expand_dims(ok, 1)
+            for h0 in range(0, H, CH):  # not unrolled: one chunk (PULL_CHUNK / 512 loads a thread) in flight
+                m = ok2 & gl.expand_dims(h0 + c < H, 0)
+                v = gl.load(buf + x_row + h0 + gl.expand_dims(c, 0), mask=m)
+                gl.store(l1 + dst_row + h0 + gl.expand_dims(c, 0), v, mask=m)
+            rows_s = g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
+            ok_s = gl.convert_layout(ok, gl.SliceLayout(1, LS))
+            oks = gl.expand_dims(ok_s, 1) & gl.expand_dims(kw < KW, 0)
+            src_s = gl.load(meta + rows_s * 3, mask=ok_s, other=0)
+            tok_s = gl.load(meta + rows_s * 3 + 1, mask=ok_s, other=0)
+            delta_s = (gl.load(buffer_ptrs + src_s, mask=ok_s, other=0) - base_me) // 4
+            w = gl.load(x_sf + gl.expand_dims(delta_s + tok_s.to(gl.int64) * KW, 1) + gl.expand_dims(kw, 0), mask=oks)
+            gl.store(l1_sf + gl.expand_dims(kw.to(gl.int64), 0) * SP + gl.expand_dims(rows_s, 1), w, mask=oks)
+            _fence_proxy_async_global()  # the L1 loader reads these rows and scales by TMA
+            gl.thread_barrier()  # every warp of the partition has stored (and fenced) before the counts move
+            gl.atomic_add(arrival + b, ok.to(gl.int32), mask=ok, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -200,14 +281,14 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
 
 
 @gluon.jit
-def _l2_epilogue(acc, buf, buffer_ptrs, me, b, n0, valid, wg: gl.constexpr, OFF_META: gl.constexpr,
-                 OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr):
-    """This warpgroup's 64 rows x 128 hidden columns ``[n0, n0 + 128)`` of an L2 tile as bf16 into
-    ``combine[slot][token]`` of each row's source rank."""
+def _l2_epilogue(acc, buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
+                 T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr):
+    """A warpgroup's 64 pool rows ``[row0, row0 + 64)`` (the first ``valid`` real) x 128 hidden columns ``[n0, n0 +
+    128)`` of an L2 tile as bf16 into ``combine[slot][token]`` of each row's source rank."""
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
     c = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
-    ok = r < valid - wg * WM
-    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (b * TILE_M + wg * WM + r) * 3
+    ok = r < valid
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (row0 + r) * 3
     src = gl.load(meta, mask=ok, other=0)
     token = gl.load(meta + 1, mask=ok, other=0)
     slot = gl.load(meta + 2, mask=ok, other=0)
@@ -216,6 +297,92 @@ def _l2_epilogue(acc, buf, buffer_ptrs, me, b, n0, valid, wg: gl.constexpr, OFF_
     dst_row = (slot * T + token).to(gl.int64) * H + n0 + delta
     dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
     gl.store(dst, f32_to_bf16_bits(acc).to(gl.int16), mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg: gl.constexpr,
+                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
+                     SP: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """BM = 64: this warpgroup's 64 intermediate columns ``[128 nt + 64 wg, +64)`` of the tile's 64 rows. The
+    requant's amax runs over the tile's 128 columns, half of them in the other warpgroup: each writes its row maxima
+    to shared memory (``xch``, two slots by L1-tile parity ``k1``), arrives on ``xbar[slot]`` (count 2) and waits for
+    the other; warpgroup 0 stores the scales."""
+    act = _l1_half(acc, clamp, HAS_CLAMP)
+    L: gl.constexpr = act.type.layout
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
+    row_ok = r < valid
+    row = b * WM + r
+    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    act = act * gl.expand_dims(topk_w, 1)
+    rmax = gl.max(gl.abs(act), axis=1)
+    slot = k1 % 2
+    xch.index(slot * 2 + wg).store(rmax)
+    gl.thread_barrier()  # the warpgroup's maxima are in shared memory before it arrives
+    mbarrier.arrive(xbar.index(slot), count=1)
+    mbarrier.wait(xbar.index(slot), (k1 // 2) & 1)
+    other = xch.index(slot * 2 + 1 - wg).load(gl.SliceLayout(1, L))
+    scale = gl.maximum(gl.maximum(rmax, other), AMAX_FLOOR) / FP8_MAX
+    inv = gl.expand_dims(1.0 / scale, 1)
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128 + wg * 64, 1) \
+        + gl.expand_dims(c, 0)
+    gl.store(out, f32_to_e4m3_bits(act * inv).to(gl.uint8), mask=gl.expand_dims(row_ok, 1))
+    if wg == 0:
+        gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
+    _fence_proxy_async_global()  # the L2 tiles read these bytes and scales by TMA
+    gl.thread_barrier()
+    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+
+
+@gluon.jit
+def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, xch, xbar,
+                        tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
+                        OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
+                        OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
+                        I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """BM = 64 (few tokens per expert, where a 128-row tile would be half padding): both warpgroups read the tile's
+    64 pool rows, warpgroup ``wg`` its half of the 256 weight rows -- L1 intermediate columns ``[128 nt + 64 wg,
+    +64)``, L2 hidden columns ``[256 nt + 128 wg, +128)``: one [64, 128] dot tile and accumulator each."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
+    gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
+    spare = gl.zeros([WM, HN], gl.float32, mma)
+    it = 0
+    k1 = 0  # L1 tiles done (the row-max exchange's slot and phase)
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            sw_a = w2_sf + (e * (H // 128) + 2 * nt + wg) * KB  # this warpgroup's block row: one scale a K block
+            sw_b = sw_a
+        else:
+            KB = H // BK
+            sw_a = w1_sf + (e * (2 * I // 128) + nt) * KB  # gate block row nt, up block row I/128 + nt
+            sw_b = sw_a + (I // 128) * KB
+        acc = gl.zeros([WM, HN], gl.float32, mma)
+        for kb in range(KB):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            x = gl.load(sw_a + kb)
+            y = gl.load(sw_b + kb)
+            mbarrier.wait(ready.index(s), ph)
+            dot = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), spare,
+                                use_acc=False, is_async=True)
+            sa = sa_bufs.index(s).load(rows_l)
+            d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = _promote(acc, d, sa, x, y, gate_col)
+            spare = d
+            it += 1
+        if is_l2:
+            _l2_epilogue(acc, buf, buffer_ptrs, me, b * WM, nt * TILE_N + wg * HN, valid, OFF_META, OFF_COMBINE, T, H,
+                         mma)
+        else:
+            _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                             I, SP, HAS_CLAMP)
+            k1 += 1
 
 
 @gluon.jit
@@ -268,9 +435,11 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             spare = d_hi
             it += 1
         if is_l2:
-            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, b, nt * TILE_N, valid, wg, OFF_META, OFF_COMBINE, T, H, mma)
-            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, b, nt * TILE_N + HN, valid, wg, OFF_META, OFF_COMBINE, T, H,
-                         mma)
+            row0 = b * TILE_M + wg * WM
+            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T,
+                         H, mma)
+            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
+                         OFF_COMBINE, T, H, mma)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
                          HAS_CLAMP)
@@ -279,11 +448,15 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
 @gluon.jit
 def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, buf, w1_sf, w2_sf, tiles,
                           buffer_ptrs, me, clamp, timeout_ns,
-                          OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr, OFF_L1_W: gl.constexpr,
+                          OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
+                          OFF_ARRIVAL: gl.constexpr,
+                          OFF_X: gl.constexpr, OFF_X_SF: gl.constexpr,
+                          OFF_L1: gl.constexpr, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
                           OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
-                          MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                          MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
+                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
@@ -291,19 +464,44 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
+    arrival = (buf + OFF_ARRIVAL).to(gl.pointer_type(gl.int32))
+    progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)
     num_l1 = gl.load(tiles)
     num_tiles = num_l1 + gl.load(tiles + 1)
-    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile (read once, before the
-        num_tiles = 0            # roles split, so every partition sees the same count)
-    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, TILE_M, BK], a1_desc.layout)
+    num_blocks = gl.load(tiles + 2)
+    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile, no pull (read once,
+        num_tiles = 0            # before the roles split, so every partition sees the same counts)
+        num_blocks = 0
+    BM: gl.constexpr = a1_desc.block_type.shape[0]  # pool rows per tile: 128, or 64 (_math_partition_m64)
+    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
     w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK], w1_desc.layout)
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_M], sa1_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], sa1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
         mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+    # BM = 64: the two math warpgroups' row maxima of an L1 tile (two slots) and the barriers of their exchange
+    xch = gl.allocate_shared_memory(gl.float32, [4, WM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(xbar.index(i), count=2)
     fence_async_shared()  # barrier inits visible to the async proxy before first use
+    if BM == 64:
+        gl.warp_specialize([
+            (_math_partition_m64, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
+                                   xch, xbar, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                                   OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+            (_math_partition_m64, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
+                                   xch, xbar, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                                   OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
+                               empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
+                               H, I, SP, STAGES)),
+            (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
+                               OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
+        ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
+        return
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, tiles,
                            num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
@@ -312,5 +510,9 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
                            SP, STAGES, HAS_CLAMP)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
-                           empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, I // 128, H, I, SP, STAGES)),
-    ], [4, 1], [MATH_REGS, LOAD_REGS])
+                           empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
+                           I, SP,
+                           STAGES)),
+        (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
+                           OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
+    ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

@@ -121,10 +121,13 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: ``results/probes/fused_fp8_ws_profile_h200.jsonl``): front + back launches 68 us + GEMM phase 1035 us, against
 #: 1325 us for the one-launch "fp8" kernel of block 64.
 FP8_WS_MIN_EXPECTED = 32
-#: Ring stages and register split (math warpgroups / loader warp, the kernel's maxnreg) of the Gluon GEMM phase:
-#: 4 x 48.5 KB of shared memory; offline sm_90a compile (Triton 3.6, V4-Pro shapes): the K loops without spill, the
-#: epilogue of one math warpgroup 272 B.
-FP8_WS_STAGES, FP8_WS_REGS = 4, (232, 40, 168)
+#: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
+#: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
+#: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
+#: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64.
+FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
+#: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
+FP8_WS_PULL_CHUNK = 1024
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -168,8 +171,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = max(MIN_BLOCK_M, min(layout.block_m, FP8_SWAP_BLOCK_M))
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
-    elif kind == "fp8_ws":
-        block_m = WS_TILE_M.value
+    elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
+        block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -218,9 +221,9 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     """The constexpr keywords of ``fused_mega_moe_kernel`` for layout ``L`` and ``cfg``."""
     gpu = not interpreting()
     kind = cfg.kind or tile_kind(L, cfg.numerics)
-    if kind == "fp8_ws" and cfg.block_m != WS_TILE_M.value:
-        raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {WS_TILE_M.value} rows (its Gluon tile), got "
-                         f"block_m={cfg.block_m}")
+    if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
+        raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
+                         f"tiles), got block_m={cfg.block_m}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
                          f"{getattr(L, 'format', 'fp8_fp4')!r}")
@@ -323,24 +326,26 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
 def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
-    words, then ``TILE_WORDS`` per tile), sized for the most 128-row pool blocks; allocated once per buffer."""
+    words, ``TILE_WORDS`` per tile, one word per pool block), sized for the most pool blocks (of 64 rows); allocated
+    once per buffer."""
     t = sb.__dict__.get("_ws_tiles")
     if t is None:
         L = sb.layout
-        blocks = L.num_max_pool_tokens // WS_TILE_M.value
+        blocks = L.num_max_pool_tokens // 64  # the smallest pool block the Gluon phase takes
         n = blocks * (L.intermediate_hidden // 128 + L.hidden // WS_TILE_N.value)
-        t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n, dtype=torch.int32, device=sb.buffer.device)
+        t = torch.zeros(kf.TILE_HEADER.value + kf.TILE_WORDS.value * n + blocks, dtype=torch.int32,
+                        device=sb.buffer.device)
         sb._ws_tiles = t
     return t
 
 
-def _ws_descriptors(c, L):
+def _ws_descriptors(c, L, bm: int):
     """TMA descriptors of one rank's GEMM phase (``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel``), cached on
     its buffer by the weights' addresses (a repeated or captured call builds none)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
     cache = c.sb.__dict__.setdefault("_ws_descs", {})
     if key in cache:
         return cache[key]
@@ -348,7 +353,7 @@ def _ws_descriptors(c, L):
         cache.clear()
     H, I = L.hidden, L.intermediate_hidden
     f8 = torch.float8_e4m3fn
-    bm, bn, bk = WS_TILE_M.value, WS_TILE_N.value, FP8_BLOCK
+    bn, bk = WS_TILE_N.value, FP8_BLOCK
     lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -379,27 +384,32 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
         from megamoe.gemm_phase import run_gemm_phase
 
         for c in calls:  # host code only: the Gluon launch's descriptors are built (and checked) on CPU CI too
-            _ws_descriptors(c, L)
+            _ws_descriptors(c, L, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **front)
-        run_gemm_phase(calls, tiles)
+        run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     _check_resident(args, grid, front, dev)
     _check_resident(args, grid, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, maxnreg = FP8_WS_REGS
+    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     offs = _offsets(L)
     for lr, c in enumerate(calls):
         kws.fp8_gemm_phase_kernel[(sms,)](
-            *_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
+            *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"], OFF_L1_W=offs["OFF_L1_W"],
+            OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
+            OFF_ARRIVAL=offs["OFF_ARRIVAL"],
+            OFF_X=offs["OFF_X"], OFF_X_SF=offs["OFF_X_SF"], OFF_L1=offs["OFF_L1"], OFF_L1_SF=offs["OFF_L1_SF"],
+            OFF_L1_W=offs["OFF_L1_W"],
             OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
             OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES,
-            MATH_REGS=math_regs, LOAD_REGS=load_regs, num_warps=4, maxnreg=maxnreg)
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES[meta["BM"]],
+            MATH_REGS=math_regs, LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs,
+            PULL_CHUNK=FP8_WS_PULL_CHUNK,
+            num_warps=4, maxnreg=maxnreg)
     kf.fused_mega_moe_kernel[grid](*args, **back)
 
 

@@ -9,11 +9,13 @@ runs the three-launch call on CPU ranks under Triton's interpreter, bit-exact ag
 rows, in which order) and the split of the fused kernel into its two phases without a GPU. On a GPU the Gluon kernel
 itself is checked against the reference (``tests/gpu/test_fp8_gpu.py``).
 
-Per tile ``(b, nt, e, valid)`` of the table (header: L1 tiles, L2 tiles; :data:`megamoe.kernels.formats.TILE_HEADER`):
+First the pull: the valid rows of every pool block (the table's block list) from the source rank's ``x`` /
+``x_sf`` (``token_src_metadata``) into the L1 pool and its scales. Then per tile ``(b, nt, e, valid)`` of the
+table (layout: :data:`megamoe.kernels.formats.TILE_HEADER`):
 
-* L1: pool rows ``[128 b, 128 b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert ``e``: gate
-  and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale blocks; bf16
-  round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
+* L1: pool rows ``[block_m b, block_m b + valid)`` x intermediate columns ``[128 nt, 128 nt + 128)`` of expert
+  ``e``: gate and up rows of the transformed weight (interleaved by 8) with their untransformed 128x128 scale
+  blocks; bf16 round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
 * L2: the same rows x hidden columns ``[256 nt, 256 nt + 256)``: bf16 rows into ``combine[slot][token]`` of each
   row's source rank (``token_src_metadata``).
 """
@@ -21,23 +23,23 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
+from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS, WS_TILE_N
 from megamoe.quant import L1_INTERLEAVE_ROWS
 from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
 from megamoe.reference import block_scaled_matmul, swiglu
 
-#: Rows per tile (one pool block) and weight rows per tile, as the Gluon kernel.
-TILE_M, TILE_N = WS_TILE_M.value, WS_TILE_N.value
+#: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
+TILE_N = WS_TILE_N.value
 
 
-def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int]:
+def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], int, list[int]]:
     """The table as written by the front launch: ``([(block, n-tile, local expert, valid rows)], number of L1
-    tiles)``; L1 tiles first, then L2 tiles."""
+    tiles, [valid rows of each pool block])``; L1 tiles first, then L2 tiles."""
     t = tiles.cpu()
-    num_l1, num_l2 = int(t[0]), int(t[1])
+    num_l1, num_l2, num_blocks, blk = (int(v) for v in t[:4])
     h, w = TILE_HEADER.value, TILE_WORDS.value
     entries = t[h: h + (num_l1 + num_l2) * w].view(-1, w).tolist()
-    return [tuple(e) for e in entries], num_l1
+    return [tuple(e) for e in entries], num_l1, t[blk: blk + num_blocks].tolist()
 
 
 def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):
@@ -51,19 +53,25 @@ def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):
     return wg, sg, wu, su
 
 
-def run_gemm_phase(calls, tiles: list[torch.Tensor]) -> None:
+def run_gemm_phase(calls, tiles: list[torch.Tensor], block_m: int) -> None:
     """Every tile of every rank's table, L1 tiles before L2 tiles (a rank's L2 reads only its own L1 output).
-    ``calls``: ``megamoe.ops`` bound calls; ``tiles``: their tile tables. L2 rows go to the source rank's
+    ``calls``: ``megamoe.ops`` bound calls; ``tiles``: their tile tables; ``block_m``: rows per pool block (the
+    front launch's). L2 rows go to the source rank's
     ``combine`` through ``SymmBuffer.peer_view``."""
     for c, t in zip(calls, tiles):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
-        entries, num_l1 = tile_table(t)
+        entries, num_l1, block_rows = tile_table(t)
         l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
         l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
         w1, sf1 = c.l1
         w2, sf2 = c.l2
+        # the pull: every block's rows from the source rank's input (the front launch wrote their metadata)
+        for b, valid in enumerate(block_rows):
+            for row, (src, token, _) in enumerate(meta[b * block_m: b * block_m + valid].tolist(), start=b * block_m):
+                l1[row] = sb.peer_view(src, "x")[token]
+                l1_sf[row] = sb.peer_view(src, "x_sf")[token]
         for i, (b, nt, e, valid) in enumerate(entries):
-            rows = slice(b * TILE_M, b * TILE_M + valid)
+            rows = slice(b * block_m, b * block_m + valid)
             if i < num_l1:
                 wg, sg, wu, su = _l1_rows(e, nt, I, w1, sf1)
                 a, sa = l1[rows].float(), l1_sf[rows].float()

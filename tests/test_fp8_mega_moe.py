@@ -210,7 +210,8 @@ def test_symm_buffer_factory_for_sm90():
     sb.destroy()
 
 
-def test_fused_three_launch_split_bitwise(monkeypatch):
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     """The "fp8_ws" call on a CPU rank: the fused kernel's front launch (PHASE=1: count, barrier 1, pull, tile
     table), the GEMM phase's torch model (``megamoe.gemm_phase``, what the Gluon kernel computes per tile) and the
     back launch (PHASE=2: barrier 2, combine, cleanup) -- bit-exact against the reference, twice (the workspace is
@@ -220,7 +221,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
     from megamoe.fused import FusedConfig
     from megamoe.gemm_phase import tile_table
 
-    cfg = FusedConfig(block_m=128, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
+    cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
     tables = []
     real = megamoe.fused._tile_table
@@ -230,12 +231,12 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
                    seed=21)
     descs = []
     real_descs = megamoe.fused._ws_descriptors
-    monkeypatch.setattr(megamoe.fused, "_ws_descriptors", lambda c, L: descs.append(real_descs(c, L)) or descs[-1])
+    monkeypatch.setattr(megamoe.fused, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _check(run_case_local(case))
     a1, a2, w1, w2, s1, s2 = descs[-1]  # the Gluon launch's TMA descriptors, built on CPU as on the GPU
-    assert [list(d.block_shape) for d in descs[-1]] == [[128, 128]] * 2 + [[256, 128]] * 2 + [[128]] * 2
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 128]] * 2 + [[block_m]] * 2
     assert list(w1.shape) == [6 * 2 * 384, 512] and list(w2.shape) == [6 * 512, 384]
-    entries, num_l1 = tile_table(tables[-1])
+    entries, num_l1, block_rows = tile_table(tables[-1])
     l1, l2 = entries[:num_l1], entries[num_l1:]
     blocks = sorted({b for b, *_ in l1})
     assert blocks == list(range(len(blocks))) and len(blocks) > 6  # every block once, some expert with two
@@ -243,9 +244,10 @@ def test_fused_three_launch_split_bitwise(monkeypatch):
     for part, n_tiles in ((l1, 3), (l2, 2)):
         assert sorted((b, nt) for b, nt, *_ in part) == [(b, nt) for b in blocks for nt in range(n_tiles)]
         assert [e for _, _, e, _ in part] == sorted(e for _, _, e, _ in part)  # expert-major
-        assert all(0 < v <= 128 for *_, v in part)
+        assert all(0 < v <= block_m for *_, v in part)
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
+    assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
 
 
 def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
@@ -269,15 +271,16 @@ def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
         assert word in mf.ws_unsupported_reason(layout, cuda)
         assert mf.tile_kind(layout, "exact", big, cuda) == "fp8"
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128), "exact", big, cuda) == "exact"
-    with pytest.raises(ValueError, match="fp8_ws.*block_m=64"):
-        mf.kernel_meta(ok, mf.FusedConfig(block_m=64, programs_per_rank=1, kind="fp8_ws"), has_clamp=False,
+    with pytest.raises(ValueError, match="fp8_ws.*block_m=32"):
+        mf.kernel_meta(ok, mf.FusedConfig(block_m=32, programs_per_rank=1, kind="fp8_ws"), has_clamp=False,
                        has_stats=False, timeline=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert "sm_90" in mf.ws_unsupported_reason(ok, cuda)
 
 
 @pytest.mark.slow
-def test_fused_three_launch_split_two_processes_bitwise():
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fused_three_launch_split_two_processes_bitwise(block_m):
     """The three-launch split across two CPU processes: front launches meeting in barrier 1, the GEMM phase's model
     pulling rows from the peer's input and writing L2 rows into the peer's combine buffer, back launches meeting in
     barrier 2; skewed routing, masks, two calls. Bit-exact."""
@@ -286,4 +289,4 @@ def test_fused_three_launch_split_two_processes_bitwise():
     case = MoECase(format="fp8", num_ranks=2, num_tokens=[150, 60], num_topk=2, num_experts=4, hidden=512,
                    intermediate=256, routing="skewed", masked_ratio=0.1, num_calls=2, block_m=128, impl="fused",
                    seed=23)
-    _check(launch(rank_fns.run_case_rank_fp8_ws, 2, case, 128, backend="cpu", timeout_s=300))
+    _check(launch(rank_fns.run_case_rank_fp8_ws, 2, case, block_m, backend="cpu", timeout_s=300))

@@ -1,7 +1,7 @@
 """Offline sm_90a compile of ``megamoe.kernels.gemm_fp8_ws`` (the fused FP8 path's Gluon GEMM phase) at V4-Pro size,
 on a machine without a GPU: shared memory, ptxas registers / stack / spills, setmaxnreg values, a SASS op histogram.
 
-    python results/probes/gemm_fp8_ws_compile.py [STAGES]      (env: BM=128|64, MATH=232, MAXNREG=168, PW=4, PR=40)
+    python results/probes/gemm_fp8_ws_compile.py [STAGES]      (env: BM=128|64, MATH=232, MAXNREG=168, PW=4, PR=40, LR=40, PC=1024)
 
 Constexprs the kernel of this checkout does not take are dropped (the branches differ in them). Writes the TTGIR /
 PTX / SASS into a temporary directory, printed first.
@@ -28,7 +28,8 @@ sig = dict(a1_desc=td("fp8e4nv", [BMT, 128], fp8), a2_desc=td("fp8e4nv", [BMT, 1
 consts = dict(OFF_GRID=0, OFF_STATE=64, OFF_L2_MASK=1024, OFF_ARRIVAL=2048, OFF_X=1 << 23, OFF_X_SF=1 << 24, OFF_L1=1 << 25,
               OFF_L1_SF=1 << 26, OFF_L1_W=4096, OFF_L2=1 << 20, OFF_L2_SF=1 << 21, OFF_META=8192,
               OFF_COMBINE=1 << 22, T=8192, H=7168, I=3072, SP=49920, HAS_CLAMP=False, STAGES=STAGES, MATH_REGS=int(os.environ.get("MATH", 232)),
-              LOAD_REGS=40, PULL_WARPS=int(os.environ.get("PW", 4)), PULL_REGS=int(os.environ.get("PR", 40)))
+              LOAD_REGS=int(os.environ.get("LR", 40)), PULL_WARPS=int(os.environ.get("PW", 4)), PULL_REGS=int(os.environ.get("PR", 40)),
+              PULL_CHUNK=int(os.environ.get("PC", 1024)))
 fn = ws.fp8_gemm_phase_kernel
 consts = {k: v for k, v in consts.items() if k in fn.arg_names}
 for k in consts: sig[k] = "constexpr"

@@ -47,6 +47,8 @@ WS_CASES = [
             intermediate=640, **WS),
     MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
             num_calls=3, **WS),
+    MoECase(num_ranks=2, num_topk=2, num_experts=8, num_tokens=[100, 40], masked_ratio=0.2, activation_clamp=0.3,
+            hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert: pool block 64
 ]
 
 
@@ -64,7 +66,8 @@ def _force_ws(monkeypatch):
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)
 
 
-@pytest.mark.parametrize("case", WS_CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls"])
+@pytest.mark.parametrize("case", WS_CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
+                                                "r2-bm64-clamp"])
 def test_fp8_ws_small_cases(case, monkeypatch):
     """The front launch / Gluon GEMM phase / back launch ("fp8_ws") on 1, 2 and 4 local ranks: several pool blocks
     per expert, partial blocks, masks, an empty rank, clamp, I / 128 odd (5 L1 tiles a block), skew, repeated calls."""
@@ -85,3 +88,35 @@ def test_fp8_ws_real_size(num_ranks, num_tokens):
                    routing="skewed" if num_ranks > 1 else "uniform", impl="fused", **REAL)
     assert mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda")).kind == "fp8_ws"
     assert_reports(run_case_local(case, device="cuda"), f"fp8 fused (Gluon GEMM phase) real r{num_ranks}")
+
+
+@pytest.mark.parametrize("num_tokens,kind", [(16, "fp8_swap"), (2048, "fp8_ws")], ids=["swap", "ws"])
+def test_fp8_fused_cuda_graph_capture_and_replay(num_tokens, kind):
+    """The fused FP8 call captured in a CUDA graph (no host sync inside; descriptors and tile tables cached on the
+    buffer) and replayed three times, at one EP8 rank's share of V4-Pro: the one-launch swap-AB kernel (T = 16) and
+    the three launches around the Gluon GEMM phase (T = 2048)."""
+    import megamoe.fused as mf
+    from megamoe.cases import prepare_rank
+    from megamoe.kernels.symm import check_barrier_state
+    from megamoe.ops_fp8 import fp8_mega_moe
+    from megamoe.symm import SymmBuffer
+    from megamoe.testing import assert_moe_close
+
+    case = MoECase(format="fp8", num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48,
+                   num_topk=6, block_m=128, masked_ratio=0.1, seed=5)
+    sb = SymmBuffer.local(1, 48, num_tokens, 6, 7168, 3072, block_m=128, device="cuda", format="fp8")[0]
+    assert mf.fused_config(sb.layout, num_tokens, 1, sb.buffer.device).kind == kind
+    problem = case.problem(device="cuda")
+    y, l1, l2, _ = prepare_rank(sb, problem, 0)
+    ref = problem.reference()[0]
+    fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # warm-up: compiles, caches
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(y, ref, accumulation="fp8_mma")
+    check_barrier_state(sb)
+    sb.destroy()
