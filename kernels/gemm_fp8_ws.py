@@ -23,8 +23,12 @@ plain grouped GEMM). What plain ``tl`` cannot say and this kernel does (DeepGEMM
   without it, offline sm_90a compile).
 
 Tiles (one CTA per SM, static stride ``t = pid, pid + G, ...`` over the tile table the front launch wrote, see
-:func:`megamoe.kernels.fused.fused_mega_moe_kernel` with ``PHASE=1``): L1 tiles, then L2 tiles. A tile is 128 pool
-rows (one pool block; the pool's ``block_m`` must be 128) x 256 weight rows:
+:func:`megamoe.kernels.fused.fused_mega_moe_kernel` with ``PHASE=1``): L1 tiles, then L2 tiles. A tile is one pool block
+of ``BM`` rows x 256 weight rows. ``BM`` = 128: each math warpgroup takes 64 of the rows and all 256 weight rows;
+``BM`` = 64 (:func:`_math_partition_m64`, at <= 64 expected tokens per expert, where a 128-row block would be
+half padding): both take the same 64 rows, each its 128 of the weight rows, and exchange the L1 requant's row
+maxima through shared memory. The pool is sized for blocks of 128 (``block_m`` 128), DeepGEMM's rule of sizing
+for the largest block a call may pick:
 
 * L1: W1 rows ``[nt*256, nt*256+256)`` of the expert = intermediate columns ``[nt*128, nt*128+128)``, gate and up
   interleaved by 8 (``transform_weights_for_mega_moe_sm90``). In the wgmma accumulator layout columns ``j`` and
@@ -49,8 +53,9 @@ float32 promotion ``acc += dot * (sa * sw)``; only the order of the float32 sums
 tensor cores') differs, which the GPU tests bound with the tolerance of the other FP8 tiles. What each tile reads
 and writes, in pure torch: :mod:`megamoe.gemm_phase` (CPU ranks run the three-launch call with it, bit-exact).
 
-Measured on an H200 (``results/probes/fused_fp8_ws_profile_h200.jsonl``): 1029 / 2227 / 7502 us at T = 512 /
-2048 / 8192 tokens of one EP8 rank of V4-Pro, ~865 TFLOP/s at T = 8192.
+Measured on an H200 (``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``, the pull included): 987 (64-row
+tiles; 1012 with 128) / 2193 / 7308 us at T = 512 / 2048 / 8192 tokens of one EP8 rank of V4-Pro, ~890 TFLOP/s at
+T = 8192 (without the pull, ``fused_fp8_ws_profile_h200.jsonl``: 1029 / 2227 / 7502).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -117,9 +117,10 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: "fp8_ws": the SM90 FP8 format's GEMMs as one warp-specialised Gluon launch (``megamoe.kernels.gemm_fp8_ws``:
 #: TMA ring, mbarriers, two math warpgroups + a loader warp) between a front launch (count, barrier 1, pull, tile
 #: table) and a back launch (barrier 2, combine, cleanup) of ``fused_mega_moe_kernel``. Taken above this many expected
-#: tokens per local expert (its tile is 128 pool rows, so the pool block is 128). On an H200 at T = 512 (64 expected,
-#: ``results/probes/fused_fp8_ws_profile_h200.jsonl``): front + back launches 68 us + GEMM phase 1035 us, against
-#: 1325 us for the one-launch "fp8" kernel of block 64.
+#: tokens per local expert (its tiles are pool blocks of 128 rows, or 64 up to FP8_BLOCK64_MAX_EXPECTED; the pool is
+#: sized for 128). On an H200 at T = 512 (64 expected, ``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``):
+#: front + back launches 59 us + GEMM phase 987 us (1012 us with 128-row tiles), against 1325 us for the one-launch
+#: "fp8" kernel of block 64 (``fused_fp8_ws_profile_h200.jsonl``).
 FP8_WS_MIN_EXPECTED = 32
 #: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
