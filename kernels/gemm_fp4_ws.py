@@ -1,0 +1,453 @@
+"""The GEMM phase of the fused FP8 x FP4 path with ``"hopper"`` numerics, warp-specialised in Gluon (tile kind
+``"fp4_ws"``): both grouped GEMMs (L1 + SwiGLU + top-k weight + per-128 requant, then L2 + write-back into the
+source ranks' combine buffers) in one persistent launch, between the front and back launches of
+:func:`megamoe.kernels.fused.fused_mega_moe_kernel` (``PHASE=1`` / ``2``), as :mod:`megamoe.kernels.gemm_fp8_ws`
+does for the SM90 FP8 x FP8 format. **Not yet run on a GPU** (written and compiled offline for sm_90a; host switch
+``megamoe.fused.FP4_WS_ENABLED`` is off): the CPU tests run its torch model (:mod:`megamoe.gemm_phase`) in its place.
+
+Why: the one-launch Triton kernel's "hopper" tiles (``_l1_tile_hopper`` / ``_l2_tile_hopper``) decode FP4 inside
+the math warps and are 2.7-4.6x slower than DeepGEMM on an H200 (issue #7); the FP8 x FP8 Gluon phase of the same
+structure runs at 1.0-1.04x DeepGEMM. Here the FP4 decode moves into its own warps, off the tensor cores' path.
+
+Numerics (``megamoe.reference`` with ``numerics="hopper"`` is the model, :mod:`megamoe.gemm_phase` the per-tile
+torch twin): every operand of both MMAs is an e4m3 value *folded* to one power-of-two scale per row over all of K,
+so a dot needs no scale inside its K loop:
+
+* L1 A (pool rows): folded by the **front launch** (``FOLDED`` pull, as the one-launch kernel: ``x' = e4m3(x *
+  2^(s_g - s_max))``, scale words ``s_max`` in all four bytes). The FP8 phase's pull partition copies rows raw,
+  which is wrong for folded rows, so this kernel has **no pull**: the front launch copies and folds every row
+  (``fused_mega_moe_kernel`` copies rows in ``PHASE=1`` when ``FOLDED``), and the rows are in the pool when this
+  launch starts (stream order), so L1 tiles do not wait on ``l1_arrival_count`` at all. (Cost: the pull no longer
+  overlaps the GEMMs; the FP8 phase gained 3-26 % from that overlap. A folding pull partition is the next step.)
+* W (FP4 e2m1, two per byte, UE8M0 per 32): folded by the **decode partition** relative to each weight row's
+  largest exponent over all of K (``_row_exponent_max``), one byte-table lookup per value (``megamoe.quant.fold_lut``
+  through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer.
+* L2 A: the L1 epilogue quantises per 128 columns (UE8M0, as ``_l1_tile_hopper``); the reference folds the L2
+  input per token relative to the largest of its I/128 scales, which the L1 epilogue of one 128-column tile cannot
+  know. So the **decode partition folds the A stage in place** for L2 tiles (``e4m3(a * 2^(s_kb - s_max))`` through
+  fp16, exact as ``_fold_e4m3``), which needs every L1 tile of the block first: an L2 tile waits for the block's
+  **whole** arrival mask (the FP8 phase waits per K block; here the per-token maximum needs all of them).
+
+The epilogues apply ``2^(s_row - 127)`` per weight row (column) and ``2^(s_max - 127)`` per token (row) and then
+do what ``_l1_tile_hopper`` / ``_l2_tile_hopper`` do (bf16 round, clamp, SwiGLU, top-k weight, per-128 UE8M0
+requant; bf16 rows into the source rank's ``combine`` through ``sym_map`` arithmetic, :func:`gemm_fp8_ws._l2_epilogue`).
+
+Summation: each 128-wide K block is one wgmma chain into a fresh register tile, added into the float32 accumulator
+(the FP8 phase's "halves" structure with the scale product dropped). That is ``PROMOTE_EVERY = 1`` of the
+one-launch "hopper" tile (which chains 4 K blocks, 512 values, before adding): a shorter in-MMA chain, so the GPU
+tolerance of that tile (``accumulation="fp8_mma"``) holds a fortiori; the model's float32 sums are the same
+(exact power-of-two scales commute with them).
+
+Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front launch's tile table, L1 tiles first):
+
+* math warpgroups (2 x 4 warps, ``MATH_REGS``): rows ``[64 wg, +64)`` of a 128-row tile x its 256 weight rows as
+  two halves of 128; wait ``ready[s]`` (A + packed W landed) and ``decoded[s]`` (W decoded, L2 A folded), release
+  ``empty[s]``;
+* loader (1 warp, ``LOAD_REGS``): TMA of A ``[128, 128]`` e4m3 and packed W ``[256, 64]`` bytes (128 K values of
+  256 rows) per stage; before an L2 tile, the wait for the block's full arrival mask;
+* decode (4 warps, ``DECODE_REGS``): per tile the weight rows' largest exponents (and for L2 the rows' largest
+  per-128 exponents) into shared memory (two slots by tile parity, ``rfree`` mbarriers: the math warpgroups read
+  them in their epilogue and release the slot), per stage the decode (and L2 fold), ``fence.proxy.async``,
+  ``decoded[s]``.
+
+Shared memory per stage: A 16 KB + packed W 16 KB + decoded W 32 KB = 64 KB; 3 stages = 192 KB (+ 3 KB of row
+exponents and barriers). Only pool blocks of 128 rows (the FP8 phase's 64-row tile is not ported yet).
+
+Offline sm_90a compile (``results/probes/gemm_fp4_ws_compile.py``, Triton 3.6, V4-Pro shapes H = 7168, I = 3072,
+3 stages, regs math / loader / decode = 200 / 40 / 72, maxnreg 128): see ``FP4_WS_COMPILE`` in
+:mod:`megamoe.fused` for the numbers of this checkout.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, WS_TILE_M
+from megamoe.kernels.fused import _pow2_f32
+from megamoe.kernels.gemm_fp8_ws import (
+    BK,
+    HN,
+    TAG_INTERNAL_WAIT,
+    TILE_N,
+    WM,
+    _fence_proxy_async_global,
+    _l1_half,
+    _l2_epilogue,
+    _pin,
+    _tile,
+)
+from megamoe.kernels.numerics import _PRMT_LUT_ASM, ceil_ue8m0, f32_to_e4m3_bits
+from megamoe.kernels.symm import _globaltimer_ns
+
+TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups of 64
+DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once (4 chunks per stage)
+KW_CHUNK = gl.constexpr(16)  #: scale words per row read at once for the row maxima
+
+
+@gluon.jit
+def _full_mask(N1: gl.constexpr):
+    """The arrival-mask bits of a complete pool block: two per L1 tile (one per math warpgroup), ``2 N1 <= 64``."""
+    if N1 == 32:
+        return gl.to_tensor(-1).to(gl.int64)
+    else:
+        return (gl.to_tensor(1).to(gl.int64) << (2 * N1)) - 1
+
+
+@gluon.jit
+def _wait_mask(ptr, need, state, timeout_ns):
+    """Spin (acquire, gpu) until every bit of ``need`` is set in the int64 at ``ptr``; bounded: on expiry record
+    ``TAG_FUSED_INTERNAL_WAIT`` in ``state[1]`` and carry on (the call is failed; nothing may hang)."""
+    seen = gl.atomic_or(ptr, 0, sem="acquire", scope="gpu")
+    if (seen & need) != need:
+        t0 = _globaltimer_ns()
+        alive = True
+        while ((seen & need) != need) & alive:
+            seen = gl.atomic_or(ptr, 0, sem="acquire", scope="gpu")
+            alive = (_globaltimer_ns() - t0) <= timeout_ns
+        if (seen & need) != need:
+            gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@gluon.jit
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1, num_tiles,
+                    l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr):
+    """TMA producer (1 warp): per K block of each tile, A ``[128, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
+    the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
+    rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
+    per-128 scale of the row)."""
+    nbytes: gl.constexpr = a1_desc.block_type.nbytes + w1_desc.block_type.nbytes
+    BM: gl.constexpr = a1_desc.block_type.shape[0]
+    BKP: gl.constexpr = w1_desc.block_type.shape[1]  # packed bytes per K block (64)
+    full = _full_mask(I // 128)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # the rank's heartbeat (see gemm_fp8_ws)
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            w_row = e * H + nt * TILE_N
+            _wait_mask(l2_mask + b, full, state, timeout_ns)
+            _fence_proxy_async_global()  # the L1 epilogues' generic stores, then this warp's TMA reads
+        else:
+            KB = H // BK
+            w_row = e * 2 * I + nt * TILE_N
+        for kb in range(KB):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh mbarrier passes the wait for the phase before 0
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            if is_l2:
+                tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.constexpr, L: gl.constexpr):
+    """Largest UE8M0 byte over all K of 256 weight rows: ``w_sf`` points at the tile's first row in the int32
+    MN-major ``[KW][N]`` scales (one word = 4 groups of 32). ``KW_CHUNK`` words a row per load (unrolled, so the
+    loads are in flight together). Returns int32 ``[256]`` in ``SliceLayout(0, L)``."""
+    kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, L))
+    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, L))
+    m = gl.zeros([TILE_N], gl.int32, gl.SliceLayout(0, L))
+    for k0 in gl.static_range(0, KW_PAD, KW_CHUNK):
+        k = gl.expand_dims(k0 + kw, 1)
+        words = gl.load(w_sf + k * N + gl.expand_dims(r, 0), mask=k < KW, other=0)
+        b = gl.maximum(gl.maximum(words & 0xFF, (words >> 8) & 0xFF),
+                       gl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
+        m = gl.maximum(m, gl.max(b, axis=0))
+    return m
+
+
+@gluon.jit
+def _fold_table(lut, word, rmax, g: gl.constexpr):
+    """The decode table words (codes 0-3, codes 4-7) of per-32 group ``g`` of each row: ``fold_lut`` at the fold
+    shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``)."""
+    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
+    return gl.load(lut + 2 * d), gl.load(lut + 2 * d + 1)
+
+
+@gluon.jit
+def _bc(x, like):
+    """Row vector ``x`` ``[R]`` broadcast to the shape of ``like`` ``[R, C]``."""
+    return gl.broadcast(gl.expand_dims(x, 1), like)[0]
+
+
+@gluon.jit
+def _decode_prmt(packed, t0, t1, u0, u1):
+    """Both nibbles of ``packed`` (uint8 ``[R, 32]``) through per-row byte tables (low nibbles ``t0``/``t1``, high
+    ``u0``/``u1``, int32 ``[R]``): ``megamoe.kernels.numerics.e2m1x2_lut_prmt``'s PTX, four values a ``prmt``.
+    Returns (low nibbles, high nibbles) as e4m3."""
+    lo, hi = gl.inline_asm_elementwise(asm=_PRMT_LUT_ASM, constraints="=r,=r," + "r," * 16 + "r",
+                                       args=[packed, _bc(t0, packed), _bc(t1, packed), _bc(u0, packed),
+                                             _bc(u1, packed)], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    return lo.to(gl.float8e4nv, bitcast=True), hi.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _cat(x, y):
+    """``[R, C]``, ``[R, C]`` -> ``[R, 2C]`` (x's columns first), a register relabelling."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    return gl.reshape(gl.permute(gl.join(x, y), (0, 2, 1)), [R, 2 * C])
+
+
+@gluon.jit
+def _fold_a_stage(a_buf, smax, sf, valid):
+    """L2: fold the A stage ``a_buf`` ``[128, 128]`` (e4m3) in place per row, ``e4m3(a * 2^(s_kb - s_max))`` through
+    fp16 and the hardware's RNE conversion (exact for every value that survives into e4m3, as ``_fold_e4m3``).
+    ``smax``: the rows' largest per-128 exponents (shared memory); ``sf``: this K block's scale words of the rows."""
+    AL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [64, 128] e4m3
+    rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, AL))
+    for c in gl.static_range(TILE_M // DEC_ROWS):
+        a_view = a_buf.slice(c * DEC_ROWS, DEC_ROWS)
+        s_kb = gl.load(sf + c * DEC_ROWS + rows, mask=c * DEC_ROWS + rows < valid, other=0) & 0xFF
+        s_mx = smax.slice(c * DEC_ROWS, DEC_ROWS).load(gl.SliceLayout(1, AL))
+        scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
+        a = a_view.load(AL)
+        a_view.store((a.to(gl.float16) * scale).to(gl.float8e4nv))
+
+
+@gluon.jit
+def _decode_stage(wp, wd, rmax, w_sf, lut):
+    """Packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``, 64 rows at a time: packed bytes ``[0, 32)``
+    hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32, 64)`` K ``[64, 96)`` and ``[96,
+    128)`` (``transform_weights_for_mega_moe``); ``w_sf``: this K block's scale words of the 256 rows (one per row,
+    groups in its four bytes); ``rmax``: the rows' largest exponents (shared memory)."""
+    DL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 32] packed bytes
+    rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, DL))
+    for c in gl.static_range(TILE_N // DEC_ROWS):
+        word = gl.load(w_sf + c * DEC_ROWS + rows)
+        rm = rmax.slice(c * DEC_ROWS, DEC_ROWS).load(gl.SliceLayout(1, DL))
+        p = wp.slice(c * DEC_ROWS, DEC_ROWS)
+        t00, t01 = _fold_table(lut, word, rm, 0)
+        t10, t11 = _fold_table(lut, word, rm, 1)
+        g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(DL), t00, t01, t10, t11)
+        t20, t21 = _fold_table(lut, word, rm, 2)
+        t30, t31 = _fold_table(lut, word, rm, 3)
+        g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(DL), t20, t21, t30, t31)
+        wd.slice(c * DEC_ROWS, DEC_ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
+
+
+@gluon.jit
+def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
+                      tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
+                      H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
+                      KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr):
+    """The FP4 decode (4 warps), see the module docstring. Per tile: the slot ``j % 2`` of the row maxima (waits
+    until the math warpgroups released it, ``rfree``), the 256 weight rows' largest exponents into ``rmax_s``, for
+    L2 the block's full arrival mask (acquire) and each row's largest per-128 exponent into ``smax_s``. Per stage:
+    for L2 the A stage folded in place, then W: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the
+    low nibbles, ``[32, 64)`` in the high ones: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``,
+    ``[96, 128)``) through the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async``
+    (wgmma reads it), a partition barrier, ``decoded[s]``."""
+    RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 256 / 128] scale words
+    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
+    full = _full_mask(I // 128)
+    it = 0
+    j = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        slot = j % 2
+        mbarrier.wait(rfree.index(slot), ((j // 2) & 1) ^ 1)  # tile j - 2's epilogues have read the slot
+        if is_l2:
+            KB = I // BK
+            N = H
+            w_sf = w2_sf + (e * (I // 128) * H + nt * TILE_N)
+            rmax = _row_exponent_max(w_sf, H, I // 128, KW2_PAD, RL)
+            _wait_mask(l2_mask + b, full, state, timeout_ns)
+            kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, RL))
+            r = gl.arange(0, TILE_M, layout=gl.SliceLayout(0, RL))
+            smax = gl.zeros([TILE_M], gl.int32, gl.SliceLayout(0, RL))
+            for k0 in gl.static_range(0, KW2_PAD, KW_CHUNK):
+                k = gl.expand_dims(k0 + kw, 1)
+                m = (k < I // 128) & gl.expand_dims(r < valid, 0)
+                words = gl.load(l2_sf + k * SP + b * TILE_M + gl.expand_dims(r, 0), mask=m, other=0)
+                smax = gl.maximum(smax, gl.max(words & 0xFF, axis=0))
+            smax_s.index(slot).store(smax)
+        else:
+            KB = H // BK
+            N = 2 * I
+            w_sf = w1_sf + (e * (H // 128) * (2 * I) + nt * TILE_N)
+            rmax = _row_exponent_max(w_sf, 2 * I, H // 128, KW1_PAD, RL)
+        rmax_s.index(slot).store(rmax)
+        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
+        for kb in range(KB):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
+            if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
+                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * TILE_M, valid)
+            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut)
+            fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them
+            gl.thread_barrier()  # every warp has stored and fenced before the one arrive
+            mbarrier.arrive(decoded.index(s), count=1)
+            it += 1
+        j += 1
+
+
+@gluon.jit
+def _l1_epilogue(acc_lo, acc_hi, ws_lo, ws_hi, sa, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
+                 OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
+                 SP: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """This warpgroup's 64 rows of an L1 tile (``_l1_tile_hopper``'s epilogue): the weight-row scales ``ws``
+    (columns) then the token scales ``sa`` (rows), bf16 round, clamp, SwiGLU, top-k weight, the per-128 UE8M0 requant
+    (``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``) into the L2 pool (bytes + one int32 word of four equal scale
+    bytes a row), then the warpgroup's arrival bit."""
+    act_lo = _l1_half(acc_lo * gl.expand_dims(ws_lo, 0) * gl.expand_dims(sa, 1), clamp, HAS_CLAMP)
+    act_hi = _l1_half(acc_hi * gl.expand_dims(ws_hi, 0) * gl.expand_dims(sa, 1), clamp, HAS_CLAMP)
+    L: gl.constexpr = act_lo.type.layout
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
+    row_ok = r < valid - wg * WM
+    row = b * TILE_M + wg * WM + r
+    topk_w = gl.expand_dims(gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0), 1)
+    act_lo = act_lo * topk_w
+    act_hi = act_hi * topk_w
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(act_lo), axis=1), gl.max(gl.abs(act_hi), axis=1)), AMAX_FLOOR)
+    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
+    inv = gl.expand_dims(((254 - sbyte) << 23).to(gl.float32, bitcast=True), 1)  # exact 1 / scale
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    ok = gl.expand_dims(row_ok, 1)
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 1) \
+        + gl.expand_dims(c, 0)
+    gl.store(out, f32_to_e4m3_bits(act_lo * inv).to(gl.uint8), mask=ok)
+    gl.store(out + 64, f32_to_e4m3_bits(act_hi * inv).to(gl.uint8), mask=ok)
+    gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=row_ok)
+    _fence_proxy_async_global()  # the L2 tiles read these bytes by TMA
+    gl.thread_barrier()  # every thread of the warpgroup has stored (and fenced) before the bit is published
+    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+
+
+@gluon.jit
+def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
+                    tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
+                    OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
+                    OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """One math warpgroup: rows ``[64 wg, 64 wg + 64)`` of every tile, its 256 weight rows as two halves of 128;
+    per K block one wgmma into a fresh register tile per half, added into the half's float32 accumulator (no scale:
+    the operands are folded)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
+    spare = gl.zeros([WM, HN], gl.float32, mma)
+    it = 0
+    j = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+        else:
+            KB = H // BK
+        acc_lo = gl.zeros([WM, HN], gl.float32, mma)
+        acc_hi = gl.zeros([WM, HN], gl.float32, mma)
+        for kb in range(KB):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
+            mbarrier.wait(decoded.index(s), ph)
+            a_s = a_bufs.index(s).slice(wg * WM, WM)
+            w_s = wd_bufs.index(s)
+            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            acc_lo = _pin(acc_lo + d_lo)
+            dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc_hi = acc_hi + d_hi
+            spare = d_hi
+            it += 1
+        # the tile's row maxima (the decode partition wrote them before its first decoded[s] of the tile)
+        slot = j % 2
+        ws_lo = _pow2_f32(rmax_s.index(slot).slice(0, HN).load(cols_l) - 127)
+        ws_hi = _pow2_f32(rmax_s.index(slot).slice(HN, HN).load(cols_l) - 127)
+        r = gl.arange(0, WM, layout=rows_l)
+        if is_l2:
+            ts = _pow2_f32(smax_s.index(slot).slice(wg * WM, WM).load(rows_l) - 127)
+        else:
+            word = gl.load(l1_sf + b * TILE_M + wg * WM + r, mask=r < valid - wg * WM, other=127 * 0x01010101)
+            ts = _pow2_f32((word & 0xFF) - 127)
+        gl.thread_barrier()  # the whole warpgroup has read the slot before it is released
+        mbarrier.arrive(rfree.index(slot), count=1)
+        if is_l2:
+            row0 = b * TILE_M + wg * WM
+            tsc = gl.expand_dims(ts, 1)
+            _l2_epilogue(acc_lo * tsc * gl.expand_dims(ws_lo, 0), buf, buffer_ptrs, me, row0, nt * TILE_N,
+                         valid - wg * WM, OFF_META, OFF_COMBINE, T, H, mma)
+            _l2_epilogue(acc_hi * tsc * gl.expand_dims(ws_hi, 0), buf, buffer_ptrs, me, row0, nt * TILE_N + HN,
+                         valid - wg * WM, OFF_META, OFF_COMBINE, T, H, mma)
+        else:
+            _l1_epilogue(acc_lo, acc_hi, ws_lo, ws_hi, ts, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2,
+                         OFF_L2_SF, I, SP, HAS_CLAMP)
+        j += 1
+
+
+@gluon.jit
+def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf, lut, tiles, buffer_ptrs, me, clamp,
+                          timeout_ns,
+                          OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
+                          OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr,
+                          OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
+                          T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                          HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
+                          LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
+                          KW2_PAD: gl.constexpr):
+    """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
+    e4m3, box [128, 128]; ``w1`` ``[El*2I, H/2]`` / ``w2`` ``[El*H, I/2]`` packed FP4 bytes (transformed:
+    interleaved gate/up rows, split nibble order), box [256, 64]. ``buf``: the rank's symmetric buffer (uint8);
+    ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
+    ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;
+    ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
+    state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
+    l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
+    progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)
+    num_l1 = gl.load(tiles)
+    num_tiles = num_l1 + gl.load(tiles + 1)
+    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
+        num_tiles = 0
+    BM: gl.constexpr = a1_desc.block_type.shape[0]
+    gl.static_assert(BM == TILE_M, "the FP4 Gluon phase runs pool blocks of 128 rows")
+    WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (a 1-D layout: .index() views are 1-D)
+    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
+    wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK // 2], w1_desc.layout)
+    wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
+    rmax_s = gl.allocate_shared_memory(gl.int32, [2, TILE_N], XL)
+    smax_s = gl.allocate_shared_memory(gl.int32, [2, TILE_M], XL)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    decoded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    rfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
+        mbarrier.init(decoded.index(i), count=1)  # the decode partition
+        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(rfree.index(i), count=2)  # one arrive per math warpgroup
+    fence_async_shared()  # barrier inits visible to the async proxy before first use
+    gl.warp_specialize([
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
+                           tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
+                           tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1,
+                           num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
+        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
+                             tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
+                             KW1_PAD, KW2_PAD)),
+    ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])
