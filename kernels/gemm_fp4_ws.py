@@ -298,15 +298,15 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
 
 
 @gluon.jit
-def _l1_epilogue(acc_lo, acc_hi, ws_lo, ws_hi, sa, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
+def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
                  OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
                  SP: gl.constexpr, HAS_CLAMP: gl.constexpr):
-    """This warpgroup's 64 rows of an L1 tile (``_l1_tile_hopper``'s epilogue): the weight-row scales ``ws``
-    (columns) then the token scales ``sa`` (rows), bf16 round, clamp, SwiGLU, top-k weight, the per-128 UE8M0 requant
+    """This warpgroup's 64 rows of an L1 tile (``_l1_tile_hopper``'s epilogue), the accumulators already scaled by
+    the weight rows' and tokens' powers of two: bf16 round, clamp, SwiGLU, top-k weight, the per-128 UE8M0 requant
     (``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``) into the L2 pool (bytes + one int32 word of four equal scale
     bytes a row), then the warpgroup's arrival bit."""
-    act_lo = _l1_half(acc_lo * gl.expand_dims(ws_lo, 0) * gl.expand_dims(sa, 1), clamp, HAS_CLAMP)
-    act_hi = _l1_half(acc_hi * gl.expand_dims(ws_hi, 0) * gl.expand_dims(sa, 1), clamp, HAS_CLAMP)
+    act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
+    act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
     L: gl.constexpr = act_lo.type.layout
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
     row_ok = r < valid - wg * WM
@@ -370,28 +370,30 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
             acc_hi = acc_hi + d_hi
             spare = d_hi
             it += 1
-        # the tile's row maxima (the decode partition wrote them before its first decoded[s] of the tile)
+        # the scales: weight rows (columns) from the decode partition's slot (written before its first decoded[s]
+        # of the tile), tokens (rows): L1 the pool's folded scale word, L2 the slot's row maxima. Applied one half at
+        # a time (exact powers of two: the order is free), so only one half's column scales are live.
         slot = j % 2
-        ws_lo = _pow2_f32(rmax_s.index(slot).slice(0, HN).load(cols_l) - 127)
-        ws_hi = _pow2_f32(rmax_s.index(slot).slice(HN, HN).load(cols_l) - 127)
         r = gl.arange(0, WM, layout=rows_l)
         if is_l2:
             ts = _pow2_f32(smax_s.index(slot).slice(wg * WM, WM).load(rows_l) - 127)
         else:
             word = gl.load(l1_sf + b * TILE_M + wg * WM + r, mask=r < valid - wg * WM, other=127 * 0x01010101)
             ts = _pow2_f32((word & 0xFF) - 127)
+        tsc = gl.expand_dims(ts, 1)
+        acc_lo = acc_lo * gl.expand_dims(_pow2_f32(rmax_s.index(slot).slice(0, HN).load(cols_l) - 127), 0) * tsc
+        acc_hi = acc_hi * gl.expand_dims(_pow2_f32(rmax_s.index(slot).slice(HN, HN).load(cols_l) - 127), 0) * tsc
         gl.thread_barrier()  # the whole warpgroup has read the slot before it is released
         mbarrier.arrive(rfree.index(slot), count=1)
         if is_l2:
             row0 = b * TILE_M + wg * WM
-            tsc = gl.expand_dims(ts, 1)
-            _l2_epilogue(acc_lo * tsc * gl.expand_dims(ws_lo, 0), buf, buffer_ptrs, me, row0, nt * TILE_N,
-                         valid - wg * WM, OFF_META, OFF_COMBINE, T, H, mma)
-            _l2_epilogue(acc_hi * tsc * gl.expand_dims(ws_hi, 0), buf, buffer_ptrs, me, row0, nt * TILE_N + HN,
-                         valid - wg * WM, OFF_META, OFF_COMBINE, T, H, mma)
+            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T, H,
+                         mma)
+            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
+                         OFF_COMBINE, T, H, mma)
         else:
-            _l1_epilogue(acc_lo, acc_hi, ws_lo, ws_hi, ts, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2,
-                         OFF_L2_SF, I, SP, HAS_CLAMP)
+            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
+                         HAS_CLAMP)
         j += 1
 
 

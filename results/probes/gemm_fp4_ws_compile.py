@@ -2,7 +2,7 @@
 "fp4_ws") at V4-Pro size on a machine without a GPU: shared memory, ptxas registers / stack / spills, setmaxnreg
 values, a SASS op histogram (the sibling of ``gemm_fp8_ws_compile.py``).
 
-    python results/probes/gemm_fp4_ws_compile.py [STAGES]      (env: MATH=200, LR=40, DR=72, MAXNREG=128, H=7168, I=3072)
+    python results/probes/gemm_fp4_ws_compile.py [STAGES]      (env: MATH=208, LR=24, DR=72, MAXNREG=128, H=7168, I=3072)
 
 Writes the TTGIR / PTX / SASS into a temporary directory, printed first.
 """
@@ -38,7 +38,7 @@ sig = dict(a1_desc=td("fp8e4nv", [128, 128], fp8), a2_desc=td("fp8e4nv", [128, 1
            w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
 consts = dict(OFF_GRID=0, OFF_STATE=64, OFF_L2_MASK=1024, OFF_L1_SF=1 << 26, OFF_L1_W=4096, OFF_L2=1 << 20,
               OFF_L2_SF=1 << 21, OFF_META=8192, OFF_COMBINE=1 << 22, T=8192, H=H, I=I, SP=49920, HAS_CLAMP=False,
-              STAGES=STAGES, MATH_REGS=int(os.environ.get("MATH", 200)), LOAD_REGS=int(os.environ.get("LR", 40)),
+              STAGES=STAGES, MATH_REGS=int(os.environ.get("MATH", 208)), LOAD_REGS=int(os.environ.get("LR", 24)),
               DECODE_REGS=int(os.environ.get("DR", 72)), KW1_PAD=triton.next_power_of_2(H // 128),
               KW2_PAD=triton.next_power_of_2(I // 128))
 fn = ws.fp4_gemm_phase_kernel
