@@ -597,8 +597,10 @@ def fused_mega_moe_kernel(
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
 
     ``PHASE``: 0 = the whole call (the one persistent launch). With the GEMM phase in a separate Gluon launch
-    (:mod:`megamoe.kernels.gemm_fp8_ws`): 1 = the front (count, publish, barrier 1, pull tasks only, and the tile
-    table of the GEMM phase at ``tiles``), 2 = the back (barrier 2, combine, cleanup, barrier 3)."""
+    (:mod:`megamoe.kernels.gemm_fp8_ws`, :mod:`megamoe.kernels.gemm_fp4_ws`): 1 = the front (count, publish,
+    barrier 1, pull tasks only -- placing the rows for the FP8 phase's own pull, copying and folding them with
+    ``FOLDED`` -- and the tile table of the GEMM phase at ``tiles``), 2 = the back (barrier 2, combine, cleanup,
+    barrier 3)."""
     pid = tl.program_id(0)
     lr = pid // G
     cta = pid % G
@@ -716,7 +718,10 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
         num_blocks = tl.max(cum, axis=0)
         num_l1 = num_blocks * N1
         num_l2 = num_blocks * N2
-        if PHASE == 1:  # the GEMM tiles run in the Gluon launch: write its tile table, hand out pull tasks only
+        # PHASE 1: the GEMM tiles run in a Gluon launch: write its tile table, hand out pull tasks only. They copy
+        # the rows only for the FP8 x FP4 phase with folded rows (megamoe.kernels.gemm_fp4_ws, no pull of its own);
+        # the FP8 phase's pull partition copies raw rows itself, so for it they place rows (metadata, weights).
+        if PHASE == 1:
             _write_tile_table(tiles, cta, G, n, blocks, cum, I // 128, H // 256, BM, BLOCK_E)
             num_l1 = 0
             num_l2 = 0
@@ -731,7 +736,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
                 _pull_task(t, buf, buffer_ptrs, me, recv, chunks_flat, cum_flat, blocks, cum, arrival,
                            OFF_SRC_IDX, OFF_X, OFF_X_SF, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_META,
                            R, El, T, K, H, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H,
-                           BLOCK_W, HW_CVT, FOLDED, PHASE != 1)
+                           BLOCK_W, HW_CVT, FOLDED, (PHASE != 1) | (FOLDED & (not FP8W)))
                 n_ev = _event(timeline, cta, n_ev, EV_PULL, t0, TIMELINE, MAX_EVENTS)
             elif PHASE == 1:
                 pass

@@ -5,7 +5,8 @@ call, its argument table, the launch and the optional intra-kernel timeline.
 **one launch**: with the ``local`` backend the grid holds every local rank's programs (``programs_per_rank``
 each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-kernel. The exception is the SM90 FP8
 format's ``"fp8_ws"`` tile kind (see ``FP8_WS_MIN_EXPECTED``): front launch, one warp-specialised Gluon GEMM launch
-per local rank, back launch (``_run_ws``).
+per local rank, back launch (``_run_ws``); and, for the FP8 x FP4 format with "hopper" numerics, its sibling
+``"fp4_ws"`` (``megamoe.kernels.gemm_fp4_ws``), which is off by default (``FP4_WS_ENABLED``): not yet run on a GPU.
 
 Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
 
@@ -55,15 +56,18 @@ TIMELINE_MAX_EVENTS = 512
 #: 69632 B, 24 B of stack -- but spill 376 B at block 32; one 8-warp 3-stage program: 229 registers, 104448 B.)
 #: "fp8_ws": the front and back launches around the Gluon GEMM phase (no GEMM tile compiled in; see FP8_WS_*):
 #: offline sm_90a compile, front 211 registers at 8 warps (one program an SM; at 4 warps it spills 968 B), back 40.
+#: "fp4_ws": its front launch (PHASE=1 with the folding row copy) and back launch, as "fp8_ws": offline sm_90a compile
+#: at 8 warps, front 114 registers / 16896 B, back 40 registers (see FP4_WS_*).
 PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None),
-                   "fp8_ws": (1, None)}
+                   "fp8_ws": (1, None), "fp4_ws": (1, None)}
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
 #: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block
 #: 128 762 / 1205 / 3145 / 10031 us, against 975 / 1591 / 5988 / 21020 us for two 4-warp 2-stage programs of block 64
 #: (255 registers, 352 bytes spilled); two 4-warp 3-stage programs do not fit one SM's shared memory together and
 #: dead-lock in the first grid sync (``_check_resident`` now refuses such a launch). "fp8_swap": see PROGRAMS_PER_SM.
-WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4, 3), "fp8_ws": (8, 2)}
+WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4, 3), "fp8_ws": (8, 2),
+                "fp4_ws": (8, 2)}
 #: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
 FP8_BLOCK64_MAX_EXPECTED = 64
 #: The SM90 FP8 format takes its swap-AB tiles ("fp8_swap": 128 weight rows on the MMA's M, block_m tokens on N,
@@ -111,7 +115,8 @@ def expected_tokens_per_expert(layout, num_tokens: int) -> float:
 #: Columns per L1 / L2 tile (weight rows of L2) by numerics: "exact" reuses the staged tile of
 #: ``megamoe.kernels.gemm`` (tokens on the MMA's M, BLOCK_N weight rows), "hopper" its own swap-AB tile (128
 #: weight rows on the MMA's M, tokens on N).
-TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128), "fp8_swap": (128, 128), "fp8_ws": (128, 128)}
+TILE_N = {"exact": (64, 128), "hopper": (128, 128), "fp8": (128, 128), "fp8_swap": (128, 128), "fp8_ws": (128, 128),
+          "fp4_ws": (128, 128)}
 #: The tile kinds of the SM90 FP8 x FP8 format (the others are the FP8 x FP4 format's numerics).
 FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: "fp8_ws": the SM90 FP8 format's GEMMs as one warp-specialised Gluon launch (``megamoe.kernels.gemm_fp8_ws``:
@@ -129,10 +134,28 @@ FP8_WS_MIN_EXPECTED = 32
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
+#: The tile kinds whose GEMMs run in a separate Gluon launch between a front and a back launch (``_run_ws``).
+WS_KINDS = ("fp8_ws", "fp4_ws")
+#: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
+#: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, a 4-warp FP4 decode partition, two math warpgroups) between the
+#: front launch (which here also copies and folds the rows) and the back launch. **Off by default until it has run
+#: on a GPU**: it was written and compiled offline for sm_90a only (its torch model, ``megamoe.gemm_phase``, is what
+#: the CPU tests run). When on, ``tile_kind`` takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local
+#: expert (a guess copied from FP8_WS_MIN_EXPECTED, not measured); ``FusedConfig(kind="fp4_ws", block_m=128,
+#: numerics="hopper")`` forces it.
+FP4_WS_ENABLED = False
+FP4_WS_MIN_EXPECTED = 32
+#: Ring stages (A 16 KB + packed W 16 KB + decoded W 32 KB each) and the register split (math warpgroups / loader
+#: warp / decode warps, the kernel's maxnreg): 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128
+#: threads. Offline sm_90a compile (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``):
+#: 200092 B of shared memory; no spill in the math or loader partitions; the decode partition spills 140 B in its
+#: per-tile row maxima (outside its K loop; none in the loop).
+FP4_WS_STAGES, FP4_WS_REGS = 3, (208, 24, 72, 128)
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
-    """Why the Gluon GEMM phase ("fp8_ws") cannot run ``layout`` on ``device`` (None = it can)."""
+    """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
+    (None = it can)."""
     if interpreting() or device is None or device.type != "cuda":
         return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -149,8 +172,13 @@ def tile_kind(layout, numerics: str, expected: float | None = None, device: torc
     """The tile family of a call. The layout's format ``"fp8"`` (``fp8_mega_moe``): ``"fp8_swap"`` (swap-AB) when
     ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``; ``"fp8_ws"`` (the Gluon
     GEMM phase) above ``FP8_WS_MIN_EXPECTED`` where it can run on ``device``; else ``"fp8"`` (the staged FP8 x FP8
-    tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``."""
+    tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``, or with "hopper"
+    numerics its Gluon GEMM phase ``"fp4_ws"`` where ``FP4_WS_ENABLED`` and as "fp8_ws" above
+    ``FP4_WS_MIN_EXPECTED``."""
     if getattr(layout, "format", "fp8_fp4") != "fp8":
+        if (numerics == "hopper" and FP4_WS_ENABLED and expected is not None and expected > FP4_WS_MIN_EXPECTED
+                and ws_unsupported_reason(layout, device) is None):
+            return "fp4_ws"
         return numerics
     if expected is not None and expected <= FP8_SWAP_MAX_EXPECTED:
         return "fp8_swap"
@@ -174,6 +202,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
         block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
+    elif kind == "fp4_ws":  # only the 128-row tile so far
+        block_m = 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -225,6 +255,9 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
+    if kind == "fp4_ws" and (cfg.block_m != 128 or cfg.numerics != "hopper"):
+        raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper' (its folded "
+                         f"operands), got block_m={cfg.block_m}, numerics={cfg.numerics!r}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
                          f"{getattr(L, 'format', 'fp8_fp4')!r}")
@@ -296,11 +329,18 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     if timeline and cfg.kind == "fp8_ws":  # the Gluon GEMM phase records no timeline: the one-launch kernel does
         warps, stages = WARPS_STAGES["fp8"]  # (both kinds run one program per SM; block 128 is an "fp8" block too)
         cfg = replace(cfg, kind="fp8", num_warps=warps, num_stages=stages, maxnreg=PROGRAMS_PER_SM["fp8"][1])
+    if timeline and cfg.kind == "fp4_ws":  # likewise: the one-launch "hopper" kernel (its block and programs)
+        warps, stages = WARPS_STAGES["hopper"]
+        per_sm, maxnreg = PROGRAMS_PER_SM["hopper"]
+        programs = cfg.programs_per_rank if interpreting() or dev.type != "cuda" else max(
+            1, per_sm * torch.cuda.get_device_properties(dev).multi_processor_count // len(calls))
+        cfg = replace(cfg, kind="hopper", block_m=min(MAX_BLOCK_M, L.block_m), programs_per_rank=programs,
+                      num_warps=warps, num_stages=stages, maxnreg=maxnreg)
     timelines = [None] * len(calls)
     if timeline and not interpreting():
         timelines = [torch.full((cfg.programs_per_rank, TIMELINE_MAX_EVENTS, 3), -1, dtype=torch.int64, device=dev)
                      for _ in calls]
-    tiles = [_tile_table(c.sb) if cfg.kind == "fp8_ws" else None for c in calls]
+    tiles = [_tile_table(c.sb) if cfg.kind in WS_KINDS else None for c in calls]
     table = _arg_table(calls, timelines, tiles)
     clamp = calls[0].clamp
     timeout_s = sb0.barrier_timeout_s
@@ -316,8 +356,8 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
             table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
             float(clamp) if clamp is not None else 0.0,
             int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
-    if cfg.kind == "fp8_ws":
-        _run_ws(calls, args, grid, meta, tiles, rank0, L, dev)
+    if cfg.kind in WS_KINDS:
+        _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, cfg.kind)
         return None
     if not interpreting():
         _check_resident(args, grid, meta, dev)
@@ -372,7 +412,34 @@ def _ws_descriptors(c, L, bm: int):
     return descs
 
 
-def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
+def _fp4_ws_descriptors(c, L):
+    """TMA descriptors of one rank's FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``):
+    the two pools (e4m3, box [128, 128]) and the transformed FP4 weights as bytes (box [256, 64]: 256 rows x 128 K
+    values), cached on the buffer by the weights' addresses like ``_ws_descriptors``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    cache = c.sb.__dict__.setdefault("_ws_descs", {})
+    if key in cache:
+        return cache[key]
+    if len(cache) > 8:
+        cache.clear()
+    H, I = L.hidden, L.intermediate_hidden
+    bm, bn = WS_TILE_M.value, WS_TILE_N.value
+    lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
+    descs = (
+        TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
+        TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
+        TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2), [bn, 64], lay_w),
+        TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2), [bn, 64], lay_w),
+    )
+    cache[key] = descs
+    return descs
+
+
+def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, kind: str = "fp8_ws") -> None:
     """The "fp8_ws" call: front launch (every local rank's programs), one Gluon GEMM phase per local rank (one CTA
     per SM each; they need no other rank inside, so local ranks take turns), back launch. Under the interpreter
     (only with an explicit ``FusedConfig(kind="fp8_ws")``: ``fused_config`` picks it on sm_90 GPUs) the GEMM phase
@@ -382,17 +449,21 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
     front = dict(meta, PHASE=1)
     back = dict(meta, PHASE=2)
     if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
-        from megamoe.gemm_phase import run_gemm_phase
+        from megamoe.gemm_phase import run_gemm_phase, run_gemm_phase_fp4
 
         for c in calls:  # host code only: the Gluon launch's descriptors are built (and checked) on CPU CI too
-            _ws_descriptors(c, L, meta["BM"])
+            _fp4_ws_descriptors(c, L) if kind == "fp4_ws" else _ws_descriptors(c, L, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **front)
-        run_gemm_phase(calls, tiles, meta["BM"])
+        (run_gemm_phase_fp4 if kind == "fp4_ws" else run_gemm_phase)(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     _check_resident(args, grid, front, dev)
     _check_resident(args, grid, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
+    if kind == "fp4_ws":
+        _launch_fp4_ws(calls, tiles, rank0, L, dev)
+        kf.fused_mega_moe_kernel[grid](*args, **back)
+        return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -412,6 +483,28 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev) -> None:
             PULL_CHUNK=FP8_WS_PULL_CHUNK,
             num_warps=4, maxnreg=maxnreg)
     kf.fused_mega_moe_kernel[grid](*args, **back)
+
+
+def _launch_fp4_ws(calls, tiles, rank0, L, dev) -> None:
+    """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each), as the FP8 phase in ``_run_ws``."""
+    from megamoe.kernels import gemm_fp4_ws as k4
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS
+    timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
+    offs = _offsets(L)
+    H, I = L.hidden, L.intermediate_hidden
+    for lr, c in enumerate(calls):
+        k4.fp4_gemm_phase_kernel[(sms,)](
+            *_fp4_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
+            rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
+            OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
+            OFF_L1_SF=offs["OFF_L1_SF"], OFF_L1_W=offs["OFF_L1_W"], OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"],
+            OFF_META=offs["OFF_META"], OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=H, I=I,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES,
+            MATH_REGS=math_regs, LOAD_REGS=load_regs, DECODE_REGS=decode_regs,
+            KW1_PAD=triton.next_power_of_2(H // 128), KW2_PAD=triton.next_power_of_2(I // 128),
+            num_warps=4, maxnreg=maxnreg)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -1,4 +1,6 @@
-"""The fused FP8 path's GEMM phase (:mod:`megamoe.kernels.gemm_fp8_ws`, tile kind ``"fp8_ws"``) in pure torch, tile
+"""The Gluon GEMM phases of the fused path in pure torch, tile by tile: :func:`run_gemm_phase` for the FP8 format's
+(:mod:`megamoe.kernels.gemm_fp8_ws`, tile kind ``"fp8_ws"``), :func:`run_gemm_phase_fp4` for the FP8 x FP4 format's
+with "hopper" numerics (:mod:`megamoe.kernels.gemm_fp4_ws`, ``"fp4_ws"``; described at the end). Each goes tile
 by tile from the tile table the front launch wrote: what each Gluon tile reads and writes, with the reference's
 numerics (:func:`megamoe.reference.block_scaled_matmul`, SwiGLU, the per-128 requant), so that
 
@@ -18,15 +20,39 @@ table (layout: :data:`megamoe.kernels.formats.TILE_HEADER`):
   blocks; bf16 round, clamp, SwiGLU, top-k weight, requant into ``l2_acts`` / ``l2_acts_sf``.
 * L2: the same rows x hidden columns ``[256 nt, 256 nt + 256)``: bf16 rows into ``combine[slot][token]`` of each
   row's source rank (``token_src_metadata``).
+
+The FP8 x FP4 phase (``"fp4_ws"``, ``megamoe.reference`` with ``numerics="hopper"`` as the model) has no pull: the
+front launch copied and folded the rows (one scale word per row, the token's largest exponent). Per tile, with the
+weight rows of the *transformed* weights (gate/up interleaved by 8, split nibble order) decoded and folded relative
+to each row's largest exponent (:func:`megamoe.quant.fold_scales`, what the decode warps' table lookup computes):
+
+* L1: ``acc = a @ w^T`` in float32, then ``(acc * 2^(s_row - 127)) * 2^(s_token - 127)`` (exact powers of two:
+  the reference's ``(a 2^..) @ (w 2^..)^T`` bit for bit), bf16 round, gate / up from the interleave, clamp,
+  SwiGLU, top-k weight, per-128 UE8M0 requant (:func:`megamoe.quant.per_128_cast_to_fp8`) into ``l2_acts`` /
+  ``l2_acts_sf``.
+* L2: the pool's per-128 L2 rows folded per token relative to their largest exponent (the decode warps fold the A
+  stage), the same sums and scales, bf16 rows into the source rank's ``combine``.
+
+The one thing not modelled is the order of the float32 sums: the model sums all of K in one IEEE matmul, as the
+reference does, so the CPU test is bit-exact even on data whose sums round (``tests/test_fused.py`` spreads the
+scales for that); the kernel adds one wgmma chain per 128-wide K block into its accumulator, and the tensor cores
+sum inside a chain in their own order -- the difference the GPU tests bound with ``accumulation="fp8_mma"``.
 """
 from __future__ import annotations
 
 import torch
 
 from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS, WS_TILE_N
-from megamoe.quant import L1_INTERLEAVE_ROWS
+from megamoe.quant import (
+    L1_INTERLEAVE_ROWS,
+    _unrepack_nibbles_split,
+    e2m1_decode,
+    fold_scales,
+    per_128_cast_to_fp8,
+    unpack_nibbles,
+)
 from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
-from megamoe.reference import block_scaled_matmul, swiglu
+from megamoe.reference import _ieee_fp32_matmul, block_scaled_matmul, swiglu
 
 #: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
 TILE_N = WS_TILE_N.value
@@ -86,4 +112,61 @@ def run_gemm_phase(calls, tiles: list[torch.Tensor], block_m: int) -> None:
                 sw = sf2[e][torch.arange(n.start, n.stop, device=sf2.device) // FP8_BLOCK].float()
                 out = block_scaled_matmul(l2[rows].float(), l2_sf[rows].float(), w2[e, n].float(), sw)
                 for (src, token, slot), row in zip(meta[rows].tolist(), out.to(torch.bfloat16)):
+                    sb.peer_view(src, "combine")[slot, token, n] = row
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for an int tensor ``e`` (exact)."""
+    return torch.pow(2.0, e.float())
+
+
+def _folded_fp4_rows(w: torch.Tensor, sf: torch.Tensor, e: int, rows: torch.Tensor):
+    """Rows ``rows`` of local expert ``e`` of transformed FP4 weights (``w`` int8 ``[El, N, K/2]`` in split nibble
+    order, ``sf`` int32 ``[El, N, K/128]``) as the decode warps write them: e4m3 values folded relative to each row's
+    largest scale exponent, float32 ``[len(rows), K]`` in K order, and that exponent (int32 ``[len(rows)]``)."""
+    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles_split(w[e, rows])))
+    folded, row_exp = fold_scales(values, sf[e, rows])
+    return folded.float(), row_exp
+
+
+def _dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 ``a @ w^T`` over all of K in one IEEE matmul, as the reference sums (module docstring: the kernel's
+    per-128 adds and the tensor cores' order inside a block are not modelled)."""
+    with _ieee_fp32_matmul():
+        return a @ w.T
+
+
+def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int) -> None:
+    """The FP8 x FP4 ("hopper" numerics) GEMM phase: every tile of every rank's table, L1 tiles before L2 tiles
+    (module docstring). ``block_m``: rows per pool block (128). The rows are in the L1 pool already (the front
+    launch copied and folded them)."""
+    for c, t in zip(calls, tiles):
+        sb, I = c.sb, c.sb.layout.intermediate_hidden
+        entries, num_l1, _ = tile_table(t)
+        l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
+        l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
+        w1, sf1 = c.l1
+        w2, sf2 = c.l2
+        for i, (b, nt, e, valid) in enumerate(entries):
+            rows = slice(b * block_m, b * block_m + valid)
+            w_rows = torch.arange(nt * TILE_N, nt * TILE_N + TILE_N, device=w1.device)
+            if i < num_l1:
+                w, s_row = _folded_fp4_rows(w1, sf1, e, w_rows)
+                s_tok = l1_sf[rows, 0] & 0xFF  # the folded row's scale word: s_max in all four bytes
+                acc = _dot(l1[rows].float(), w)
+                h = (acc * _pow2(s_row - 127)) * _pow2(s_tok - 127).unsqueeze(1)
+                # tile columns: 16-row periods of 8 gate rows then 8 up rows -> gate | up, 128 columns each
+                h = h.to(torch.bfloat16).view(valid, TILE_N // (2 * L1_INTERLEAVE_ROWS), 2, L1_INTERLEAVE_ROWS)
+                gate, up = h[:, :, 0].reshape(valid, -1), h[:, :, 1].reshape(valid, -1)
+                act = swiglu(torch.cat([gate, up], dim=1), c.clamp) * l1_w[rows].unsqueeze(1)
+                q, s = per_128_cast_to_fp8(act)
+                l2[rows, nt * 128: nt * 128 + 128] = q
+                l2_sf[rows, nt] = s[:, 0]
+            else:
+                w, s_row = _folded_fp4_rows(w2, sf2, e, w_rows)
+                a, s_tok = fold_scales(l2[rows].float(), l2_sf[rows, : I // 128])
+                acc = _dot(a.float(), w)
+                out = ((acc * _pow2(s_row - 127)) * _pow2(s_tok - 127).unsqueeze(1)).to(torch.bfloat16)
+                n = slice(nt * TILE_N, nt * TILE_N + TILE_N)
+                for (src, token, slot), row in zip(meta[rows].tolist(), out):
                     sb.peer_view(src, "combine")[slot, token, n] = row

@@ -209,3 +209,101 @@ def test_hopper_model_is_close_to_exact_and_not_identical():
     diff = [float((a.float() - b.float()).norm() / a.float().norm()) for a, b in zip(exact, hopper)]
     assert all(d < 2e-2 for d in diff), diff
     assert any(not torch.equal(a, b) for a, b in zip(exact, hopper))
+
+
+# ---------------------------------------------------------------------------------------------------- "fp4_ws"
+def _fp4_ws_config():
+    return FusedConfig(block_m=128, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2, kind="fp4_ws")
+
+
+class _SpreadScales(MoECase):
+    """A case whose activation and weight scales are spread: 30 % of the packed scale words 2^10 lower in all four
+    groups (seeded), so that folding relative to a row's largest exponent rounds values below e4m3's normal range
+    (the case's own data fold exactly: its per-32 weight scales differ by about one exponent)."""
+
+    def problem(self, device="cpu"):
+        p = super().problem(device)
+        g = torch.Generator().manual_seed(self.seed)
+
+        def spread(sf):
+            lower = torch.rand(sf.shape, generator=g) < 0.3
+            return torch.where(lower.to(sf.device), sf - 0x0A0A0A0A, sf)
+
+        p.x_sf = [spread(sf) for sf in p.x_sf]
+        p.l1_weights = (p.l1_weights[0], spread(p.l1_weights[1]))
+        p.l2_weights = (p.l2_weights[0], spread(p.l2_weights[1]))
+        return p
+
+
+FP4_WS_CASE = dict(num_ranks=1, num_tokens=300, hidden=512, intermediate=384, num_topk=3, num_experts=6,
+                   masked_ratio=0.1, activation_clamp=0.5, block_m=128, impl="fused", numerics="hopper", seed=21)
+
+
+def test_fp4_ws_three_launch_split_bitwise(monkeypatch):
+    """The FP8 x FP4 Gluon GEMM phase's call ("fp4_ws", "hopper" numerics) on a CPU rank: the front launch (PHASE=1:
+    count, barrier 1, the pull copying and folding the rows, the tile table), the phase's torch model
+    (``megamoe.gemm_phase.run_gemm_phase_fp4``: what each Gluon tile reads and writes) and the back launch -- bit-exact
+    against ``problem.reference(numerics="hopper")``, twice (the workspace is clean between calls), as the one-launch
+    "hopper" kernel's tests. 300 tokens x top-3 over 6 experts: experts span a full and a partial pool block of 128;
+    I = 384: three L1 tiles a block (the requant's scale blocks and the L2 fold across them); H = 512: two L2 tiles;
+    scales spread so that the folds round (``_SpreadScales``). The Gluon launch's TMA descriptors are built on CPU as
+    on the GPU."""
+    import megamoe.fused as mf
+    from megamoe.gemm_phase import tile_table
+
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config())
+    tables, descs = [], []
+    real_table, real_descs = mf._tile_table, mf._fp4_ws_descriptors
+    monkeypatch.setattr(mf, "_tile_table", lambda sb: tables.append(real_table(sb)) or tables[-1])
+    monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    _assert_exact(run_case_local(_SpreadScales(num_calls=2, **FP4_WS_CASE)))
+    a1, a2, w1, w2 = descs[-1]
+    assert [list(d.block_shape) for d in descs[-1]] == [[128, 128]] * 2 + [[256, 64]] * 2
+    assert list(w1.shape) == [6 * 2 * 384, 512 // 2] and list(w2.shape) == [6 * 512, 384 // 2]
+    entries, num_l1, block_rows = tile_table(tables[-1])
+    assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
+
+
+def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
+    """The split test above can fail: with the model's weight fold replaced by a plain dequantisation (per-32 scales
+    applied exactly: nothing rounded below e4m3's normal range) the result is no longer the "hopper" reference."""
+    import megamoe.fused as mf
+    import megamoe.gemm_phase as gp
+    from megamoe.quant import ue8m0_bytes
+
+    def unfolded(w, sf, e, rows):
+        values = gp.e2m1_decode(gp.unpack_nibbles(gp._unrepack_nibbles_split(w[e, rows])))
+        scale = torch.pow(2.0, (ue8m0_bytes(sf[e, rows]) - 127).float()).repeat_interleave(32, dim=1)
+        return values * scale, torch.full((len(rows),), 127, dtype=torch.int32)
+
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config())
+    monkeypatch.setattr(gp, "_folded_fp4_rows", unfolded)
+    reports = run_case_local(_SpreadScales(**FP4_WS_CASE))
+    assert not all(r["bitwise_equal"] for r in reports)
+
+
+def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
+    """``tile_kind`` on a (faked) sm_90 device: "fp4_ws" only for "hopper" numerics, with ``FP4_WS_ENABLED`` (off by
+    default: not yet run on a GPU), above FP4_WS_MIN_EXPECTED and where the Gluon tile fits; ``kernel_meta`` refuses
+    it for another block or numerics."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    big = mf.FP4_WS_MIN_EXPECTED + 1
+    L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    assert mf.FP4_WS_ENABLED is False and mf.tile_kind(L, "hopper", big, cuda) == "hopper"
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    assert mf.tile_kind(L, "hopper", big, cuda) == "fp4_ws"
+    assert mf.tile_kind(L, "exact", big, cuda) == "exact"
+    assert mf.tile_kind(L, "hopper", mf.FP4_WS_MIN_EXPECTED, cuda) == "hopper"
+    assert mf.tile_kind(L, "hopper", big, torch.device("cpu")) == "hopper"
+    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 64), "hopper", big, cuda) == "hopper"
+    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", big, cuda) == "fp8_ws"
+    for cfg in (FusedConfig(64, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws")):
+        with pytest.raises(ValueError, match="kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper'"):
+            kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
+    meta = kernel_meta(L, FusedConfig(128, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False, has_stats=False,
+                       timeline=False)
+    assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == 128
