@@ -130,7 +130,8 @@ def test_residency_limits_every_programs_per_sm_choice():
 
     compiled = [("exact", 168, 20480, 4), ("hopper", 128, 32768, 4), ("fp8", 255, 147456, 8),  # regs, smem, warps
                 ("fp8_swap", 254, 104448, 4), ("fp8_swap", 255, 110592, 4),  # swap-AB at block 16 / 32
-                ("fp8_ws", 211, 16384, 8)]  # the front launch of the Gluon GEMM phase (PHASE=1; the back: 40, 512)
+                ("fp8_ws", 211, 16384, 8),  # the front launch of the Gluon GEMM phase (PHASE=1; the back: 40, 512)
+                ("fp4_ws", 255, 2048, 8)]  # its FP8 x FP4 sibling's front (results/probes/fused_front_compile.py)
     for kind, regs, smem, warps in compiled:
         assert warps == WARPS_STAGES[kind][0] and regs <= (PROGRAMS_PER_SM[kind][1] or 255), kind
         assert max_resident_programs(regs, smem, warps, H200) == PROGRAMS_PER_SM[kind][0], kind
