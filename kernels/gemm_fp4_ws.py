@@ -53,9 +53,24 @@ Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front laun
 Shared memory per stage: A 16 KB + packed W 16 KB + decoded W 32 KB = 64 KB; 3 stages = 192 KB (+ 3 KB of row
 exponents and barriers). Only pool blocks of 128 rows (the FP8 phase's 64-row tile is not ported yet).
 
-Offline sm_90a compile (``results/probes/gemm_fp4_ws_compile.py``, Triton 3.6, V4-Pro shapes H = 7168, I = 3072,
-3 stages, regs math / loader / decode = 200 / 40 / 72, maxnreg 128): see ``FP4_WS_COMPILE`` in
-:mod:`megamoe.fused` for the numbers of this checkout.
+Registers: ``setmaxnreg`` per warpgroup, math 208 + 208, loader 24 (its warpgroup: one warp and three idle ones),
+decode 72 = 512 = 64 K registers / 128 threads (launched at ``maxnreg`` 128, 16 warps).
+
+Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3
+stages, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
+stores, 152 bytes spill loads", all of them in the decode partition's per-tile row maxima (``_row_exponent_max``:
+ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop), none in the
+math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
+``PRMT`` in the binary. (With math 200 / loader 40 / decode 72 the math partitions spill in the epilogue and the
+decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) What was not checked:
+anything at run time -- this kernel has not run on a GPU (``tests/gpu/test_fp4_ws_gpu.py``).
+
+Open questions (for the GPU session): whether the decode partition (~3 integer ops a value, 4 warps) keeps up with
+the two math warpgroups (per L1 K block ~1.1 us of wgmma at ~1000 TFLOP/s); whether the per-tile row maxima
+(56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile boundaries (a per-weights cache
+of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove them); bank conflicts of the
+unswizzled packed-W reads (2-way by estimate); 3 stages vs a 4-deep A/W ring with a 2-deep decoded ring; the 64-row
+tile of the FP8 phase (not ported); a folding pull partition (the rows would then overlap the GEMMs again).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
