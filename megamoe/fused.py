@@ -174,9 +174,9 @@ def tile_kind(layout, numerics: str, expected: float | None = None, device: torc
     """The tile family of a call. The layout's format ``"fp8"`` (``fp8_mega_moe``): ``"fp8_swap"`` (swap-AB) when
     ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``; ``"fp8_ws"`` (the Gluon
     GEMM phase) above ``FP8_WS_MIN_EXPECTED`` where it can run on ``device``; else ``"fp8"`` (the staged FP8 x FP8
-    tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``, or with "hopper"
-    numerics its Gluon GEMM phase ``"fp4_ws"`` where ``FP4_WS_ENABLED`` and as "fp8_ws" above
-    ``FP4_WS_MIN_EXPECTED``."""
+    tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``; with "hopper" numerics
+    its Gluon GEMM phase ``"fp4_ws"`` instead when ``FP4_WS_ENABLED`` (off by default), above ``FP4_WS_MIN_EXPECTED``
+    expected tokens and where it can run on ``device``."""
     if getattr(layout, "format", "fp8_fp4") != "fp8":
         if (numerics == "hopper" and FP4_WS_ENABLED and expected is not None and expected > FP4_WS_MIN_EXPECTED
                 and ws_unsupported_reason(layout, device) is None):
