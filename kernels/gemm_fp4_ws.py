@@ -65,12 +65,16 @@ math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x
 decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) What was not checked:
 anything at run time -- this kernel has not run on a GPU (``tests/gpu/test_fp4_ws_gpu.py``).
 
-Open questions (for the GPU session): whether the decode partition (~3 integer ops a value, 4 warps) keeps up with
-the two math warpgroups (per L1 K block ~1.1 us of wgmma at ~1000 TFLOP/s); whether the per-tile row maxima
-(56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile boundaries (a per-weights cache
-of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove them); bank conflicts of the
-unswizzled packed-W reads (2-way by estimate); 3 stages vs a 4-deep A/W ring with a 2-deep decoded ring; the 64-row
-tile of the FP8 phase (not ported); a folding pull partition (the rows would then overlap the GEMMs again).
+Open questions (for the GPU session): whether the decode partition keeps up with the two math warpgroups. Per K
+block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at ~7.5 TFLOP/s an SM);
+the decode's stage body is ~1050 SASS instructions a thread with the L2 fold (333 LOP3, 168 LEA, 132 F2FP, 72 PRMT,
+64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us at one instruction a cycle per
+scheduler, if its 4 warps get a scheduler each and the gathers and shared-memory traffic do not stall them.
+Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
+boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
+them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
+a 2-deep decoded ring. The 64-row tile of the FP8 phase (not ported). A folding pull partition (the rows would then
+overlap the GEMMs again).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
