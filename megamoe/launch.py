@@ -479,6 +479,11 @@ def _child_main(fn, rank: int, world_size: int, backend: str, store_dir: str, pa
         store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
         dist.init_process_group("nccl" if backend == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timedelta(minutes=10))
+        if backend != "cuda":
+            # every rank through gloo's connect before any runs fn: a rank whose fn returns at once would otherwise
+            # tear its pairs down while a slower peer is still in connectFullMesh ("Connection closed by peer"; seen
+            # once in CI on a loaded 2-core machine, test_ranks_get_the_launchers_environment_of_each_launch)
+            dist.barrier()
         try:
             result = fn(rank, world_size, *args, **kwargs)
         except BaseException as exc:
