@@ -18,7 +18,8 @@ so a dot needs no scale inside its K loop:
   which is wrong for folded rows, so this kernel has **no pull**: the front launch copies and folds every row
   (``fused_mega_moe_kernel`` copies rows in ``PHASE=1`` when ``FOLDED``), and the rows are in the pool when this
   launch starts (stream order), so L1 tiles do not wait on ``l1_arrival_count`` at all. (Cost: the pull no longer
-  overlaps the GEMMs; the FP8 phase gained 3-26 % from that overlap. A folding pull partition is the next step.)
+  overlaps the GEMMs; for the FP8 phase that overlap was a small gain, same-run DeepGEMM ratio 1.13 / 1.10 / 1.09
+  -> 1.10 / 1.09 / 1.04 at T = 512 / 2048 / 8192 (README). A folding pull partition is a later step.)
 * W (FP4 e2m1, two per byte, UE8M0 per 32): folded by the **decode partition** relative to each weight row's
   largest exponent over all of K (``_row_exponent_max``), one byte-table lookup per value (``megamoe.quant.fold_lut``
   through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer.
