@@ -453,8 +453,12 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, kind: str = "fp8_ws")
     if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
         from megamoe.gemm_phase import run_gemm_phase, run_gemm_phase_fp4
 
-        for c in calls:  # host code only: the Gluon launch's descriptors are built (and checked) on CPU CI too
-            _fp4_ws_descriptors(c, L) if kind == "fp4_ws" else _ws_descriptors(c, L, meta["BM"])
+        for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
+            if kind == "fp4_ws":
+                _fp4_ws_descriptors(c, L)
+            else:
+                _ws_descriptors(c, L, meta["BM"])
+                _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
         kf.fused_mega_moe_kernel[grid](*args, **front)
         (run_gemm_phase_fp4 if kind == "fp4_ws" else run_gemm_phase)(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
@@ -467,23 +471,12 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, kind: str = "fp8_ws")
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
-    offs = _offsets(L)
     for lr, c in enumerate(calls):
         kws.fp8_gemm_phase_kernel[(sms,)](
             *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
-            OFF_ARRIVAL=offs["OFF_ARRIVAL"],
-            OFF_X=offs["OFF_X"], OFF_X_SF=offs["OFF_X_SF"], OFF_L1=offs["OFF_L1"], OFF_L1_SF=offs["OFF_L1_SF"],
-            OFF_L1_W=offs["OFF_L1_W"],
-            OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"], OFF_META=offs["OFF_META"],
-            OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP8_WS_STAGES[meta["BM"]],
-            MATH_REGS=math_regs, LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs,
-            PULL_CHUNK=FP8_WS_PULL_CHUNK,
-            num_warps=4, maxnreg=maxnreg)
+            **_ws_constexprs(c.sb, meta["BM"], c.clamp is not None))
     kf.fused_mega_moe_kernel[grid](*args, **back)
 
 
@@ -507,6 +500,28 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev) -> None:
             MATH_REGS=math_regs, LOAD_REGS=load_regs, DECODE_REGS=decode_regs,
             KW1_PAD=triton.next_power_of_2(H // 128), KW2_PAD=triton.next_power_of_2(I // 128),
             num_warps=4, maxnreg=maxnreg)
+
+
+#: The workspace and buffer offsets the Gluon GEMM phase takes (``_offsets`` names).
+_WS_OFFSETS = ("OFF_GRID", "OFF_STATE", "OFF_L2_MASK", "OFF_ARRIVAL", "OFF_X", "OFF_X_SF", "OFF_L1", "OFF_L1_SF",
+               "OFF_L1_W", "OFF_L2", "OFF_L2_SF", "OFF_META", "OFF_COMBINE")
+
+
+def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
+    """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
+    layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer (no per-call work)."""
+    cache = sb.__dict__.setdefault("_ws_constexprs", {})
+    key = (bm, has_clamp)
+    if key not in cache:
+        L = sb.layout
+        offs = _offsets(L)
+        math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
+        cache[key] = dict(
+            {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
+            LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
+            num_warps=4, maxnreg=maxnreg)
+    return cache[key]
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -261,6 +261,22 @@ def check_stats(stats: dict, accumulation: str = "fp32") -> list[str]:
     return failures
 
 
+def assert_cuda_graph_replays(call, y: torch.Tensor, y_ref: torch.Tensor, replays: int = 3,
+                              accumulation: str = "fp8_mma") -> None:
+    """Warm ``call()`` up (one MoE call writing ``y``: compiles, fills the caches a capture must not allocate), capture
+    it in a CUDA graph and replay it ``replays`` times, ``y`` filled with NaN before each; every replay must match
+    ``y_ref`` (:func:`assert_moe_close`)."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(replays):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(y, y_ref, accumulation=accumulation)
+
+
 def assert_moe_close(y: torch.Tensor, y_ref: torch.Tensor, name: str = "y", accumulation: str = "fp32") -> dict:
     """Assert a kernel's MoE output matches the reference's; return :func:`moe_error_stats` on success.
 

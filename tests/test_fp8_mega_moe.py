@@ -278,6 +278,24 @@ def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
     assert "sm_90" in mf.ws_unsupported_reason(ok, cuda)
 
 
+
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_gluon_phase_keywords_match_its_constexprs(block_m):
+    """The keywords ``_run_ws`` launches the Gluon GEMM phase with (built on the host, so checked here without a
+    GPU) are exactly the kernel's constexpr parameters plus the launch options, with the buffer's offsets."""
+    import megamoe.fused as mf
+    from megamoe.kernels import gemm_fp8_ws as kws
+
+    sb = SymmBuffer.local(1, 6, 300, 3, 512, 384, block_m=128, format="fp8")[0]
+    try:
+        kw = mf._ws_constexprs(sb, block_m, True)
+        assert set(kw) - {"num_warps", "maxnreg"} == {p.name for p in kws.fp8_gemm_phase_kernel.params
+                                                      if p.is_constexpr}
+        assert kw["OFF_L1"] == sb.layout.offset("l1_acts") and kw["STAGES"] == mf.FP8_WS_STAGES[block_m]
+        assert kw["HAS_CLAMP"] and mf._ws_constexprs(sb, block_m, True) is kw  # cached
+    finally:
+        sb.destroy()
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block_m", [128, 64])
 def test_fused_three_launch_split_two_processes_bitwise(block_m):

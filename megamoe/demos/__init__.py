@@ -8,6 +8,8 @@
 * :mod:`~megamoe.demos.weight_transform` -- what ``transform_weights_for_mega_moe`` does, on tiny tensors;
 * :mod:`~megamoe.demos.pull_push` -- the layer with a pulling and a pushing dispatch: per-step times, same ``y``;
 * :mod:`~megamoe.demos.end_to_end` -- a correctness grid of cases and the ``MegaMoE`` module on ranks.
+* :mod:`~megamoe.demos.gemm_phase` -- the fused FP8 path's three launches (front, GEMM phase, back) on a CPU rank:
+  the tile table the front launch writes, and the check against the reference.
 
 Functions that run *inside rank processes* live in modules (not notebook cells) because spawned ranks cannot
 import functions defined in a notebook (``megamoe.launch`` pickles a function by module and name). Everything

@@ -100,7 +100,7 @@ def test_fp8_fused_cuda_graph_capture_and_replay(num_tokens, kind):
     from megamoe.kernels.symm import check_barrier_state
     from megamoe.ops_fp8 import fp8_mega_moe
     from megamoe.symm import SymmBuffer
-    from megamoe.testing import assert_moe_close
+    from megamoe.testing import assert_cuda_graph_replays
 
     case = MoECase(format="fp8", num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48,
                    num_topk=6, block_m=128, masked_ratio=0.1, seed=5)
@@ -109,14 +109,6 @@ def test_fp8_fused_cuda_graph_capture_and_replay(num_tokens, kind):
     problem = case.problem(device="cuda")
     y, l1, l2, _ = prepare_rank(sb, problem, 0)
     ref = problem.reference()[0]
-    fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # warm-up: compiles, caches
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_moe_close(y, ref, accumulation="fp8_mma")
+    assert_cuda_graph_replays(lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False), y, ref)
     check_barrier_state(sb)
     sb.destroy()

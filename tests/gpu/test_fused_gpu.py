@@ -9,7 +9,7 @@ from megamoe.fused import TIMELINE_KINDS, run_fused
 from megamoe.kernels.symm import BarrierTimeout, check_barrier_state
 from megamoe.ops import bind_calls, fp8_fp4_mega_moe
 from megamoe.symm import SymmBuffer
-from megamoe.testing import assert_moe_close
+from megamoe.testing import assert_cuda_graph_replays, assert_moe_close
 
 REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m=128)
 
@@ -57,15 +57,8 @@ def _one_rank(n=64, **kw):
 def test_fused_cuda_graph_capture_and_replay(numerics):
     case, sb, problem, (y, l1, l2, stats) = _one_rank()
     ref = problem.reference(numerics=numerics)[0]
-    fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)  # warm-up: compiles, caches
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_moe_close(y, ref, accumulation="fp8_mma")
+    assert_cuda_graph_replays(lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False),
+                              y, ref)
     check_barrier_state(sb)
     sb.destroy()
 
