@@ -2,8 +2,8 @@
 ``"fp4_ws"``): both grouped GEMMs (L1 + SwiGLU + top-k weight + per-128 requant, then L2 + write-back into the
 source ranks' combine buffers) in one persistent launch, between the front and back launches of
 :func:`megamoe.kernels.fused.fused_mega_moe_kernel` (``PHASE=1`` / ``2``), as :mod:`megamoe.kernels.gemm_fp8_ws`
-does for the SM90 FP8 x FP8 format. **Not yet run on a GPU** (written and compiled offline for sm_90a; host switch
-``megamoe.fused.FP4_WS_ENABLED`` is off): the CPU tests run its torch model (:mod:`megamoe.gemm_phase`) in its place.
+does for the SM90 FP8 x FP8 format. Tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the CPU tests run its
+torch model (:mod:`megamoe.gemm_phase`) in its place.
 
 Why: the one-launch Triton kernel's "hopper" tiles (``_l1_tile_hopper`` / ``_l2_tile_hopper``) decode FP4 inside
 the math warps and are 2.7-4.6x slower than DeepGEMM on an H200 (issue #7); the FP8 x FP8 Gluon phase of the same
@@ -63,8 +63,7 @@ stores, 152 bytes spill loads", all of them in the decode partition's per-tile r
 ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop), none in the
 math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
 ``PRMT`` in the binary. (With math 200 / loader 40 / decode 72 the math partitions spill in the epilogue and the
-decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) What was not checked:
-anything at run time -- this kernel has not run on a GPU (``tests/gpu/test_fp4_ws_gpu.py``).
+decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.)
 
 Open questions (for the GPU session): whether the decode partition keeps up with the two math warpgroups. Per K
 block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at ~7.5 TFLOP/s an SM);

@@ -6,7 +6,7 @@ call, its argument table, the launch and the optional intra-kernel timeline.
 each), so 4 local ranks on one GPU still exercise the cross-rank protocol in-kernel. The exception is the SM90 FP8
 format's ``"fp8_ws"`` tile kind (see ``FP8_WS_MIN_EXPECTED``): front launch, one warp-specialised Gluon GEMM launch
 per local rank, back launch (``_run_ws``); and, for the FP8 x FP4 format with "hopper" numerics, its sibling
-``"fp4_ws"`` (``megamoe.kernels.gemm_fp4_ws``), which is off by default (``FP4_WS_ENABLED``): not yet run on a GPU.
+``"fp4_ws"`` (``megamoe.kernels.gemm_fp4_ws``; ``FP4_WS_ENABLED`` switches it off).
 
 Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no global table):
 
@@ -62,6 +62,11 @@ TIMELINE_MAX_EVENTS = 512
 #: registers too, not the 211 above: its setup differs from the one behind that number in some way not found.)
 PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8_swap": (2, None),
                    "fp8_ws": (1, None), "fp4_ws": (1, None)}
+#: Programs per SM of the Gluon kinds' back launch (barrier 2, the combine reduce, cleanup; 32-40 registers at 8
+#: warps and little shared memory, so several fit -- ``_check_resident`` checks it). The combine is a memory-bound
+#: sweep over the top-k rows of every token (T = 8192: ~700 MB of bf16 read, 357 us at one program an SM on an
+#: H200, where the bytes at 3.5 TB/s take ~230; ``results/probes/fused_fp8_wall_gap_probe_h200.jsonl``).
+WS_BACK_PROGRAMS_PER_SM = 1
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
 #: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block
@@ -140,12 +145,13 @@ FP8_WS_PULL_CHUNK = 1024
 WS_KINDS = ("fp8_ws", "fp4_ws")
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, a 4-warp FP4 decode partition, two math warpgroups) between the
-#: front launch (which here also copies and folds the rows) and the back launch. **Off by default until it has run
-#: on a GPU**: it was written and compiled offline for sm_90a only (its torch model, ``megamoe.gemm_phase``, is what
-#: the CPU tests run). When on, ``tile_kind`` takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local
-#: expert (a guess copied from FP8_WS_MIN_EXPECTED, not measured); ``FusedConfig(kind="fp4_ws", block_m=128,
-#: numerics="hopper")`` forces it.
-FP4_WS_ENABLED = False
+#: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
+#: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
+#: graph) passed on an H200, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 / 64165 us (the
+#: one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind`` takes it on
+#: sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert; ``FusedConfig(kind="fp4_ws", block_m=128,
+#: numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns it off.
+FP4_WS_ENABLED = True
 FP4_WS_MIN_EXPECTED = 32
 #: Ring stages (A 16 KB + packed W 16 KB + decoded W 32 KB each) and the register split (math warpgroups / loader
 #: warp / decode warps, the kernel's maxnreg): 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128
@@ -175,7 +181,7 @@ def tile_kind(layout, numerics: str, expected: float | None = None, device: torc
     ``expected`` tokens per local expert are given and at most ``FP8_SWAP_MAX_EXPECTED``; ``"fp8_ws"`` (the Gluon
     GEMM phase) above ``FP8_WS_MIN_EXPECTED`` where it can run on ``device``; else ``"fp8"`` (the staged FP8 x FP8
     tiles, whose L1 owns whole 128-column requant groups). Else the FP8 x FP4 ``numerics``; with "hopper" numerics
-    its Gluon GEMM phase ``"fp4_ws"`` instead when ``FP4_WS_ENABLED`` (off by default), above ``FP4_WS_MIN_EXPECTED``
+    its Gluon GEMM phase ``"fp4_ws"`` instead (unless ``FP4_WS_ENABLED`` is off), above ``FP4_WS_MIN_EXPECTED``
     expected tokens and where it can run on ``device``."""
     if getattr(layout, "format", "fp8_fp4") != "fp8":
         if (numerics == "hopper" and FP4_WS_ENABLED and expected is not None and expected > FP4_WS_MIN_EXPECTED
@@ -351,16 +357,20 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     rank0 = 0 if sb0.backend == "local" else sb0.rank
     grid = (len(calls) * cfg.programs_per_rank,)
     c0 = calls[0]
-    args = (c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
-            c0.stats if c0.stats is not None else c0.sb.buffer,
-            timelines[0] if timelines[0] is not None else c0.sb.buffer,
-            tiles[0] if tiles[0] is not None else c0.sb.buffer,
-            table, sb0.buffer_ptrs, _fold_lut(dev), rank0, cfg.programs_per_rank,
-            float(clamp) if clamp is not None else 0.0,
-            int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
+
+    def args_for(G: int) -> tuple:  # the kernel's arguments with G programs per local rank
+        return (c0.sb.buffer, c0.y, c0.l1[0], c0.l1[1], c0.l2[0], c0.l2[1],
+                c0.stats if c0.stats is not None else c0.sb.buffer,
+                timelines[0] if timelines[0] is not None else c0.sb.buffer,
+                tiles[0] if tiles[0] is not None else c0.sb.buffer,
+                table, sb0.buffer_ptrs, _fold_lut(dev), rank0, G,
+                float(clamp) if clamp is not None else 0.0,
+                int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
+
     if cfg.kind in WS_KINDS:
-        _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, cfg.kind)
+        _run_ws(calls, args_for, cfg.programs_per_rank, meta, tiles, rank0, L, dev, cfg.kind)
         return None
+    args = args_for(cfg.programs_per_rank)
     if not interpreting():
         _check_resident(args, grid, meta, dev)
     kf.fused_mega_moe_kernel[grid](*args, **meta)
@@ -441,15 +451,18 @@ def _fp4_ws_descriptors(c, L):
     return descs
 
 
-def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, kind: str = "fp8_ws") -> None:
-    """The "fp8_ws" call: front launch (every local rank's programs), one Gluon GEMM phase per local rank (one CTA
-    per SM each; they need no other rank inside, so local ranks take turns), back launch. Under the interpreter
-    (only with an explicit ``FusedConfig(kind="fp8_ws")``: ``fused_config`` picks it on sm_90 GPUs) the GEMM phase
-    is its torch model, ``megamoe.gemm_phase``."""
+def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp8_ws") -> None:
+    """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
+    per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
+    (``WS_BACK_PROGRAMS_PER_SM`` programs per SM). ``args_for(G)``: the fused kernel's arguments for G programs per
+    local rank. Under the interpreter (only with an explicit ``FusedConfig(kind=...)``: ``fused_config`` picks these
+    kinds on sm_90 GPUs) the GEMM phase is its torch model, ``megamoe.gemm_phase``, and both launches have G
+    programs."""
     from megamoe.kernels import gemm_fp8_ws as kws
 
     front = dict(meta, PHASE=1)
     back = dict(meta, PHASE=2)
+    args, grid = args_for(G), (len(calls) * G,)
     if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
         from megamoe.gemm_phase import run_gemm_phase, run_gemm_phase_fp4
 
@@ -463,21 +476,23 @@ def _run_ws(calls, args, grid, meta, tiles, rank0, L, dev, kind: str = "fp8_ws")
         (run_gemm_phase_fp4 if kind == "fp4_ws" else run_gemm_phase)(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    g_back = max(1, WS_BACK_PROGRAMS_PER_SM * sms // len(calls))
+    args_back, grid_back = args_for(g_back), (len(calls) * g_back,)
     _check_resident(args, grid, front, dev)
-    _check_resident(args, grid, back, dev)
+    _check_resident(args_back, grid_back, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     if kind == "fp4_ws":
         _launch_fp4_ws(calls, tiles, rank0, L, dev)
-        kf.fused_mega_moe_kernel[grid](*args, **back)
+        kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
         return
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         kws.fp8_gemm_phase_kernel[(sms,)](
             *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
             float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             **_ws_constexprs(c.sb, meta["BM"], c.clamp is not None))
-    kf.fused_mega_moe_kernel[grid](*args, **back)
+    kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
 
 
 def _launch_fp4_ws(calls, tiles, rank0, L, dev) -> None:

@@ -284,9 +284,9 @@ def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
 
 
 def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
-    """``tile_kind`` on a (faked) sm_90 device: "fp4_ws" only for "hopper" numerics, with ``FP4_WS_ENABLED`` (off by
-    default: not yet run on a GPU), above FP4_WS_MIN_EXPECTED and where the Gluon tile fits; ``kernel_meta`` refuses
-    it for another block or numerics."""
+    """``tile_kind`` on a (faked) sm_90 device: "fp4_ws" only for "hopper" numerics, with ``FP4_WS_ENABLED`` (on by
+    default), above FP4_WS_MIN_EXPECTED and where the Gluon tile fits; ``kernel_meta`` refuses it for another block
+    or numerics."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "interpreting", lambda: False)
@@ -294,9 +294,10 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     cuda = torch.device("cuda")
     big = mf.FP4_WS_MIN_EXPECTED + 1
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    assert mf.FP4_WS_ENABLED is False and mf.tile_kind(L, "hopper", big, cuda) == "hopper"
+    assert mf.FP4_WS_ENABLED is True and mf.tile_kind(L, "hopper", big, cuda) == "fp4_ws"
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", False)
+    assert mf.tile_kind(L, "hopper", big, cuda) == "hopper"
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
-    assert mf.tile_kind(L, "hopper", big, cuda) == "fp4_ws"
     assert mf.tile_kind(L, "exact", big, cuda) == "exact"
     assert mf.tile_kind(L, "hopper", mf.FP4_WS_MIN_EXPECTED, cuda) == "hopper"
     assert mf.tile_kind(L, "hopper", big, torch.device("cpu")) == "hopper"

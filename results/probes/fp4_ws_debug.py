@@ -8,7 +8,7 @@ the L1 epilogues wrote) or L2 (the combine rows the L2 epilogues wrote), and the
 Prints, per GEMM, the fraction of differing output elements and the largest relative difference over the valid
 rows (the model sums in another order than the tensor cores, so a few requantised bytes may differ by one step;
 whole rows or tiles wrong point at a bug). Without CUDA it dry-runs on CPU (the model in the kernel's place:
-no differences). Not yet run on a GPU.
+no differences).
 """
 import sys
 

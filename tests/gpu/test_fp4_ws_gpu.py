@@ -1,8 +1,8 @@
 """The FP8 x FP4 format's Gluon GEMM phase (tile kind ``"fp4_ws"``, ``megamoe.kernels.gemm_fp4_ws``, "hopper"
 numerics) on a GPU: front launch, the warp-specialised phase, back launch, against ``problem.reference(numerics=
-"hopper")`` within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind forced (the
-host switch ``FP4_WS_ENABLED`` is off until these pass), spread scales so that the folds round, the real size, and
-a CUDA-graph capture. **Written without a GPU: none of these has run yet.**"""
+"hopper")`` within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind forced (below
+``FP4_WS_MIN_EXPECTED`` the host would pick the one-launch kernel), spread scales so that the folds round, the real
+size, and a CUDA-graph capture."""
 import pytest
 import torch
 
@@ -113,11 +113,12 @@ def test_fp4_ws_cuda_graph_capture_and_replay(monkeypatch):
     sb.destroy()
 
 
-def test_fp4_ws_is_off_by_default():
-    """Until the tests above pass on a GPU the default path stays the one-launch "hopper" kernel."""
+def test_fp4_ws_is_the_default_above_its_threshold():
+    """On this GPU a "hopper" call at the real size takes the Gluon phase, and a small one the one-launch kernel."""
     import megamoe.fused as mf
     from megamoe.layout import Layout
 
     L = Layout(8, 384, 8192, 6, 7168, 3072, 128)
-    assert mf.FP4_WS_ENABLED is False
-    assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").kind == "hopper"
+    assert mf.FP4_WS_ENABLED is True
+    assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").kind == "fp4_ws"
+    assert mf.fused_config(L, 8, 1, torch.device("cuda"), "hopper").kind == "hopper"

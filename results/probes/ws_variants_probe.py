@@ -1,0 +1,153 @@
+"""Where the FP8 x FP4 Gluon GEMM phase (tile kind "fp4_ws") spends its time, and two host choices of the Gluon
+kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top-6, uniform routing):
+
+* ``fp4``: the whole ``fp8_fp4_mega_moe(impl="fused", numerics="hopper")`` call with the kernel as it is and with
+  text-patched copies of ``megamoe.kernels.gemm_fp4_ws`` (written to a temporary file and imported in its place;
+  the results of a patched kernel are wrong and are not checked): ``nodecode`` (the decode partition waits and
+  arrives but neither decodes W nor folds the L2 A stage: what the phase takes if the decode were free),
+  ``nopromote`` (each math warpgroup issues both halves' wgmma into its float32 accumulators and waits once per K
+  block: the cost of the per-K-block add), both.
+* ``back``: ``WS_BACK_PROGRAMS_PER_SM`` 1 / 2 / 4 for the "fp8_ws" and "fp4_ws" back launch (output checked
+  bitwise against 1: the combine sums in the same order).
+* ``threshold``: at T = 8 / 32 / 128 the one-launch "hopper" kernel against "fp4_ws" forced
+  (``FP4_WS_MIN_EXPECTED = -1``), error of each against ``reference(numerics="hopper")``.
+
+    python results/probes/ws_variants_probe.py [fp4] [back] [threshold] > ws_variants_probe_h200.jsonl
+
+One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
+"""
+import importlib.util
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+import megamoe  # noqa: F401  (before triton)
+import megamoe.fused as mf
+import megamoe.kernels as mk
+from megamoe.bench import _median_ms
+from megamoe.cases import MoECase, prepare_rank
+from megamoe.ops import fp8_fp4_mega_moe
+from megamoe.ops_fp8 import fp8_mega_moe
+from megamoe.symm import SymmBuffer
+from megamoe.testing import moe_error_stats
+
+SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+MATH_AS_IS = """            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            acc_lo = _pin(acc_lo + d_lo)
+            dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc_hi = acc_hi + d_hi
+            spare = d_hi
+"""
+MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), acc_lo, is_async=True)
+            acc_hi = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), acc_hi, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            mbarrier.arrive(empty.index(s), count=1)
+"""
+DECODE_AS_IS = ("                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * TILE_M, valid)\n",
+                "            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut)\n")
+DECODE_NONE = ("                s = s + 0\n", "            s = s + 0\n")
+PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
+PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
+ORIGINAL = sys.modules["megamoe.kernels.gemm_fp4_ws"] if "megamoe.kernels.gemm_fp4_ws" in sys.modules else None
+TMP = pathlib.Path(tempfile.mkdtemp(prefix="ws_variants_"))
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
+def kernel_module(variant: str):
+    """``megamoe.kernels.gemm_fp4_ws`` as it is, or a text-patched copy imported from a temporary file."""
+    import megamoe.kernels.gemm_fp4_ws as k4
+
+    if variant == "as_is":
+        return k4
+    src = pathlib.Path(k4.__file__).read_text()
+    for old, new in PATCHES[variant]:
+        assert src.count(old) == 1, (variant, old[:60])
+        src = src.replace(old, new)
+    path = TMP / f"gemm_fp4_ws_{variant.replace('+', '_')}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"gemm_fp4_ws_{variant.replace('+', '_')}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def use_kernel(mod):
+    sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
+    mk.gemm_fp4_ws = mod
+
+
+def rank(fmt: str, T: int):
+    case = MoECase(num_tokens=T, format=fmt, **SHAPE)
+    sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda", format=fmt)[0]
+    problem = case.problem(device="cuda")
+    y, l1, l2, _ = prepare_rank(sb, problem, 0)
+    if fmt == "fp8":
+        call = lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # noqa: E731
+    else:
+        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
+    return sb, problem, y, call
+
+
+def probe_fp4(tokens=(512, 2048, 8192)):
+    for T in tokens:
+        sb, _, y, call = rank("fp8_fp4", T)
+        kind = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper").kind
+        for variant in ("as_is", "nodecode", "nopromote", "nodecode+nopromote"):
+            use_kernel(kernel_module(variant))
+            call()
+            torch.cuda.synchronize()
+            emit(probe="fp4", T=T, kind=kind, variant=variant, us=_median_ms(call) * 1e3)
+        use_kernel(kernel_module("as_is"))
+        sb.destroy()
+
+
+def probe_back(cases=(("fp8", 2048), ("fp8", 8192), ("fp8_fp4", 8192))):
+    for fmt, T in cases:
+        sb, _, y, call = rank(fmt, T)
+        want = None
+        for per_sm in (1, 2, 4):
+            mf.WS_BACK_PROGRAMS_PER_SM = per_sm
+            y.zero_()
+            call()
+            torch.cuda.synchronize()
+            if want is None:
+                want = y.clone()
+            emit(probe="back", format=fmt, T=T, back_programs_per_sm=per_sm, us=_median_ms(call) * 1e3,
+                 bitwise_equal_to_1=bool(torch.equal(y, want)))
+        mf.WS_BACK_PROGRAMS_PER_SM = 1
+        sb.destroy()
+
+
+def probe_threshold(tokens=(8, 32, 128, 512)):
+    saved = mf.FP4_WS_MIN_EXPECTED
+    for T in tokens:
+        sb, problem, y, call = rank("fp8_fp4", T)
+        ref = problem.reference(numerics="hopper")[0]
+        for kind, threshold in (("hopper", 10**9), ("fp4_ws", -1)):
+            mf.FP4_WS_MIN_EXPECTED = threshold
+            assert mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper").kind == kind
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, ref)
+            emit(probe="threshold", T=T, kind=kind, us=_median_ms(call) * 1e3, rel_fro=err["rel_fro"],
+                 max_row_rel=err["max_row_rel"])
+        mf.FP4_WS_MIN_EXPECTED = saved
+        sb.destroy()
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["fp4", "back", "threshold"]
+    emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
+    for name in which:
+        {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold}[name]()
