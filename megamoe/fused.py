@@ -65,7 +65,10 @@ PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8
 #: Programs per SM of the Gluon kinds' back launch (barrier 2, the combine reduce, cleanup; 32-40 registers at 8
 #: warps and little shared memory, so several fit -- ``_check_resident`` checks it). The combine is a memory-bound
 #: sweep over the top-k rows of every token (T = 8192: ~700 MB of bf16 read, 357 us at one program an SM on an
-#: H200, where the bytes at 3.5 TB/s take ~230; ``results/probes/fused_fp8_wall_gap_probe_h200.jsonl``).
+#: H200, where the bytes at 3.5 TB/s take ~230; ``results/probes/fused_fp8_wall_gap_probe_h200.jsonl``). Measured
+#: at 1 / 2 / 4 (``results/probes/ws_variants_probe_h200.jsonl``, whole call, same output bits): FP8 T = 2048 2635 /
+#: 2619 / 2613 us, T = 8192 8285 / 8260 / 8266; FP8 x FP4 T = 8192 15552 / 15510 / 15471 -- under 1 %, inside the
+#: spread between machines, so the back launch keeps one program an SM (the front's grid).
 WS_BACK_PROGRAMS_PER_SM = 1
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
@@ -150,9 +153,12 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: graph) passed on an H200, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 / 64165 us (the
 #: one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind`` takes it on
 #: sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert; ``FusedConfig(kind="fp4_ws", block_m=128,
-#: numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns it off.
+#: numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
+#: (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of V4-Pro), the one-launch kernel against "fp4_ws"
+#: forced: 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013 at 16 (T =
+#: 128), 4851 / 2109 at 64 (T = 512).
 FP4_WS_ENABLED = True
-FP4_WS_MIN_EXPECTED = 32
+FP4_WS_MIN_EXPECTED = 8
 #: Ring stages (A 16 KB + packed W 16 KB + decoded W 32 KB each) and the register split (math warpgroups / loader
 #: warp / decode warps, the kernel's maxnreg): 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128
 #: threads. Offline sm_90a compile (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``):

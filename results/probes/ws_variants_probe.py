@@ -12,7 +12,7 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
 * ``threshold``: at T = 8 / 32 / 128 the one-launch "hopper" kernel against "fp4_ws" forced
   (``FP4_WS_MIN_EXPECTED = -1``), error of each against ``reference(numerics="hopper")``.
 
-    python results/probes/ws_variants_probe.py [fp4] [back] [threshold] > ws_variants_probe_h200.jsonl
+    python results/probes/ws_variants_probe.py [fp4 [T1,T2,..] | back | threshold] >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
 """
@@ -54,7 +54,8 @@ DECODE_AS_IS = ("                _fold_a_stage(a_bufs.index(s), smax_s.index(slo
 DECODE_NONE = ("                s = s + 0\n", "            s = s + 0\n")
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
-ORIGINAL = sys.modules["megamoe.kernels.gemm_fp4_ws"] if "megamoe.kernels.gemm_fp4_ws" in sys.modules else None
+import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
+
 TMP = pathlib.Path(tempfile.mkdtemp(prefix="ws_variants_"))
 
 
@@ -64,11 +65,9 @@ def emit(**row):
 
 def kernel_module(variant: str):
     """``megamoe.kernels.gemm_fp4_ws`` as it is, or a text-patched copy imported from a temporary file."""
-    import megamoe.kernels.gemm_fp4_ws as k4
-
     if variant == "as_is":
-        return k4
-    src = pathlib.Path(k4.__file__).read_text()
+        return AS_IS
+    src = pathlib.Path(AS_IS.__file__).read_text()
     for old, new in PATCHES[variant]:
         assert src.count(old) == 1, (variant, old[:60])
         src = src.replace(old, new)
@@ -99,6 +98,7 @@ def rank(fmt: str, T: int):
 
 
 def probe_fp4(tokens=(512, 2048, 8192)):
+    tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
     for T in tokens:
         sb, _, y, call = rank("fp8_fp4", T)
         kind = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper").kind
@@ -147,7 +147,7 @@ def probe_threshold(tokens=(8, 32, 128, 512)):
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["fp4", "back", "threshold"]
+    which = sys.argv[1:2] or ["fp4", "back", "threshold"]
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold}[name]()
