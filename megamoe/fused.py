@@ -164,7 +164,18 @@ FP4_WS_MIN_EXPECTED = 8
 #: threads. Offline sm_90a compile (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``):
 #: 200092 B of shared memory; no spill in the math or loader partitions; the decode partition spills 140 B in its
 #: per-tile row maxima (outside its K loop; none in the loop).
-FP4_WS_STAGES, FP4_WS_REGS = 3, (208, 24, 72, 128)
+#: Pool block 64 (up to FP4_BLOCK64_MAX_EXPECTED expected tokens): A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB
+#: a stage; one math warpgroup (64 rows x 256 weight rows) and two 4-warp decode partitions (128 weight rows and 32
+#: pool rows each): 232 + 24 + 2 x 128 = 512 (the math warpgroup is the default partition: it gets what the workers
+#: leave, 4 x 128 - 24 - 2 x 128 = 232; MATH_REGS is not used at this block). Offline compile: see the module
+#: docstring of ``megamoe.kernels.gemm_fp4_ws``. Not yet measured on a GPU.
+FP4_WS_STAGES = {128: 3, 64: 3}
+FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
+#: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
+#: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
+#: block is mostly padding, and the freed math warpgroup's registers go to a second decode partition (the decode
+#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Not yet measured on a GPU.
+FP4_BLOCK64_MAX_EXPECTED = 64
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -216,8 +227,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
         block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
-    elif kind == "fp4_ws":  # only the 128-row tile so far
-        block_m = 128
+    elif kind == "fp4_ws":  # its 64-row tile (one math warpgroup, two decode partitions) at few tokens per expert
+        block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -269,9 +280,10 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
-    if kind == "fp4_ws" and (cfg.block_m != 128 or cfg.numerics != "hopper"):
-        raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper' (its folded "
-                         f"operands), got block_m={cfg.block_m}, numerics={cfg.numerics!r}")
+    if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
+        raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
+                         f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "
+                         f"numerics={cfg.numerics!r}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
                          f"{getattr(L, 'format', 'fp8_fp4')!r}")
@@ -430,21 +442,21 @@ def _ws_descriptors(c, L, bm: int):
     return descs
 
 
-def _fp4_ws_descriptors(c, L):
+def _fp4_ws_descriptors(c, L, bm: int = 128):
     """TMA descriptors of one rank's FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``):
-    the two pools (e4m3, box [128, 128]) and the transformed FP4 weights as bytes (box [256, 64]: 256 rows x 128 K
-    values), cached on the buffer by the weights' addresses like ``_ws_descriptors``."""
+    the two pools (e4m3, box [bm, 128]: the pool block) and the transformed FP4 weights as bytes (box [256, 64]: 256
+    rows x 128 K values), cached on the buffer by the weights' addresses and the block like ``_ws_descriptors``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
     cache = c.sb.__dict__.setdefault("_ws_descs", {})
     if key in cache:
         return cache[key]
     if len(cache) > 8:
         cache.clear()
     H, I = L.hidden, L.intermediate_hidden
-    bm, bn = WS_TILE_M.value, WS_TILE_N.value
+    bn = WS_TILE_N.value
     lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
     descs = (
@@ -474,7 +486,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
 
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws":
-                _fp4_ws_descriptors(c, L)
+                _fp4_ws_descriptors(c, L, meta["BM"])
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
@@ -489,7 +501,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     _check_resident(args_back, grid_back, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     if kind == "fp4_ws":
-        _launch_fp4_ws(calls, tiles, rank0, L, dev)
+        _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"])
         kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -501,23 +513,24 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
 
 
-def _launch_fp4_ws(calls, tiles, rank0, L, dev) -> None:
-    """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each), as the FP8 phase in ``_run_ws``."""
+def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
+    """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
+    ``_run_ws``."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     for lr, c in enumerate(calls):
         k4.fp4_gemm_phase_kernel[(sms,)](
-            *_fp4_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
+            *_fp4_ws_descriptors(c, L, bm), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
             OFF_L1_SF=offs["OFF_L1_SF"], OFF_L1_W=offs["OFF_L1_W"], OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"],
             OFF_META=offs["OFF_META"], OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=H, I=I,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES[bm],
             MATH_REGS=math_regs, LOAD_REGS=load_regs, DECODE_REGS=decode_regs,
             KW1_PAD=triton.next_power_of_2(H // 128), KW2_PAD=triton.next_power_of_2(I // 128),
             num_warps=4, maxnreg=maxnreg)
