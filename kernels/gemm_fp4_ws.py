@@ -2,8 +2,9 @@
 ``"fp4_ws"``): both grouped GEMMs (L1 + SwiGLU + top-k weight + per-128 requant, then L2 + write-back into the
 source ranks' combine buffers) in one persistent launch, between the front and back launches of
 :func:`megamoe.kernels.fused.fused_mega_moe_kernel` (``PHASE=1`` / ``2``), as :mod:`megamoe.kernels.gemm_fp8_ws`
-does for the SM90 FP8 x FP8 format. Tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the CPU tests run its
-torch model (:mod:`megamoe.gemm_phase`) in its place.
+does for the SM90 FP8 x FP8 format. The 128-row tile is tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the
+64-row tile (one math warpgroup, two decode partitions) has GPU tests there that have not run yet. The CPU tests run
+its torch model (:mod:`megamoe.gemm_phase`) in its place, at both blocks.
 
 Why: the one-launch Triton kernel's "hopper" tiles (``_l1_tile_hopper`` / ``_l2_tile_hopper``) decode FP4 inside
 the math warps and are 2.7-4.6x slower than DeepGEMM on an H200 (issue #7); the FP8 x FP8 Gluon phase of the same
@@ -39,41 +40,69 @@ one-launch "hopper" tile (which chains 4 K blocks, 512 values, before adding): a
 tolerance of that tile (``accumulation="fp8_mma"``) holds a fortiori; the model's float32 sums are the same
 (exact power-of-two scales commute with them).
 
-Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front launch's tile table, L1 tiles first):
+Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front launch's tile table, L1 tiles first).
+Pool blocks of ``BM`` = 128 rows, or 64 (``FP4_BLOCK64_MAX_EXPECTED`` in ``megamoe.fused``: few tokens per expert,
+where a 128-row block is mostly padding; the pool is sized for 128, as for the FP8 phase's 64-row tile):
 
-* math warpgroups (2 x 4 warps, ``MATH_REGS``): rows ``[64 wg, +64)`` of a 128-row tile x its 256 weight rows as
-  two halves of 128; wait ``ready[s]`` (A + packed W landed) and ``decoded[s]`` (W decoded, L2 A folded), release
-  ``empty[s]``;
-* loader (1 warp, ``LOAD_REGS``): TMA of A ``[128, 128]`` e4m3 and packed W ``[256, 64]`` bytes (128 K values of
+* math warpgroups (``NWG = BM / 64`` x 4 warps, ``MATH_REGS``): rows ``[64 wg, +64)`` of a tile x its 256 weight rows
+  as two halves of 128; wait ``ready[s]`` (A + packed W landed) and ``decoded[s]`` (W decoded, L2 A folded),
+  release ``empty[s]`` (count ``NWG``). At BM 64 the one warpgroup holds all of an L1 tile's rows and columns, so
+  it sets both of the tile's arrival bits (the mask, and every wait on it, are those of BM 128);
+* loader (1 warp, ``LOAD_REGS``): TMA of A ``[BM, 128]`` e4m3 and packed W ``[256, 64]`` bytes (128 K values of
   256 rows) per stage; before an L2 tile, the wait for the block's full arrival mask;
-* decode (4 warps, ``DECODE_REGS``): per tile the weight rows' largest exponents (and for L2 the rows' largest
-  per-128 exponents) into shared memory (two slots by tile parity, ``rfree`` mbarriers: the math warpgroups read
-  them in their epilogue and release the slot), per stage the decode (and L2 fold), ``fence.proxy.async``,
-  ``decoded[s]``.
+* decode partitions (4 warps each, ``DECODE_REGS``; one at BM 128, two at BM 64, splitting each stage: weight rows
+  ``[0, 128)`` / ``[128, 256)``, and for L2 A rows ``[0, 32)`` / ``[32, 64)``): per tile their weight rows' largest
+  exponents (and for L2 their pool rows' largest per-128 exponents) into shared memory (two slots by tile parity,
+  ``rfree`` mbarriers: the math warpgroups read them in their epilogue and release the slot), per stage their rows'
+  decode (and L2 fold), ``fence.proxy.async``, one arrive each on ``decoded[s]`` (count = the number of decode
+  partitions: the math reads a stage only when every partition's W rows and folded A rows are in). The partitions
+  never wait on each other: each waits ``ready[s]`` / ``rfree`` itself and reads back only what it wrote (its rows'
+  maxima); a partition cannot run a whole ring ahead of the other, since the stage's next ``ready`` needs the
+  math's ``empty``, which needs every partition's ``decoded``.
 
-Shared memory per stage: A 16 KB + packed W 16 KB + decoded W 32 KB = 64 KB; 3 stages = 192 KB (+ 3 KB of row
-exponents and barriers). Only pool blocks of 128 rows (the FP8 phase's 64-row tile is not ported yet).
+Shared memory per stage: A 16 KB (BM 64: 8 KB) + packed W 16 KB + decoded W 32 KB = 64 KB (56 KB); 3 stages = 192
+KB (168 KB) + 3 KB (2.5 KB) of row exponents and barriers.
 
-Registers: ``setmaxnreg`` per warpgroup, math 208 + 208, loader 24 (its warpgroup: one warp and three idle ones),
-decode 72 = 512 = 64 K registers / 128 threads (launched at ``maxnreg`` 128, 16 warps).
+Registers: ``setmaxnreg`` per warpgroup, launched at ``maxnreg`` 128 with 16 warps (the loader's warpgroup is one
+warp and three idle ones): 512 = 64 K registers / 128 threads. BM 128: math 208 + 208, loader 24, decode 72. BM 64:
+math 232 (the default partition: what the workers leave, 512 - 24 - 2 x 128), loader 24, decode 128 + 128 -- the
+second math warpgroup's registers go to a second decode partition. (A third or fourth decode partition does not
+fit: 5 or 6 warpgroups cap the launch at ``maxnreg`` 96 / 80, and ptxas needs at least 90 for the wgmma of the
+math; 256 weight rows do not split in three evenly either.)
 
 Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3
-stages, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
+stages, BM 128, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
 stores, 152 bytes spill loads", all of them in the decode partition's per-tile row maxima (``_row_exponent_max``:
 ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop), none in the
 math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
 ``PRMT`` in the binary. (With math 200 / loader 40 / decode 72 the math partitions spill in the epilogue and the
-decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.)
+decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) BM 64 (``BM=64 python
+results/probes/gemm_fp4_ws_compile.py``, 3 stages, 232 / 24 / 128 + 128): 174988 B of shared memory, no stack, no
+spill anywhere; setmaxnreg 232 (math), 24 (loader), 128 (both decode partitions); SASS 8 ``QGMMA.64x128x32`` (one
+warpgroup, two halves, 4 K steps), 520 ``PRMT``, 32 ``HMUL2`` (the A fold, two partitions of 32 rows), 66 ``F2FP``.
+4 stages also compile without spill at BM 64 (232332 B of 232448: 116 B to spare), not the default. (Decode 120,
+math 248 compiles without spill too; which split is faster is not measured.)
 
-Open questions (for the GPU session): whether the decode partition keeps up with the two math warpgroups. Per K
-block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at ~7.5 TFLOP/s an SM);
-the decode's stage body is ~1050 SASS instructions a thread with the L2 fold (333 LOP3, 168 LEA, 132 F2FP, 72 PRMT,
-64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us at one instruction a cycle per
-scheduler, if its 4 warps get a scheduler each and the gathers and shared-memory traffic do not stall them.
+What BM 64 is expected to buy (not yet measured on a GPU): the probe (``results/probes/ws_variants_probe_h200.jsonl``)
+puts the BM-128 phase's time in its one decode partition at every T (2108 us at T = 512 with the decode, 998 us
+without). At BM 64 a stage holds half the MMA work (one warpgroup, 64 rows) and the same 256 weight rows to decode,
+split over 8 warps (2 a scheduler instead of 1): if the decode is latency-bound, as its ~800 instructions a thread
+and stage with one warp per scheduler suggest, a stage decodes in up to half the time. But each pool block of 64
+decodes the expert's weights again: at 64 expected tokens per expert (T = 512) about half of the experts need two
+blocks of 64 where one of 128 sufficed (~1.5x the decoded stages), so the gain there is at most ~1.3x of the GEMM
+phase; at 16 expected (T = 128) one block of 64 replaces one of 128 and the full factor applies.
+FP4_BLOCK64_MAX_EXPECTED (64) is a first guess to be measured against block 128 at T = 256 / 512.
+
+Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM
+128 (the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2
+flop at ~7.5 TFLOP/s an SM); the decode's stage body (BM 128) is ~1050 SASS instructions a thread with the L2 fold
+(333 LOP3, 168 LEA, 132 F2FP, 72 PRMT, 64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us
+at one instruction a cycle per scheduler only if its 4 warps, one a scheduler, never stall -- latency-bound.
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
-a 2-deep decoded ring. The 64-row tile of the FP8 phase (not ported). A folding pull partition (the rows would then
+a 2-deep decoded ring. Whether the two decode partitions at BM 64 decode a stage in half the time (and whether
+a 64-row block of one math warpgroup then keeps up). A folding pull partition (the rows would then
 overlap the GEMMs again).
 """
 from triton.experimental import gluon
@@ -86,7 +115,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, WS_TILE_M
+from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -103,7 +132,6 @@ from megamoe.kernels.gemm_fp8_ws import (
 from megamoe.kernels.numerics import _PRMT_LUT_ASM, ceil_ue8m0, f32_to_e4m3_bits
 from megamoe.kernels.symm import _globaltimer_ns
 
-TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups of 64
 DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once (4 chunks per stage)
 KW_CHUNK = gl.constexpr(16)  #: scale words per row read at once for the row maxima
 
@@ -135,7 +163,7 @@ def _wait_mask(ptr, need, state, timeout_ns):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1, num_tiles,
                     l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr):
-    """TMA producer (1 warp): per K block of each tile, A ``[128, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
+    """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
     per-128 scale of the row)."""
@@ -439,7 +467,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
-    e4m3, box [128, 128]; ``w1`` ``[El*2I, H/2]`` / ``w2`` ``[El*H, I/2]`` packed FP4 bytes (transformed:
+    e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
+    ``[El*H, I/2]`` packed FP4 bytes (transformed:
     interleaved gate/up rows, split nibble order), box [256, 64]. ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
     ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;

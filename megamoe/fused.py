@@ -147,36 +147,38 @@ FP8_WS_PULL_CHUNK = 1024
 #: The tile kinds whose GEMMs run in a separate Gluon launch between a front and a back launch (``_run_ws``).
 WS_KINDS = ("fp8_ws", "fp4_ws")
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
-#: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, a 4-warp FP4 decode partition, two math warpgroups) between the
+#: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
 #: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
-#: graph) passed on an H200, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 / 64165 us (the
-#: one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind`` takes it on
-#: sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert; ``FusedConfig(kind="fp4_ws", block_m=128,
-#: numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
+#: graph) passed on an H200 with pool block 128, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 /
+#: 64165 us (the one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind``
+#: takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert (``fused_config``: pool block 64 up
+#: to FP4_BLOCK64_MAX_EXPECTED, 128 above); ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")``
+#: forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
 #: (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of V4-Pro), the one-launch kernel against "fp4_ws"
-#: forced: 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013 at 16 (T =
-#: 128), 4851 / 2109 at 64 (T = 512).
+#: forced (block 128): 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013
+#: at 16 (T = 128), 4851 / 2109 at 64 (T = 512).
 FP4_WS_ENABLED = True
 FP4_WS_MIN_EXPECTED = 8
-#: Ring stages (A 16 KB + packed W 16 KB + decoded W 32 KB each) and the register split (math warpgroups / loader
-#: warp / decode warps, the kernel's maxnreg): 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128
-#: threads. Offline sm_90a compile (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``):
-#: 200092 B of shared memory; no spill in the math or loader partitions; the decode partition spills 140 B in its
-#: per-tile row maxima (outside its K loop; none in the loop).
-#: Pool block 64 (up to FP4_BLOCK64_MAX_EXPECTED expected tokens): A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB
-#: a stage; one math warpgroup (64 rows x 256 weight rows) and two 4-warp decode partitions (128 weight rows and 32
-#: pool rows each): 232 + 24 + 2 x 128 = 512 (the math warpgroup is the default partition: it gets what the workers
-#: leave, 4 x 128 - 24 - 2 x 128 = 232; MATH_REGS is not used at this block). Offline compile: see the module
-#: docstring of ``megamoe.kernels.gemm_fp4_ws``. Not yet measured on a GPU.
+#: Ring stages and the register split (math warpgroups / loader warp / decode warps, the kernel's maxnreg) by pool
+#: block; offline sm_90a compiles (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``, env
+#: ``BM``). Block 128: A 16 KB + packed W 16 KB + decoded W 32 KB a stage; two math warpgroups and one 4-warp decode
+#: partition, 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128 threads; 200092 B of shared memory, no
+#: spill in the math or loader partitions, the decode partition spills 140 B in its per-tile row maxima (outside its
+#: K loop). Block 64: A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB a stage; one math warpgroup (64 rows x 256
+#: weight rows) and two 4-warp decode partitions (128 weight rows and 32 pool rows each), 232 + 24 + 2 x 128 = 512
+#: (the math warpgroup is the default partition and gets what the workers leave, so MATH_REGS is not used at this
+#: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured). Block 64 is not yet
+#: measured on a GPU.
 FP4_WS_STAGES = {128: 3, 64: 3}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
-#: block is mostly padding, and the freed math warpgroup's registers go to a second decode partition (the decode
-#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Not yet measured on a GPU.
+#: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
+#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). A first guess, not yet measured: a
+#: block of 64 decodes its expert's weights again, so near 64 expected (about half of the experts take two blocks)
+#: block 128 may still win.
 FP4_BLOCK64_MAX_EXPECTED = 64
-
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``

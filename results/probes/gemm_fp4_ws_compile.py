@@ -23,10 +23,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from megamoe.fused import FP4_WS_REGS, FP4_WS_STAGES  # noqa: E402
 from megamoe.kernels import gemm_fp4_ws as ws  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-from megamoe.fused import FP4_WS_REGS, FP4_WS_STAGES  # noqa: E402
 
 BM = int(os.environ.get("BM", 128))
 STAGES = int(sys.argv[1]) if len(sys.argv) > 1 else FP4_WS_STAGES[BM]
