@@ -86,11 +86,15 @@ math 248 compiles without spill too; which split is faster is not measured.)
 What BM 64 is expected to buy (not yet measured on a GPU): the probe (``results/probes/ws_variants_probe_h200.jsonl``)
 puts the BM-128 phase's time in its one decode partition at every T (2108 us at T = 512 with the decode, 998 us
 without). At BM 64 a stage holds half the MMA work (one warpgroup, 64 rows) and the same 256 weight rows to decode,
-split over 8 warps (2 a scheduler instead of 1): if the decode is latency-bound, as its ~800 instructions a thread
-and stage with one warp per scheduler suggest, a stage decodes in up to half the time. But each pool block of 64
-decodes the expert's weights again: at 64 expected tokens per expert (T = 512) about half of the experts need two
-blocks of 64 where one of 128 sufficed (~1.5x the decoded stages), so the gain there is at most ~1.3x of the GEMM
-phase; at 16 expected (T = 128) one block of 64 replaces one of 128 and the full factor applies.
+split over 8 warps (2 a scheduler instead of 1). Offline SASS, one stage of an L2 tile from the ``ready`` wait to
+the ``decoded`` arrive: 462 / 467 instructions a thread in each BM-64 partition (164 LOP3, 82 LEA, 36 PRMT, 33 F2FP,
+16 HMUL2, 20 LDG) against 1049 in the BM-128 partition. So a scheduler issues about the same decode instructions a
+stage (2 warps x ~465 against 1 x ~1049, 12 % fewer): BM 64 gains only as far as the decode is latency-bound (a
+second warp on each scheduler to hide the gathers' and shared memory's latency), up to 2x per stage if it is
+entirely latency-bound, ~1.1x if it is issue-bound. And each pool block of 64 decodes the expert's weights again:
+at 64 expected tokens per expert (T = 512) about half of the experts need two blocks of 64 where one of 128
+sufficed (~1.5x the decoded stages), so there it can lose; at 16 expected (T = 128) one block of 64 replaces one of
+128.
 FP4_BLOCK64_MAX_EXPECTED (64) is a first guess to be measured against block 128 at T = 256 / 512.
 
 Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM

@@ -175,9 +175,11 @@ FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
-#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). A first guess, not yet measured: a
-#: block of 64 decodes its expert's weights again, so near 64 expected (about half of the experts take two blocks)
-#: block 128 may still win.
+#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). A first guess, not yet measured: the
+#: two partitions issue about as many decode instructions a stage per scheduler as the one of block 128 (offline
+#: SASS: 2 x ~465 against ~1049), so block 64 gains only by hiding latency; and a block of 64 decodes its expert's
+#: weights again, so near 64 expected (about half of the experts take two blocks) block 128 may still win
+#: (``results/probes/ws_variants_probe.py block`` measures both).
 FP4_BLOCK64_MAX_EXPECTED = 64
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
