@@ -302,7 +302,8 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.tile_kind(L, "hopper", mf.FP4_WS_MIN_EXPECTED, cuda) == "hopper"
     assert mf.tile_kind(L, "hopper", big, torch.device("cpu")) == "hopper"
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 64), "hopper", big, cuda) == "hopper"
-    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", big, cuda) == "fp8_ws"
+    assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", mf.FP8_WS_MIN_EXPECTED + 1,
+                        cuda) == "fp8_ws"
     for cfg in (FusedConfig(64, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws")):
         with pytest.raises(ValueError, match="kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper'"):
             kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
