@@ -3,7 +3,7 @@
 source ranks' combine buffers) in one persistent launch, between the front and back launches of
 :func:`megamoe.kernels.fused.fused_mega_moe_kernel` (``PHASE=1`` / ``2``), as :mod:`megamoe.kernels.gemm_fp8_ws`
 does for the SM90 FP8 x FP8 format. The 128-row tile is tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the
-64-row tile (one math warpgroup, two decode partitions) has GPU tests there that have not run yet. The CPU tests run
+64-row tile (one math warpgroup, two decode partitions) too. The CPU tests run
 its torch model (:mod:`megamoe.gemm_phase`) in its place, at both blocks.
 
 Why: the one-launch Triton kernel's "hopper" tiles (``_l1_tile_hopper`` / ``_l2_tile_hopper``) decode FP4 inside
@@ -83,7 +83,7 @@ warpgroup, two halves, 4 K steps), 520 ``PRMT``, 32 ``HMUL2`` (the A fold, two p
 4 stages also compile without spill at BM 64 (232332 B of 232448: 116 B to spare), not the default. (Decode 120,
 math 248 compiles without spill too; which split is faster is not measured.)
 
-What BM 64 is expected to buy (not yet measured on a GPU): the probe (``results/probes/ws_variants_probe_h200.jsonl``)
+What BM 64 was expected to buy, and bought: the probe (``results/probes/ws_variants_probe_h200.jsonl``)
 puts the BM-128 phase's time in its one decode partition at every T (2108 us at T = 512 with the decode, 998 us
 without). At BM 64 a stage holds half the MMA work (one warpgroup, 64 rows) and the same 256 weight rows to decode,
 split over 8 warps (2 a scheduler instead of 1). Offline SASS, one stage of an L2 tile from the ``ready`` wait to
@@ -94,8 +94,10 @@ second warp on each scheduler to hide the gathers' and shared memory's latency),
 entirely latency-bound, ~1.1x if it is issue-bound. And each pool block of 64 decodes the expert's weights again:
 at 64 expected tokens per expert (T = 512) about half of the experts need two blocks of 64 where one of 128
 sufficed (~1.5x the decoded stages), so there it can lose; at 16 expected (T = 128) one block of 64 replaces one of
-128.
-FP4_BLOCK64_MAX_EXPECTED (64) is a first guess to be measured against block 128 at T = 256 / 512.
+128. Measured on an H200 (``block`` rows of the probe file): block 64 / 128 take 1277 / 2005 us at T = 32,
+1298 / 2022 at T = 128, 1329 / 2051 at T = 256 -- 1.55x, more than the 12 % fewer instructions, so the one decode
+warp a scheduler was latency-bound -- and at T = 512 2058 against 2108-2118 us (block 128 from earlier calls):
+there the second decode of half the experts' weights eats most of the gain. Hence FP4_BLOCK64_MAX_EXPECTED = 64.
 
 Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM
 128 (the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2

@@ -150,16 +150,18 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
 #: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
-#: graph) passed on an H200 with pool block 128, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 /
+#: graph) passed on an H200 at pool blocks 128 and 64, and (block 128) it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 /
 #: 64165 us (the one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind``
 #: takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert (``fused_config``: pool block 64 up
 #: to FP4_BLOCK64_MAX_EXPECTED, 128 above); ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")``
 #: forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
 #: (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of V4-Pro), the one-launch kernel against "fp4_ws"
 #: forced (block 128): 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013
-#: at 16 (T = 128), 4851 / 2109 at 64 (T = 512).
+#: at 16 (T = 128), 4851 / 2109 at 64 (T = 512); "fp4_ws" at block 64 (``block`` rows, another device call): 1277 us
+#: at 4 (T = 32), 1298 at 16. So above 2 expected tokens; at 1 (T = 8) the one-launch kernel stays (block 64 there
+#: not measured).
 FP4_WS_ENABLED = True
-FP4_WS_MIN_EXPECTED = 8
+FP4_WS_MIN_EXPECTED = 2
 #: Ring stages and the register split (math warpgroups / loader warp / decode warps, the kernel's maxnreg) by pool
 #: block; offline sm_90a compiles (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``, env
 #: ``BM``). Block 128: A 16 KB + packed W 16 KB + decoded W 32 KB a stage; two math warpgroups and one 4-warp decode
@@ -168,18 +170,17 @@ FP4_WS_MIN_EXPECTED = 8
 #: K loop). Block 64: A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB a stage; one math warpgroup (64 rows x 256
 #: weight rows) and two 4-warp decode partitions (128 weight rows and 32 pool rows each), 232 + 24 + 2 x 128 = 512
 #: (the math warpgroup is the default partition and gets what the workers leave, so MATH_REGS is not used at this
-#: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured). Block 64 is not yet
-#: measured on a GPU.
+#: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured).
 FP4_WS_STAGES = {128: 3, 64: 3}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
-#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). A first guess, not yet measured: the
-#: two partitions issue about as many decode instructions a stage per scheduler as the one of block 128 (offline
-#: SASS: 2 x ~465 against ~1049), so block 64 gains only by hiding latency; and a block of 64 decodes its expert's
-#: weights again, so near 64 expected (about half of the experts take two blocks) block 128 may still win
-#: (``results/probes/ws_variants_probe.py block`` measures both).
+#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Measured on an H200 (same file,
+#: ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329 / 2051
+#: at T = 256; at T = 512 (64 expected, where about half of the experts take two 64-row blocks and decode their
+#: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before
+#: its own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
 FP4_BLOCK64_MAX_EXPECTED = 64
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:

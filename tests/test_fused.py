@@ -317,11 +317,11 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", mf.FP8_WS_MIN_EXPECTED + 1,
                         cuda) == "fp8_ws"  # (the FP8 format's own threshold; FP4_WS_MIN_EXPECTED + 1 is swap-AB there)
     # one EP8 rank's share of V4-Pro (48 experts, top-6): T / 8 expected tokens per expert
-    assert mf.FP4_WS_MIN_EXPECTED == 8 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
+    assert mf.FP4_WS_MIN_EXPECTED == 2 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
     picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m)
-             for t in (64, 72, 128, 512, 520, 2048, 8192)}
-    assert picks == {64: ("hopper", 16), 72: ("fp4_ws", 64), 128: ("fp4_ws", 64), 512: ("fp4_ws", 64),
-                     520: ("fp4_ws", 128), 2048: ("fp4_ws", 128), 8192: ("fp4_ws", 128)}
+             for t in (8, 16, 24, 128, 512, 520, 2048, 8192)}
+    assert picks == {8: ("hopper", 16), 16: ("hopper", 16), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
+                     512: ("fp4_ws", 64), 520: ("fp4_ws", 128), 2048: ("fp4_ws", 128), 8192: ("fp4_ws", 128)}
     assert mf.fused_config(L, 512, 1, cuda, "hopper").programs_per_rank == 132  # one front program an SM
     for cfg in (FusedConfig(32, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws"),
                 FusedConfig(64, 1, kind="fp4_ws")):
