@@ -2,8 +2,9 @@
 ``"fp4_ws"``): both grouped GEMMs (L1 + SwiGLU + top-k weight + per-128 requant, then L2 + write-back into the
 source ranks' combine buffers) in one persistent launch, between the front and back launches of
 :func:`megamoe.kernels.fused.fused_mega_moe_kernel` (``PHASE=1`` / ``2``), as :mod:`megamoe.kernels.gemm_fp8_ws`
-does for the SM90 FP8 x FP8 format. Tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the CPU tests run its
-torch model (:mod:`megamoe.gemm_phase`) in its place.
+does for the SM90 FP8 x FP8 format. The 128-row tile is tested on an H200 (``tests/gpu/test_fp4_ws_gpu.py``); the
+64-row tile (one math warpgroup, two decode partitions) too. The CPU tests run
+its torch model (:mod:`megamoe.gemm_phase`) in its place, at both blocks.
 
 Why: the one-launch Triton kernel's "hopper" tiles (``_l1_tile_hopper`` / ``_l2_tile_hopper``) decode FP4 inside
 the math warps and are 2.7-4.6x slower than DeepGEMM on an H200 (issue #7); the FP8 x FP8 Gluon phase of the same
@@ -39,41 +40,75 @@ one-launch "hopper" tile (which chains 4 K blocks, 512 values, before adding): a
 tolerance of that tile (``accumulation="fp8_mma"``) holds a fortiori; the model's float32 sums are the same
 (exact power-of-two scales commute with them).
 
-Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front launch's tile table, L1 tiles first):
+Roles (``gl.warp_specialize``; one CTA per SM, static stride over the front launch's tile table, L1 tiles first).
+Pool blocks of ``BM`` = 128 rows, or 64 (``FP4_BLOCK64_MAX_EXPECTED`` in ``megamoe.fused``: few tokens per expert,
+where a 128-row block is mostly padding; the pool is sized for 128, as for the FP8 phase's 64-row tile):
 
-* math warpgroups (2 x 4 warps, ``MATH_REGS``): rows ``[64 wg, +64)`` of a 128-row tile x its 256 weight rows as
-  two halves of 128; wait ``ready[s]`` (A + packed W landed) and ``decoded[s]`` (W decoded, L2 A folded), release
-  ``empty[s]``;
-* loader (1 warp, ``LOAD_REGS``): TMA of A ``[128, 128]`` e4m3 and packed W ``[256, 64]`` bytes (128 K values of
+* math warpgroups (``NWG = BM / 64`` x 4 warps, ``MATH_REGS``): rows ``[64 wg, +64)`` of a tile x its 256 weight rows
+  as two halves of 128; wait ``ready[s]`` (A + packed W landed) and ``decoded[s]`` (W decoded, L2 A folded),
+  release ``empty[s]`` (count ``NWG``). At BM 64 the one warpgroup holds all of an L1 tile's rows and columns, so
+  it sets both of the tile's arrival bits (the mask, and every wait on it, are those of BM 128);
+* loader (1 warp, ``LOAD_REGS``): TMA of A ``[BM, 128]`` e4m3 and packed W ``[256, 64]`` bytes (128 K values of
   256 rows) per stage; before an L2 tile, the wait for the block's full arrival mask;
-* decode (4 warps, ``DECODE_REGS``): per tile the weight rows' largest exponents (and for L2 the rows' largest
-  per-128 exponents) into shared memory (two slots by tile parity, ``rfree`` mbarriers: the math warpgroups read
-  them in their epilogue and release the slot), per stage the decode (and L2 fold), ``fence.proxy.async``,
-  ``decoded[s]``.
+* decode partitions (4 warps each, ``DECODE_REGS``; one at BM 128, two at BM 64, splitting each stage: weight rows
+  ``[0, 128)`` / ``[128, 256)``, and for L2 A rows ``[0, 32)`` / ``[32, 64)``): per tile their weight rows' largest
+  exponents (and for L2 their pool rows' largest per-128 exponents) into shared memory (two slots by tile parity,
+  ``rfree`` mbarriers: the math warpgroups read them in their epilogue and release the slot), per stage their rows'
+  decode (and L2 fold), ``fence.proxy.async``, one arrive each on ``decoded[s]`` (count = the number of decode
+  partitions: the math reads a stage only when every partition's W rows and folded A rows are in). The partitions
+  never wait on each other: each waits ``ready[s]`` / ``rfree`` itself and reads back only what it wrote (its rows'
+  maxima); a partition cannot run a whole ring ahead of the other, since the stage's next ``ready`` needs the
+  math's ``empty``, which needs every partition's ``decoded``.
 
-Shared memory per stage: A 16 KB + packed W 16 KB + decoded W 32 KB = 64 KB; 3 stages = 192 KB (+ 3 KB of row
-exponents and barriers). Only pool blocks of 128 rows (the FP8 phase's 64-row tile is not ported yet).
+Shared memory per stage: A 16 KB (BM 64: 8 KB) + packed W 16 KB + decoded W 32 KB = 64 KB (56 KB); 3 stages = 192
+KB (168 KB) + 3 KB (2.5 KB) of row exponents and barriers.
 
-Registers: ``setmaxnreg`` per warpgroup, math 208 + 208, loader 24 (its warpgroup: one warp and three idle ones),
-decode 72 = 512 = 64 K registers / 128 threads (launched at ``maxnreg`` 128, 16 warps).
+Registers: ``setmaxnreg`` per warpgroup, launched at ``maxnreg`` 128 with 16 warps (the loader's warpgroup is one
+warp and three idle ones): 512 = 64 K registers / 128 threads. BM 128: math 208 + 208, loader 24, decode 72. BM 64:
+math 232 (the default partition: what the workers leave, 512 - 24 - 2 x 128), loader 24, decode 128 + 128 -- the
+second math warpgroup's registers go to a second decode partition. (A third or fourth decode partition does not
+fit: 5 or 6 warpgroups cap the launch at ``maxnreg`` 96 / 80, and ptxas needs at least 90 for the wgmma of the
+math; 256 weight rows do not split in three evenly either.)
 
 Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3
-stages, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
+stages, BM 128, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
 stores, 152 bytes spill loads", all of them in the decode partition's per-tile row maxima (``_row_exponent_max``:
 ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop), none in the
 math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
 ``PRMT`` in the binary. (With math 200 / loader 40 / decode 72 the math partitions spill in the epilogue and the
-decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.)
+decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) BM 64 (``BM=64 python
+results/probes/gemm_fp4_ws_compile.py``, 3 stages, 232 / 24 / 128 + 128): 174988 B of shared memory, no stack, no
+spill anywhere; setmaxnreg 232 (math), 24 (loader), 128 (both decode partitions); SASS 8 ``QGMMA.64x128x32`` (one
+warpgroup, two halves, 4 K steps), 520 ``PRMT``, 32 ``HMUL2`` (the A fold, two partitions of 32 rows), 66 ``F2FP``.
+4 stages also compile without spill at BM 64 (232332 B of 232448: 116 B to spare), not the default. (Decode 120,
+math 248 compiles without spill too; which split is faster is not measured.)
 
-Open questions (for the GPU session): whether the decode partition keeps up with the two math warpgroups. Per K
-block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at ~7.5 TFLOP/s an SM);
-the decode's stage body is ~1050 SASS instructions a thread with the L2 fold (333 LOP3, 168 LEA, 132 F2FP, 72 PRMT,
-64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us at one instruction a cycle per
-scheduler, if its 4 warps get a scheduler each and the gathers and shared-memory traffic do not stall them.
+What BM 64 was expected to buy, and bought: the probe (``results/probes/ws_variants_probe_h200.jsonl``)
+puts the BM-128 phase's time in its one decode partition at every T (2108 us at T = 512 with the decode, 998 us
+without). At BM 64 a stage holds half the MMA work (one warpgroup, 64 rows) and the same 256 weight rows to decode,
+split over 8 warps (2 a scheduler instead of 1). Offline SASS, one stage of an L2 tile from the ``ready`` wait to
+the ``decoded`` arrive: 462 / 467 instructions a thread in each BM-64 partition (164 LOP3, 82 LEA, 36 PRMT, 33 F2FP,
+16 HMUL2, 20 LDG) against 1049 in the BM-128 partition. So a scheduler issues about the same decode instructions a
+stage (2 warps x ~465 against 1 x ~1049, 12 % fewer): BM 64 gains only as far as the decode is latency-bound (a
+second warp on each scheduler to hide the gathers' and shared memory's latency), up to 2x per stage if it is
+entirely latency-bound, ~1.1x if it is issue-bound. And each pool block of 64 decodes the expert's weights again:
+at 64 expected tokens per expert (T = 512) about half of the experts need two blocks of 64 where one of 128
+sufficed (~1.5x the decoded stages), so there it can lose; at 16 expected (T = 128) one block of 64 replaces one of
+128. Measured on an H200 (``block`` rows of the probe file): block 64 / 128 take 1277 / 2005 us at T = 32,
+1298 / 2022 at T = 128, 1329 / 2051 at T = 256 -- 1.55x, more than the 12 % fewer instructions, so the one decode
+warp a scheduler was latency-bound -- and at T = 512 2058 against 2108-2118 us (block 128 from earlier calls):
+there the second decode of half the experts' weights eats most of the gain. Hence FP4_BLOCK64_MAX_EXPECTED = 64.
+
+Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM
+128 (the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2
+flop at ~7.5 TFLOP/s an SM); the decode's stage body (BM 128) is ~1050 SASS instructions a thread with the L2 fold
+(333 LOP3, 168 LEA, 132 F2FP, 72 PRMT, 64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us
+at one instruction a cycle per scheduler only if its 4 warps, one a scheduler, never stall -- latency-bound.
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
-a 2-deep decoded ring. The 64-row tile of the FP8 phase (not ported). A folding pull partition (the rows would then
+a 2-deep decoded ring. Whether the two decode partitions at BM 64 decode a stage in half the time (and whether
+a 64-row block of one math warpgroup then keeps up). A folding pull partition (the rows would then
 overlap the GEMMs again).
 """
 from triton.experimental import gluon
@@ -86,7 +121,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX, WS_TILE_M
+from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -103,7 +138,6 @@ from megamoe.kernels.gemm_fp8_ws import (
 from megamoe.kernels.numerics import _PRMT_LUT_ASM, ceil_ue8m0, f32_to_e4m3_bits
 from megamoe.kernels.symm import _globaltimer_ns
 
-TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups of 64
 DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once (4 chunks per stage)
 KW_CHUNK = gl.constexpr(16)  #: scale words per row read at once for the row maxima
 
@@ -135,7 +169,7 @@ def _wait_mask(ptr, need, state, timeout_ns):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1, num_tiles,
                     l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr):
-    """TMA producer (1 warp): per K block of each tile, A ``[128, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
+    """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
     per-128 scale of the row)."""
@@ -172,13 +206,14 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, 
 
 
 @gluon.jit
-def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.constexpr, L: gl.constexpr):
-    """Largest UE8M0 byte over all K of 256 weight rows: ``w_sf`` points at the tile's first row in the int32
-    MN-major ``[KW][N]`` scales (one word = 4 groups of 32). ``KW_CHUNK`` words a row per load (unrolled, so the
-    loads are in flight together). Returns int32 ``[256]`` in ``SliceLayout(0, L)``."""
+def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.constexpr, L: gl.constexpr,
+                      NR: gl.constexpr):
+    """Largest UE8M0 byte over all K of ``NR`` weight rows: ``w_sf`` points at the first row in the int32 MN-major
+    ``[KW][N]`` scales (one word = 4 groups of 32). ``KW_CHUNK`` words a row per load (unrolled, so the loads are in
+    flight together). Returns int32 ``[NR]`` in ``SliceLayout(0, L)``."""
     kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, L))
-    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, L))
-    m = gl.zeros([TILE_N], gl.int32, gl.SliceLayout(0, L))
+    r = gl.arange(0, NR, layout=gl.SliceLayout(0, L))
+    m = gl.zeros([NR], gl.int32, gl.SliceLayout(0, L))
     for k0 in gl.static_range(0, KW_PAD, KW_CHUNK):
         k = gl.expand_dims(k0 + kw, 1)
         words = gl.load(w_sf + k * N + gl.expand_dims(r, 0), mask=k < KW, other=0)
@@ -222,55 +257,62 @@ def _cat(x, y):
 
 
 @gluon.jit
-def _fold_a_stage(a_buf, smax, sf, valid):
-    """L2: fold the A stage ``a_buf`` ``[128, 128]`` (e4m3) in place per row, ``e4m3(a * 2^(s_kb - s_max))`` through
-    fp16 and the hardware's RNE conversion (exact for every value that survives into e4m3, as ``_fold_e4m3``).
-    ``smax``: the rows' largest per-128 exponents (shared memory); ``sf``: this K block's scale words of the rows."""
-    AL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [64, 128] e4m3
-    rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, AL))
-    for c in gl.static_range(TILE_M // DEC_ROWS):
-        a_view = a_buf.slice(c * DEC_ROWS, DEC_ROWS)
-        s_kb = gl.load(sf + c * DEC_ROWS + rows, mask=c * DEC_ROWS + rows < valid, other=0) & 0xFF
-        s_mx = smax.slice(c * DEC_ROWS, DEC_ROWS).load(gl.SliceLayout(1, AL))
+def _fold_a_stage(a_buf, smax, sf, valid, A0: gl.constexpr, NA: gl.constexpr):
+    """L2: fold rows ``[A0, A0 + NA)`` of the A stage ``a_buf`` ``[BM, 128]`` (e4m3) in place per row, ``e4m3(a *
+    2^(s_kb - s_max))`` through fp16 and the hardware's RNE conversion (exact for every value that survives into
+    e4m3, as ``_fold_e4m3``). ``smax``: the block's rows' largest per-128 exponents (shared memory); ``sf``: this K
+    block's scale words of the block's rows."""
+    AL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [16 k, 128] e4m3
+    CR: gl.constexpr = DEC_ROWS if NA > DEC_ROWS else NA  # rows a chunk
+    rows = gl.arange(0, CR, layout=gl.SliceLayout(1, AL))
+    for c in gl.static_range(A0, A0 + NA, CR):
+        a_view = a_buf.slice(c, CR)
+        s_kb = gl.load(sf + c + rows, mask=c + rows < valid, other=0) & 0xFF
+        s_mx = smax.slice(c, CR).load(gl.SliceLayout(1, AL))
         scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
         a = a_view.load(AL)
         a_view.store((a.to(gl.float16) * scale).to(gl.float8e4nv))
 
 
 @gluon.jit
-def _decode_stage(wp, wd, rmax, w_sf, lut):
-    """Packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``, 64 rows at a time: packed bytes ``[0, 32)``
-    hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32, 64)`` K ``[64, 96)`` and ``[96,
-    128)`` (``transform_weights_for_mega_moe``); ``w_sf``: this K block's scale words of the 256 rows (one per row,
-    groups in its four bytes); ``rmax``: the rows' largest exponents (shared memory)."""
+def _decode_stage(wp, wd, rmax, w_sf, lut, R0: gl.constexpr, NR: gl.constexpr):
+    """Rows ``[R0, R0 + NR)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``, 64 rows at a
+    time: packed bytes ``[0, 32)`` hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32,
+    64)`` K ``[64, 96)`` and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``w_sf``: this K block's scale words
+    of the tile's 256 rows (one per row, groups in its four bytes); ``rmax``: the 256 rows' largest exponents (shared
+    memory; this partition's rows written by it)."""
     DL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 32] packed bytes
     rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, DL))
-    for c in gl.static_range(TILE_N // DEC_ROWS):
-        word = gl.load(w_sf + c * DEC_ROWS + rows)
-        rm = rmax.slice(c * DEC_ROWS, DEC_ROWS).load(gl.SliceLayout(1, DL))
-        p = wp.slice(c * DEC_ROWS, DEC_ROWS)
+    for r0 in gl.static_range(R0, R0 + NR, DEC_ROWS):
+        word = gl.load(w_sf + r0 + rows)
+        rm = rmax.slice(r0, DEC_ROWS).load(gl.SliceLayout(1, DL))
+        p = wp.slice(r0, DEC_ROWS)
         t00, t01 = _fold_table(lut, word, rm, 0)
         t10, t11 = _fold_table(lut, word, rm, 1)
         g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(DL), t00, t01, t10, t11)
         t20, t21 = _fold_table(lut, word, rm, 2)
         t30, t31 = _fold_table(lut, word, rm, 3)
         g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(DL), t20, t21, t30, t31)
-        wd.slice(c * DEC_ROWS, DEC_ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
+        wd.slice(r0, DEC_ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
 
 
 @gluon.jit
 def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                      KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr):
-    """The FP4 decode (4 warps), see the module docstring. Per tile: the slot ``j % 2`` of the row maxima (waits
-    until the math warpgroups released it, ``rfree``), the 256 weight rows' largest exponents into ``rmax_s``, for
-    L2 the block's full arrival mask (acquire) and each row's largest per-128 exponent into ``smax_s``. Per stage:
-    for L2 the A stage folded in place, then W: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the
-    low nibbles, ``[32, 64)`` in the high ones: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``,
-    ``[96, 128)``) through the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async``
-    (wgmma reads it), a partition barrier, ``decoded[s]``."""
-    RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 256 / 128] scale words
+                      KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
+                      NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr):
+    """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
+    256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
+    half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
+    ``rfree``), its weight rows' largest exponents into ``rmax_s``, for L2 the block's full arrival mask (acquire)
+    and its pool rows' largest per-128 exponents into ``smax_s``. Per stage: for L2 its rows of the A stage folded in
+    place, then its W rows: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the low nibbles, ``[32,
+    64)`` in the high ones: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``, ``[96, 128)``)
+    through the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async`` (wgmma reads
+    it), a partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions, so the math
+    reads the stage only when every partition's rows -- W and the folded A -- are in)."""
+    RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     full = _full_mask(I // 128)
     it = 0
@@ -284,31 +326,31 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
             KB = I // BK
             N = H
             w_sf = w2_sf + (e * (I // 128) * H + nt * TILE_N)
-            rmax = _row_exponent_max(w_sf, H, I // 128, KW2_PAD, RL)
+            rmax = _row_exponent_max(w_sf + R0, H, I // 128, KW2_PAD, RL, NR)
             _wait_mask(l2_mask + b, full, state, timeout_ns)
             kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, RL))
-            r = gl.arange(0, TILE_M, layout=gl.SliceLayout(0, RL))
-            smax = gl.zeros([TILE_M], gl.int32, gl.SliceLayout(0, RL))
+            r = A0 + gl.arange(0, NA, layout=gl.SliceLayout(0, RL))
+            smax = gl.zeros([NA], gl.int32, gl.SliceLayout(0, RL))
             for k0 in gl.static_range(0, KW2_PAD, KW_CHUNK):
                 k = gl.expand_dims(k0 + kw, 1)
                 m = (k < I // 128) & gl.expand_dims(r < valid, 0)
-                words = gl.load(l2_sf + k * SP + b * TILE_M + gl.expand_dims(r, 0), mask=m, other=0)
+                words = gl.load(l2_sf + k * SP + b * BM + gl.expand_dims(r, 0), mask=m, other=0)
                 smax = gl.maximum(smax, gl.max(words & 0xFF, axis=0))
-            smax_s.index(slot).store(smax)
+            smax_s.index(slot).slice(A0, NA).store(smax)
         else:
             KB = H // BK
             N = 2 * I
             w_sf = w1_sf + (e * (H // 128) * (2 * I) + nt * TILE_N)
-            rmax = _row_exponent_max(w_sf, 2 * I, H // 128, KW1_PAD, RL)
-        rmax_s.index(slot).store(rmax)
+            rmax = _row_exponent_max(w_sf + R0, 2 * I, H // 128, KW1_PAD, RL, NR)
+        rmax_s.index(slot).slice(R0, NR).store(rmax)
         gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
         for kb in range(KB):
             s = it % STAGES
             ph = (it // STAGES) & 1
             mbarrier.wait(ready.index(s), ph)
             if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
-                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * TILE_M, valid)
-            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut)
+                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
+            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0, NR)
             fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them
             gl.thread_barrier()  # every warp has stored and fenced before the one arrive
             mbarrier.arrive(decoded.index(s), count=1)
@@ -319,17 +361,18 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
 @gluon.jit
 def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
                  OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
-                 SP: gl.constexpr, HAS_CLAMP: gl.constexpr):
+                 SP: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr):
     """This warpgroup's 64 rows of an L1 tile (``_l1_tile_hopper``'s epilogue), the accumulators already scaled by
     the weight rows' and tokens' powers of two: bf16 round, clamp, SwiGLU, top-k weight, the per-128 UE8M0 requant
     (``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``) into the L2 pool (bytes + one int32 word of four equal scale
-    bytes a row), then the warpgroup's arrival bit."""
+    bytes a row), then the warpgroup's arrival bit (``NWG`` = 1, BM 64: the one warpgroup holds the tile's rows,
+    so it sets both bits of the tile: the mask and its waits are those of BM 128)."""
     act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
     act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
     L: gl.constexpr = act_lo.type.layout
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
     row_ok = r < valid - wg * WM
-    row = b * TILE_M + wg * WM + r
+    row = b * BM + wg * WM + r
     topk_w = gl.expand_dims(gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0), 1)
     act_lo = act_lo * topk_w
     act_hi = act_hi * topk_w
@@ -345,7 +388,10 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
     gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=row_ok)
     _fence_proxy_async_global()  # the L2 tiles read these bytes by TMA
     gl.thread_barrier()  # every thread of the warpgroup has stored (and fenced) before the bit is published
-    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+    if NWG == 1:
+        gl.atomic_or(l2_mask + b, gl.to_tensor(3).to(gl.int64) << (2 * nt), sem="release", scope="gpu")
+    else:
+        gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -353,10 +399,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr):
-    """One math warpgroup: rows ``[64 wg, 64 wg + 64)`` of every tile, its 256 weight rows as two halves of 128;
-    per K block one wgmma into a fresh register tile per half, added into the half's float32 accumulator (no scale:
-    the operands are folded)."""
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr):
+    """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
+    its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
+    the half's float32 accumulator (no scale: the operands are folded)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -397,7 +443,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
         if is_l2:
             ts = _pow2_f32(smax_s.index(slot).slice(wg * WM, WM).load(rows_l) - 127)
         else:
-            word = gl.load(l1_sf + b * TILE_M + wg * WM + r, mask=r < valid - wg * WM, other=127 * 0x01010101)
+            word = gl.load(l1_sf + b * BM + wg * WM + r, mask=r < valid - wg * WM, other=127 * 0x01010101)
             ts = _pow2_f32((word & 0xFF) - 127)
         tsc = gl.expand_dims(ts, 1)
         acc_lo = acc_lo * gl.expand_dims(_pow2_f32(rmax_s.index(slot).slice(0, HN).load(cols_l) - 127), 0) * tsc
@@ -405,14 +451,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
         gl.thread_barrier()  # the whole warpgroup has read the slot before it is released
         mbarrier.arrive(rfree.index(slot), count=1)
         if is_l2:
-            row0 = b * TILE_M + wg * WM
+            row0 = b * BM + wg * WM
             _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T, H,
                          mma)
             _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
                          OFF_COMBINE, T, H, mma)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP)
+                         HAS_CLAMP, BM, NWG)
         j += 1
 
 
@@ -427,7 +473,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
-    e4m3, box [128, 128]; ``w1`` ``[El*2I, H/2]`` / ``w2`` ``[El*H, I/2]`` packed FP4 bytes (transformed:
+    e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
+    ``[El*H, I/2]`` packed FP4 bytes (transformed:
     interleaved gate/up rows, split nibble order), box [256, 64]. ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
     ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;
@@ -440,35 +487,52 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
     if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
         num_tiles = 0
     BM: gl.constexpr = a1_desc.block_type.shape[0]
-    gl.static_assert(BM == TILE_M, "the FP4 Gluon phase runs pool blocks of 128 rows")
+    gl.static_assert((BM == 128) | (BM == 64), "the FP4 Gluon phase runs pool blocks of 128 or 64 rows")
+    NWG: gl.constexpr = BM // WM  # math warpgroups: 2 at BM 128, 1 at BM 64
+    NDEC: gl.constexpr = 1 if BM == 128 else 2  # decode partitions (4 warps each)
     WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (a 1-D layout: .index() views are 1-D)
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK // 2], w1_desc.layout)
     wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
     rmax_s = gl.allocate_shared_memory(gl.int32, [2, TILE_N], XL)
-    smax_s = gl.allocate_shared_memory(gl.int32, [2, TILE_M], XL)
+    smax_s = gl.allocate_shared_memory(gl.int32, [2, BM], XL)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     decoded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     rfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
-        mbarrier.init(decoded.index(i), count=1)  # the decode partition
-        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+        mbarrier.init(decoded.index(i), count=NDEC)  # one arrive per decode partition
+        mbarrier.init(empty.index(i), count=NWG)  # one arrive per math warpgroup
     for i in gl.static_range(2):
-        mbarrier.init(rfree.index(i), count=2)  # one arrive per math warpgroup
+        mbarrier.init(rfree.index(i), count=NWG)  # one arrive per math warpgroup
     fence_async_shared()  # barrier inits visible to the async proxy before first use
+    if BM == 64:  # one math warpgroup (64 rows x 256), two decode partitions (weight rows and A rows halved)
+        gl.warp_specialize([
+            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s,
+                               rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                               OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
+            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1,
+                               num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
+                                 rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
+                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2)),
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
+                                 rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
+                                 STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2)),
+        ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
+        return
     gl.warp_specialize([
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
                            tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1,
                            num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
         (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
                              tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD)),
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

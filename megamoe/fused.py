@@ -147,25 +147,41 @@ FP8_WS_PULL_CHUNK = 1024
 #: The tile kinds whose GEMMs run in a separate Gluon launch between a front and a back launch (``_run_ws``).
 WS_KINDS = ("fp8_ws", "fp4_ws")
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
-#: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, a 4-warp FP4 decode partition, two math warpgroups) between the
+#: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
 #: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
-#: graph) passed on an H200, and it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 / 64165 us (the
-#: one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind`` takes it on
-#: sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert; ``FusedConfig(kind="fp4_ws", block_m=128,
-#: numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
+#: graph) passed on an H200 at pool blocks 128 and 64, and (block 128) it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 /
+#: 64165 us (the one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind``
+#: takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert (``fused_config``: pool block 64 up
+#: to FP4_BLOCK64_MAX_EXPECTED, 128 above); ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")``
+#: forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
 #: (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of V4-Pro), the one-launch kernel against "fp4_ws"
-#: forced: 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013 at 16 (T =
-#: 128), 4851 / 2109 at 64 (T = 512).
+#: forced (block 128): 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013
+#: at 16 (T = 128), 4851 / 2109 at 64 (T = 512); "fp4_ws" at block 64 (``block`` rows, another device call): 1277 us
+#: at 4 (T = 32), 1298 at 16. So above 2 expected tokens; at 1 (T = 8) the one-launch kernel stays (block 64 there
+#: not measured).
 FP4_WS_ENABLED = True
-FP4_WS_MIN_EXPECTED = 8
-#: Ring stages (A 16 KB + packed W 16 KB + decoded W 32 KB each) and the register split (math warpgroups / loader
-#: warp / decode warps, the kernel's maxnreg): 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128
-#: threads. Offline sm_90a compile (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``):
-#: 200092 B of shared memory; no spill in the math or loader partitions; the decode partition spills 140 B in its
-#: per-tile row maxima (outside its K loop; none in the loop).
-FP4_WS_STAGES, FP4_WS_REGS = 3, (208, 24, 72, 128)
-
+FP4_WS_MIN_EXPECTED = 2
+#: Ring stages and the register split (math warpgroups / loader warp / decode warps, the kernel's maxnreg) by pool
+#: block; offline sm_90a compiles (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``, env
+#: ``BM``). Block 128: A 16 KB + packed W 16 KB + decoded W 32 KB a stage; two math warpgroups and one 4-warp decode
+#: partition, 2 x 208 + 24 (the loader's warpgroup) + 72 = 512 = 64 K / 128 threads; 200092 B of shared memory, no
+#: spill in the math or loader partitions, the decode partition spills 140 B in its per-tile row maxima (outside its
+#: K loop). Block 64: A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB a stage; one math warpgroup (64 rows x 256
+#: weight rows) and two 4-warp decode partitions (128 weight rows and 32 pool rows each), 232 + 24 + 2 x 128 = 512
+#: (the math warpgroup is the default partition and gets what the workers leave, so MATH_REGS is not used at this
+#: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured).
+FP4_WS_STAGES = {128: 3, 64: 3}
+FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
+#: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
+#: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
+#: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
+#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Measured on an H200 (same file,
+#: ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329 / 2051
+#: at T = 256; at T = 512 (64 expected, where about half of the experts take two 64-row blocks and decode their
+#: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before
+#: its own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
+FP4_BLOCK64_MAX_EXPECTED = 64
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
@@ -216,8 +232,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
         block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
-    elif kind == "fp4_ws":  # only the 128-row tile so far
-        block_m = 128
+    elif kind == "fp4_ws":  # its 64-row tile (one math warpgroup, two decode partitions) at few tokens per expert
+        block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
@@ -269,9 +285,10 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
-    if kind == "fp4_ws" and (cfg.block_m != 128 or cfg.numerics != "hopper"):
-        raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper' (its folded "
-                         f"operands), got block_m={cfg.block_m}, numerics={cfg.numerics!r}")
+    if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
+        raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
+                         f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "
+                         f"numerics={cfg.numerics!r}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
                          f"{getattr(L, 'format', 'fp8_fp4')!r}")
@@ -430,21 +447,21 @@ def _ws_descriptors(c, L, bm: int):
     return descs
 
 
-def _fp4_ws_descriptors(c, L):
+def _fp4_ws_descriptors(c, L, bm: int = 128):
     """TMA descriptors of one rank's FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``):
-    the two pools (e4m3, box [128, 128]) and the transformed FP4 weights as bytes (box [256, 64]: 256 rows x 128 K
-    values), cached on the buffer by the weights' addresses like ``_ws_descriptors``."""
+    the two pools (e4m3, box [bm, 128]: the pool block) and the transformed FP4 weights as bytes (box [256, 64]: 256
+    rows x 128 K values), cached on the buffer by the weights' addresses and the block like ``_ws_descriptors``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr())
+    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
     cache = c.sb.__dict__.setdefault("_ws_descs", {})
     if key in cache:
         return cache[key]
     if len(cache) > 8:
         cache.clear()
     H, I = L.hidden, L.intermediate_hidden
-    bm, bn = WS_TILE_M.value, WS_TILE_N.value
+    bn = WS_TILE_N.value
     lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
     descs = (
@@ -474,7 +491,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
 
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws":
-                _fp4_ws_descriptors(c, L)
+                _fp4_ws_descriptors(c, L, meta["BM"])
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
@@ -489,7 +506,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     _check_resident(args_back, grid_back, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     if kind == "fp4_ws":
-        _launch_fp4_ws(calls, tiles, rank0, L, dev)
+        _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"])
         kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -501,23 +518,24 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
 
 
-def _launch_fp4_ws(calls, tiles, rank0, L, dev) -> None:
-    """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each), as the FP8 phase in ``_run_ws``."""
+def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
+    """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
+    ``_run_ws``."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     for lr, c in enumerate(calls):
         k4.fp4_gemm_phase_kernel[(sms,)](
-            *_fp4_ws_descriptors(c, L), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
+            *_fp4_ws_descriptors(c, L, bm), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
             OFF_L1_SF=offs["OFF_L1_SF"], OFF_L1_W=offs["OFF_L1_W"], OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"],
             OFF_META=offs["OFF_META"], OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=H, I=I,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES[bm],
             MATH_REGS=math_regs, LOAD_REGS=load_regs, DECODE_REGS=decode_regs,
             KW1_PAD=triton.next_power_of_2(H // 128), KW2_PAD=triton.next_power_of_2(I // 128),
             num_warps=4, maxnreg=maxnreg)

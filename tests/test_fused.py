@@ -213,8 +213,9 @@ def test_hopper_model_is_close_to_exact_and_not_identical():
 
 
 # ---------------------------------------------------------------------------------------------------- "fp4_ws"
-def _fp4_ws_config():
-    return FusedConfig(block_m=128, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2, kind="fp4_ws")
+def _fp4_ws_config(block_m=128):
+    return FusedConfig(block_m=block_m, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2,
+                       kind="fp4_ws")
 
 
 class _SpreadScales(MoECase):
@@ -240,7 +241,8 @@ FP4_WS_CASE = dict(num_ranks=1, num_tokens=300, hidden=512, intermediate=384, nu
                    masked_ratio=0.1, activation_clamp=0.5, block_m=128, impl="fused", numerics="hopper", seed=21)
 
 
-def test_fp4_ws_three_launch_split_bitwise(monkeypatch):
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     """The FP8 x FP4 Gluon GEMM phase's call ("fp4_ws", "hopper" numerics) on a CPU rank: the front launch (PHASE=1:
     count, barrier 1, the pull copying and folding the rows, the tile table), the phase's torch model
     (``megamoe.gemm_phase.run_gemm_phase_fp4``: what each Gluon tile reads and writes) and the back launch -- bit-exact
@@ -248,21 +250,25 @@ def test_fp4_ws_three_launch_split_bitwise(monkeypatch):
     "hopper" kernel's tests. 300 tokens x top-3 over 6 experts: experts span a full and a partial pool block of 128;
     I = 384: three L1 tiles a block (the requant's scale blocks and the L2 fold across them); H = 512: two L2 tiles;
     scales spread so that the folds round (``_SpreadScales``). The Gluon launch's TMA descriptors are built on CPU as
-    on the GPU."""
+    on the GPU. Block 64 (the tile of one math warpgroup and two decode partitions, at few tokens per expert): the
+    pool sized for 128, the front launch's blocks, tile table and folded rows at 64 (three blocks an expert, the last
+    partial), A boxes of [64, 128]."""
     import megamoe.fused as mf
     from megamoe.gemm_phase import tile_table
 
-    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config())
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config(block_m))
     tables, descs = [], []
     real_table, real_descs = mf._tile_table, mf._fp4_ws_descriptors
     monkeypatch.setattr(mf, "_tile_table", lambda sb: tables.append(real_table(sb)) or tables[-1])
     monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _assert_exact(run_case_local(_SpreadScales(num_calls=2, **FP4_WS_CASE)))
     a1, a2, w1, w2 = descs[-1]
-    assert [list(d.block_shape) for d in descs[-1]] == [[128, 128]] * 2 + [[256, 64]] * 2
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 64]] * 2
     assert list(w1.shape) == [6 * 2 * 384, 512 // 2] and list(w2.shape) == [6 * 512, 384 // 2]
     entries, num_l1, block_rows = tile_table(tables[-1])
     assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
+    assert max(block_rows) == block_m and all(0 < r <= block_m for r in block_rows)
+    assert all(valid == block_rows[b] for b, _, _, valid in entries)
 
 
 def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
@@ -285,12 +291,18 @@ def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
 
 def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     """``tile_kind`` on a (faked) sm_90 device: "fp4_ws" only for "hopper" numerics, with ``FP4_WS_ENABLED`` (on by
-    default), above FP4_WS_MIN_EXPECTED and where the Gluon tile fits; ``kernel_meta`` refuses it for another block
-    or numerics."""
+    default), above FP4_WS_MIN_EXPECTED and where the Gluon tile fits; ``fused_config`` gives it pool block 64 up to
+    FP4_BLOCK64_MAX_EXPECTED expected tokens per expert, 128 above; ``kernel_meta`` refuses it for another block or
+    numerics."""
+    import re
+    from types import SimpleNamespace
+
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(
+        multi_processor_count=132))
     cuda = torch.device("cuda")
     big = mf.FP4_WS_MIN_EXPECTED + 1
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
@@ -303,10 +315,20 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.tile_kind(L, "hopper", big, torch.device("cpu")) == "hopper"
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 64), "hopper", big, cuda) == "hopper"
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", mf.FP8_WS_MIN_EXPECTED + 1,
-                        cuda) == "fp8_ws"
-    for cfg in (FusedConfig(64, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws")):
-        with pytest.raises(ValueError, match="kind='fp4_ws' runs pool blocks of 128 rows with numerics='hopper'"):
+                        cuda) == "fp8_ws"  # (the FP8 format's own threshold; FP4_WS_MIN_EXPECTED + 1 is swap-AB there)
+    # one EP8 rank's share of V4-Pro (48 experts, top-6): T / 8 expected tokens per expert
+    assert mf.FP4_WS_MIN_EXPECTED == 2 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
+    picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m)
+             for t in (8, 16, 24, 128, 512, 520, 2048, 8192)}
+    assert picks == {8: ("hopper", 16), 16: ("hopper", 16), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
+                     512: ("fp4_ws", 64), 520: ("fp4_ws", 128), 2048: ("fp4_ws", 128), 8192: ("fp4_ws", 128)}
+    assert mf.fused_config(L, 512, 1, cuda, "hopper").programs_per_rank == 132  # one front program an SM
+    for cfg in (FusedConfig(32, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws"),
+                FusedConfig(64, 1, kind="fp4_ws")):
+        with pytest.raises(ValueError, match=re.escape("kind='fp4_ws' runs pool blocks of [64, 128] rows with "
+                                                       "numerics='hopper'")):
             kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
-    meta = kernel_meta(L, FusedConfig(128, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False, has_stats=False,
-                       timeline=False)
-    assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == 128
+    for bm in (64, 128):
+        meta = kernel_meta(L, FusedConfig(bm, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False,
+                           has_stats=False, timeline=False)
+        assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm

@@ -11,8 +11,12 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
   bitwise against 1: the combine sums in the same order).
 * ``threshold``: at T = 8 / 32 / 128 the one-launch "hopper" kernel against "fp4_ws" forced
   (``FP4_WS_MIN_EXPECTED = -1``), error of each against ``reference(numerics="hopper")``.
+* ``block``: at T = 64 / 128 / 256 / 512 / 1024 "fp4_ws" forced at pool block 64 (one math warpgroup, two decode
+  partitions) and 128 (``FP4_BLOCK64_MAX_EXPECTED`` = inf / -1), error of each against the reference: where the
+  64-row tile should take over (``FP4_BLOCK64_MAX_EXPECTED``).
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,T2,..] | back | threshold] >> ws_variants_probe_h200.jsonl
+    python results/probes/ws_variants_probe.py [fp4 [T1,T2,..] | back | threshold | block [T1,..]] \
+        >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
 """
@@ -49,8 +53,10 @@ MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).per
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             mbarrier.arrive(empty.index(s), count=1)
 """
-DECODE_AS_IS = ("                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * TILE_M, valid)\n",
-                "            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut)\n")
+DECODE_AS_IS = (" " * 16 + "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid,"
+                " A0, NA)\n",
+                " " * 12 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
+                " lut, R0, NR)\n")
 DECODE_NONE = ("                s = s + 0\n", "            s = s + 0\n")
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
@@ -101,12 +107,12 @@ def probe_fp4(tokens=(512, 2048, 8192)):
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
     for T in tokens:
         sb, _, y, call = rank("fp8_fp4", T)
-        kind = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper").kind
+        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
         for variant in ("as_is", "nodecode", "nopromote", "nodecode+nopromote"):
             use_kernel(kernel_module(variant))
             call()
             torch.cuda.synchronize()
-            emit(probe="fp4", T=T, kind=kind, variant=variant, us=_median_ms(call) * 1e3)
+            emit(probe="fp4", T=T, kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3)
         use_kernel(kernel_module("as_is"))
         sb.destroy()
 
@@ -146,8 +152,29 @@ def probe_threshold(tokens=(8, 32, 128, 512)):
         sb.destroy()
 
 
+def probe_block(tokens=(64, 128, 256, 512, 1024)):
+    tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
+    saved = mf.FP4_WS_MIN_EXPECTED, mf.FP4_BLOCK64_MAX_EXPECTED
+    mf.FP4_WS_MIN_EXPECTED = -1
+    for T in tokens:
+        sb, problem, y, call = rank("fp8_fp4", T)
+        ref = problem.reference(numerics="hopper")[0]
+        for block, limit in ((64, float("inf")), (128, -1)):
+            mf.FP4_BLOCK64_MAX_EXPECTED = limit
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+            assert (cfg.kind, cfg.block_m) == ("fp4_ws", block)
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, ref)
+            emit(probe="block", T=T, kind="fp4_ws", block_m=block, us=_median_ms(call) * 1e3, rel_fro=err["rel_fro"],
+                 max_row_rel=err["max_row_rel"])
+        sb.destroy()
+    mf.FP4_WS_MIN_EXPECTED, mf.FP4_BLOCK64_MAX_EXPECTED = saved
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:2] or ["fp4", "back", "threshold"]
+    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block"]
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
     for name in which:
-        {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold}[name]()
+        {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block}[name]()

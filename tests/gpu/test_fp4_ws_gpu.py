@@ -2,7 +2,8 @@
 numerics) on a GPU: front launch, the warp-specialised phase, back launch, against ``problem.reference(numerics=
 "hopper")`` within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind forced (below
 ``FP4_WS_MIN_EXPECTED`` the host would pick the one-launch kernel), spread scales so that the folds round, the real
-size, and a CUDA-graph capture."""
+size, and a CUDA-graph capture -- each at pool block 128 (two math warpgroups, one decode partition) and 64 (one
+math warpgroup, two decode partitions; forced through ``FP4_BLOCK64_MAX_EXPECTED`` where the size would pick 128)."""
 import pytest
 import torch
 
@@ -51,24 +52,30 @@ def _layout(case):
                   case.block_m)
 
 
-def _force_fp4_ws(monkeypatch):
-    """Take the Gluon phase for every "hopper" call whatever the expected tokens per expert."""
+def _force_fp4_ws(monkeypatch, block_m=None):
+    """Take the Gluon phase for every "hopper" call whatever the expected tokens per expert; ``block_m`` 64 / 128:
+    that pool block whatever the expected tokens (None: the host's choice)."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    if block_m is not None:
+        monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf") if block_m == 64 else -1)
 
 
+@pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("case", CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
                                              "r2-spread-scales"])
-def test_fp4_ws_small_cases(case, monkeypatch):
+def test_fp4_ws_small_cases(case, block_m, monkeypatch):
     """Several pool blocks per expert, partial blocks, masks, an empty rank, clamp, I / 128 odd (5 L1 tiles a
-    block), skew, repeated calls (the workspace cleaned between them), scales whose folds round."""
+    block), skew, repeated calls (the workspace cleaned between them), scales whose folds round; at pool block 128
+    and 64."""
     import megamoe.fused as mf
 
-    _force_fp4_ws(monkeypatch)
-    assert mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda"), "hopper").kind == "fp4_ws"
-    assert_reports(run_case_local(case, device="cuda"), "hopper fused (FP4 Gluon GEMM phase) small")
+    _force_fp4_ws(monkeypatch, block_m)
+    cfg = mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m) == ("fp4_ws", block_m)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) small, block {block_m}")
 
 
 @pytest.mark.parametrize("num_ranks,num_tokens", [(1, [8192]), (4, [4096, 0, 2048, 77])], ids=["r1-t8192", "r4-skew"])
@@ -83,9 +90,40 @@ def test_fp4_ws_real_size(num_ranks, num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks}")
 
 
-def test_fp4_ws_cuda_graph_capture_and_replay(monkeypatch):
+@pytest.mark.parametrize("num_tokens", [512, 128])
+def test_fp4_ws_block64_one_ep8_rank(num_tokens, monkeypatch):
+    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at T = 512 / 128: 64 / 16 expected tokens
+    per expert, where the host picks pool block 64 itself (one math warpgroup, two decode partitions); at T = 512
+    about half of the experts take two blocks. Masked rows, two calls."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
+    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m) == ("fp4_ws", 64)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) block 64 T={num_tokens}")
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens", [(4, [4096, 0, 2048, 77])], ids=["r4-skew"])
+def test_fp4_ws_real_size_block64_forced(num_ranks, num_tokens, monkeypatch):
+    """The real size on 4 local ranks (384 experts, skewed routing: many blocks per expert, an empty rank) with pool
+    block 64 forced where the host would pick 128."""
+    import megamoe.fused as mf
+
+    _force_fp4_ws(monkeypatch, 64)
+    case = MoECase(num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
+                   routing="skewed", impl="fused", numerics="hopper", **REAL)
+    cfg = mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m) == ("fp4_ws", 64)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks} b64")
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(2048, 128), (512, 64)])
+def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     """The three launches captured in a CUDA graph (descriptors, tile tables, the fold table cached before the
-    capture) and replayed three times, at one EP8 rank's share of V4-Pro (48 experts, T = 2048)."""
+    capture) and replayed three times, at one EP8 rank's share of V4-Pro (48 experts, T = 2048: pool block 128;
+    T = 512: block 64)."""
     import megamoe.fused as mf
     from megamoe.kernels.symm import check_barrier_state
     from megamoe.ops import fp8_fp4_mega_moe
@@ -93,10 +131,11 @@ def test_fp4_ws_cuda_graph_capture_and_replay(monkeypatch):
     from megamoe.testing import assert_moe_close
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
-    case = MoECase(num_ranks=1, num_tokens=2048, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, seed=5)
-    sb = SymmBuffer.local(1, 48, 2048, 6, 7168, 3072, block_m=128, device="cuda")[0]
-    assert mf.fused_config(sb.layout, 2048, 1, sb.buffer.device, "hopper").kind == "fp4_ws"
+    sb = SymmBuffer.local(1, 48, num_tokens, 6, 7168, 3072, block_m=128, device="cuda")[0]
+    cfg = mf.fused_config(sb.layout, num_tokens, 1, sb.buffer.device, "hopper")
+    assert (cfg.kind, cfg.block_m) == ("fp4_ws", block_m)
     problem = case.problem(device="cuda")
     y, l1, l2, _ = prepare_rank(sb, problem, 0)
     ref = problem.reference(numerics="hopper")[0]
@@ -121,4 +160,9 @@ def test_fp4_ws_is_the_default_above_its_threshold():
     L = Layout(8, 384, 8192, 6, 7168, 3072, 128)
     assert mf.FP4_WS_ENABLED is True
     assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").kind == "fp4_ws"
+    assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").block_m == 128
     assert mf.fused_config(L, 8, 1, torch.device("cuda"), "hopper").kind == "hopper"
+    L48 = Layout(1, 48, 8192, 6, 7168, 3072, 128)  # one EP8 rank's share: T / 8 expected tokens per expert
+    for t, block in ((128, 64), (512, 64), (1024, 128)):
+        cfg = mf.fused_config(L48, t, 1, torch.device("cuda"), "hopper")
+        assert (cfg.kind, cfg.block_m) == ("fp4_ws", block), t
