@@ -492,6 +492,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"])
+                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
@@ -524,21 +525,35 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
     from megamoe.kernels import gemm_fp4_ws as k4
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
-    offs = _offsets(L)
-    H, I = L.hidden, L.intermediate_hidden
     for lr, c in enumerate(calls):
         k4.fp4_gemm_phase_kernel[(sms,)](
             *_fp4_ws_descriptors(c, L, bm), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            OFF_GRID=offs["OFF_GRID"], OFF_STATE=offs["OFF_STATE"], OFF_L2_MASK=offs["OFF_L2_MASK"],
-            OFF_L1_SF=offs["OFF_L1_SF"], OFF_L1_W=offs["OFF_L1_W"], OFF_L2=offs["OFF_L2"], OFF_L2_SF=offs["OFF_L2_SF"],
-            OFF_META=offs["OFF_META"], OFF_COMBINE=offs["OFF_COMBINE"], T=L.num_max_tokens_per_rank, H=H, I=I,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=c.clamp is not None, STAGES=FP4_WS_STAGES[bm],
-            MATH_REGS=math_regs, LOAD_REGS=load_regs, DECODE_REGS=decode_regs,
-            KW1_PAD=triton.next_power_of_2(H // 128), KW2_PAD=triton.next_power_of_2(I // 128),
-            num_warps=4, maxnreg=maxnreg)
+            **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None))
+
+
+def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
+    """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
+    layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer, as ``_ws_constexprs``."""
+    cache = sb.__dict__.setdefault("_fp4_ws_constexprs", {})
+    key = (bm, has_clamp)
+    if key not in cache:
+        L = sb.layout
+        offs = _offsets(L)
+        H, I = L.hidden, L.intermediate_hidden
+        math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
+        cache[key] = dict(
+            {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
+            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
+            LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
+            KW2_PAD=triton.next_power_of_2(I // 128), num_warps=4, maxnreg=maxnreg)
+    return cache[key]
+
+
+#: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
+_FP4_WS_OFFSETS = ("OFF_GRID", "OFF_STATE", "OFF_L2_MASK", "OFF_L1_SF", "OFF_L1_W", "OFF_L2", "OFF_L2_SF", "OFF_META",
+                   "OFF_COMBINE")
 
 
 #: The workspace and buffer offsets the Gluon GEMM phase takes (``_offsets`` names).

@@ -332,3 +332,23 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
         meta = kernel_meta(L, FusedConfig(bm, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False,
                            has_stats=False, timeline=False)
         assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm
+
+
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fp4_gluon_phase_keywords_match_its_constexprs(block_m):
+    """The keywords ``_launch_fp4_ws`` launches the FP8 x FP4 Gluon phase with (host code, checked without a GPU):
+    exactly the kernel's constexpr parameters plus the launch options, the buffer's offsets, cached."""
+    import megamoe.fused as mf
+    from megamoe.kernels import gemm_fp4_ws as k4
+
+    sb = SymmBuffer.local(1, 6, 300, 3, 512, 384, block_m=128)[0]
+    try:
+        kw = mf._fp4_ws_constexprs(sb, block_m, False)
+        assert set(kw) - {"num_warps", "maxnreg"} == {p.name for p in k4.fp4_gemm_phase_kernel.params
+                                                      if p.is_constexpr}
+        assert kw["OFF_L2"] == sb.layout.offset("l2_acts") and kw["STAGES"] == mf.FP4_WS_STAGES[block_m]
+        assert kw["KW1_PAD"] == 4 and kw["KW2_PAD"] == 4  # next powers of two of H / 128 = 4, I / 128 = 3
+        assert kw["maxnreg"] == mf.FP4_WS_REGS[block_m][3]
+        assert not kw["HAS_CLAMP"] and mf._fp4_ws_constexprs(sb, block_m, False) is kw  # cached
+    finally:
+        sb.destroy()

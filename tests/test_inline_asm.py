@@ -1,0 +1,66 @@
+"""The kernels' inline PTX, run on CPU by ``megamoe.inline_asm``: the FP4 -> e4m3 decode strings of
+``megamoe.kernels.numerics`` against the torch model on every byte value (plain decode) and on random words with
+every fold shift (the table decode of the "hopper" tiles and the FP8 x FP4 Gluon phase). The interpreter runs the
+strings' ``tl`` twins, so without this a wrong string would only show on a GPU, as a wrong tile."""
+import numpy as np
+import pytest
+import torch
+
+from megamoe.inline_asm import pack_bytes, run, unpack_bytes
+from megamoe.kernels import numerics as kn
+from megamoe.quant import E2M1_MAGNITUDES, FOLD_LUT_MAX_SHIFT, fold_lut
+
+
+def _e4m3_bits(values) -> np.ndarray:
+    return torch.tensor(values, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def _decode_model(nibbles: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """e4m3 bits of e2m1 ``nibbles`` (uint8, low 4 bits) through the per-element 8-byte magnitude ``table``
+    ``[..., 8]``, then the nibble's sign bit -> bit 7."""
+    mag = np.take_along_axis(table, (nibbles & 7)[..., None].astype(np.int64), axis=-1)[..., 0]
+    return (mag | ((nibbles & 8) << 4)).astype(np.uint8)
+
+
+def test_prmt_semantics():
+    a, b = np.array([0x33221100], np.uint32), np.array([0x77665544], np.uint32)
+    prmt = "{\nprmt.b32 $0, $1, $2, $3;\n}"
+    for sel, want in ((0x3210, 0x33221100), (0x7654, 0x77665544), (0x0123, 0x00112233), (0x4444, 0x44444444)):
+        assert run(prmt, {1: a, 2: b, 3: np.array([sel], np.uint32)})[0][0] == want
+    neg = np.array([0x00000080], np.uint32)  # byte 0 has its sign bit: selector nibble 8 replicates it
+    assert run(prmt, {1: neg, 2: b, 3: np.array([0x9898], np.uint32)})[0][0] == 0x00FF00FF
+
+
+def test_unknown_instruction_raises():
+    with pytest.raises(ValueError, match="not emulated"):
+        run("{\nmul.lo.u32 $0, $1, $1;\n}", {1: np.array([3], np.uint32)})
+
+
+def test_plain_prmt_decode_every_byte():
+    """``_PRMT_ASM`` (constant table: e2m1 magnitudes in e4m3) on all 256 bytes in every lane position."""
+    b = np.arange(256, dtype=np.uint8)
+    lanes = np.stack([np.roll(b, 64 * i) for i in range(4)], axis=-1).reshape(-1)  # every byte in every lane
+    out = run(kn._PRMT_ASM.value, {2: pack_bytes(lanes)})
+    table = np.broadcast_to(_e4m3_bits(E2M1_MAGNITUDES), (lanes.size, 8))
+    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lanes & 0xF, table))
+    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(lanes >> 4, table))
+
+
+def test_table_prmt_decode_every_shift():
+    """``_PRMT_LUT_ASM`` with ``fold_lut``'s tables at every fold shift, a different shift for the low and the
+    high nibbles of each word (as two 32-groups of one row), on random bytes."""
+    rng = np.random.default_rng(7)
+    n = 4096
+    lanes = rng.integers(0, 256, size=4 * n, dtype=np.uint8)
+    lut = fold_lut().numpy().astype(np.uint32)
+    d_lo, d_hi = rng.integers(0, FOLD_LUT_MAX_SHIFT + 1, size=(2, n))
+    ops = {2: pack_bytes(lanes), 3: lut[2 * d_lo], 7: lut[2 * d_lo + 1], 11: lut[2 * d_hi], 15: lut[2 * d_hi + 1]}
+    out = run(kn._PRMT_LUT_ASM.value, ops)
+
+    def table(d):  # [n, 8] magnitude bytes of each word, repeated for its four lanes
+        t = np.stack([lut[2 * d], lut[2 * d + 1]], axis=-1).astype("<u4").view(np.uint8)
+        return np.repeat(t, 4, axis=0)
+
+    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lanes & 0xF, table(d_lo)))
+    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(lanes >> 4, table(d_hi)))
+    assert len({int(x) for x in d_lo}) == FOLD_LUT_MAX_SHIFT + 1  # every shift drawn
