@@ -99,11 +99,15 @@ sufficed (~1.5x the decoded stages), so there it can lose; at 16 expected (T = 1
 warp a scheduler was latency-bound -- and at T = 512 2058 against 2108-2118 us (block 128 from earlier calls):
 there the second decode of half the experts' weights eats most of the gain. Hence FP4_BLOCK64_MAX_EXPECTED = 64.
 
-Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM
-128 (the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2
-flop at ~7.5 TFLOP/s an SM); the decode's stage body (BM 128) is ~1050 SASS instructions a thread with the L2 fold
-(333 LOP3, 168 LEA, 132 F2FP, 72 PRMT, 64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us
-at one instruction a cycle per scheduler only if its 4 warps, one a scheduler, never stall -- latency-bound.
+Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM 128
+(the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at
+~7.5 TFLOP/s an SM); the decode's stage body (BM 128) was ~1050 SASS instructions a thread with the L2 fold (333
+LOP3, 168 LEA, 132 F2FP, 72 PRMT, 64 HMUL2, 44 LDG of which 32 are table gathers), ~800 without: ~0.45-0.6 us at one
+instruction a cycle per scheduler only if its 4 warps, one a scheduler, never stall -- latency-bound. The leaner
+PRMT string of ``megamoe.kernels.numerics`` (selector by one byte PRMT instead of five masks and shifts; equal to
+the old one on CPU through ``megamoe.inline_asm``) takes 224 SASS instructions off each stage body at both blocks
+(whole kernel 13840 -> 13616 at BM 128, 8552 -> 8328 at BM 64: 192 LOP3, 64 LEA, 32 IMAD fewer, 64 PRMT more), ~21 %
+of the BM-128 decode; not yet timed on a GPU.
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with

@@ -150,16 +150,16 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
 #: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
-#: graph) passed on an H200 at pool blocks 128 and 64, and (block 128) it took the layer at T = 512 / 2048 / 8192 from 5132 / 16870 /
-#: 64165 us (the one-launch "hopper" kernel) to 2148 / 5053 / 15613 us (``results/layer_h200.json``). ``tile_kind``
-#: takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per local expert (``fused_config``: pool block 64 up
-#: to FP4_BLOCK64_MAX_EXPECTED, 128 above); ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")``
-#: forces it; ``FP4_WS_ENABLED = False`` turns it off. FP4_WS_MIN_EXPECTED: measured on an H200
-#: (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of V4-Pro), the one-launch kernel against "fp4_ws"
-#: forced (block 128): 950 / 1304 us at 1 expected token per expert (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013
-#: at 16 (T = 128), 4851 / 2109 at 64 (T = 512); "fp4_ws" at block 64 (``block`` rows, another device call): 1277 us
-#: at 4 (T = 32), 1298 at 16. So above 2 expected tokens; at 1 (T = 8) the one-launch kernel stays (block 64 there
-#: not measured).
+#: graph) passed on an H200 at pool blocks 128 and 64, and (block 128) it took the layer at T = 512 / 2048 / 8192
+#: from 5132 / 16870 / 64165 us (the one-launch "hopper" kernel, c1f41b1) to 2118 / 4995 / 15650
+#: (``results/layer_h200.json``). ``tile_kind`` takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per
+#: local expert (``fused_config``: pool block 64 up to FP4_BLOCK64_MAX_EXPECTED, 128 above);
+#: ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns
+#: it off. FP4_WS_MIN_EXPECTED: measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of
+#: V4-Pro), the one-launch kernel against "fp4_ws" forced (block 128): 950 / 1304 us at 1 expected token per expert
+#: (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013 at 16 (T = 128), 4851 / 2109 at 64 (T = 512); "fp4_ws" at block
+#: 64 (``block`` rows, another device call): 1277 us at 4 (T = 32), 1298 at 16. So above 2 expected tokens; at 1 (T
+#: = 8) the one-launch kernel stays (block 64 there not measured).
 FP4_WS_ENABLED = True
 FP4_WS_MIN_EXPECTED = 2
 #: Ring stages and the register split (math warpgroups / loader warp / decode warps, the kernel's maxnreg) by pool
