@@ -78,6 +78,27 @@ class MoECase:
         return "fp8" if self.format == "fp8" else self.numerics
 
 
+@dataclass
+class SpreadScalesCase(MoECase):
+    """A FP8 x FP4 case whose activation and weight scales are spread: 30 % of the packed scale words 2^10 lower in
+    all four groups (seeded), so that folding relative to a row's largest exponent (``numerics="hopper"``) rounds
+    values below e4m3's normal range (a plain case's data fold exactly: its per-32 weight scales differ by about
+    one exponent)."""
+
+    def problem(self, device="cpu") -> Problem:
+        p = super().problem(device)
+        g = torch.Generator().manual_seed(self.seed)
+
+        def spread(sf):
+            lower = torch.rand(sf.shape, generator=g) < 0.3
+            return torch.where(lower.to(sf.device), sf - 0x0A0A0A0A, sf)
+
+        p.x_sf = [spread(sf) for sf in p.x_sf]
+        p.l1_weights = (p.l1_weights[0], spread(p.l1_weights[1]))
+        p.l2_weights = (p.l2_weights[0], spread(p.l2_weights[1]))
+        return p
+
+
 def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
     """int32 [El]: (token, slot) pairs every rank routes to each of ``rank``'s local experts."""
     El = problem.num_local_experts

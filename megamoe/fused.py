@@ -307,6 +307,18 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
+def _buffer_cache(sb, name: str, key, build, limit: int = 8):
+    """``build()`` once per ``key``, kept on buffer ``sb`` in the dict ``name`` (emptied past ``limit`` entries, as
+    when the weights are swapped often): host objects of the Gluon launches (descriptors, keywords) are made once
+    and a repeated or CUDA-graph-captured call builds none."""
+    cache = sb.__dict__.setdefault(name, {})
+    if key not in cache:
+        if len(cache) > limit:
+            cache.clear()
+        cache[key] = build()
+    return cache[key]
+
+
 def _arg_table(calls, timelines, tiles) -> torch.Tensor:
     """int64 ``[local ranks, NUM_ARGS]``: per local rank the byte deltas of its tensors from local rank 0's
     (``kf.ARG_NAMES`` order) and its token count. Cached on the first buffer so a repeated call (and a CUDA-graph
@@ -326,14 +338,8 @@ def _arg_table(calls, timelines, tiles) -> torch.Tensor:
                                  "kernel needs aligned tensors (a fresh allocation, not an offset view)")
     table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
     key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9))
-    cache = calls[0].sb.__dict__.setdefault("_fused_arg_tables", {})
-    table = cache.get(key)
-    if table is None:
-        if len(cache) > 64:
-            cache.clear()
-        table = torch.tensor(table_rows, dtype=torch.int64, device=calls[0].sb.buffer.device)
-        cache[key] = table
-    return table
+    return _buffer_cache(calls[0].sb, "_fused_arg_tables", key, limit=64, build=lambda: torch.tensor(
+        table_rows, dtype=torch.int64, device=calls[0].sb.buffer.device))
 
 
 _FOLD_LUTS: dict = {}
@@ -421,30 +427,25 @@ def _ws_descriptors(c, L, bm: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = (c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
-    cache = c.sb.__dict__.setdefault("_ws_descs", {})
-    if key in cache:
-        return cache[key]
-    if len(cache) > 8:
-        cache.clear()
-    H, I = L.hidden, L.intermediate_hidden
-    f8 = torch.float8_e4m3fn
-    bn, bk = WS_TILE_N.value, FP8_BLOCK
-    lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
-    lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
-    lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
-    sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
-    descs = (
-        TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, bk], lay_a),
-        TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, bk], lay_a),
-        TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [bn, bk], lay_w),
-        TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [bn, bk], lay_w),
-        TensorDescriptor(sa1, [sa1.numel()], [1], [bm], lay_s),
-        TensorDescriptor(sa2, [sa2.numel()], [1], [bm], lay_s),
-    )
-    cache[key] = descs
-    return descs
+    def build():
+        H, I = L.hidden, L.intermediate_hidden
+        f8 = torch.float8_e4m3fn
+        bn, bk = WS_TILE_N.value, FP8_BLOCK
+        lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
+        lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+        lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
+        sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
+        return (
+            TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, bk], lay_a),
+            TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, bk], lay_a),
+            TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [bn, bk], lay_w),
+            TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [bn, bk], lay_w),
+            TensorDescriptor(sa1, [sa1.numel()], [1], [bm], lay_s),
+            TensorDescriptor(sa2, [sa2.numel()], [1], [bm], lay_s),
+        )
+
+    return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
 
 
 def _fp4_ws_descriptors(c, L, bm: int = 128):
@@ -454,24 +455,19 @@ def _fp4_ws_descriptors(c, L, bm: int = 128):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm)
-    cache = c.sb.__dict__.setdefault("_ws_descs", {})
-    if key in cache:
-        return cache[key]
-    if len(cache) > 8:
-        cache.clear()
-    H, I = L.hidden, L.intermediate_hidden
-    bn = WS_TILE_N.value
-    lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
-    lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
-    descs = (
-        TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
-        TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
-        TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2), [bn, 64], lay_w),
-        TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2), [bn, 64], lay_w),
-    )
-    cache[key] = descs
-    return descs
+    def build():
+        H, I = L.hidden, L.intermediate_hidden
+        bn = WS_TILE_N.value
+        lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+        lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
+        return (
+            TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
+            TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
+            TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2), [bn, 64], lay_w),
+            TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2), [bn, 64], lay_w),
+        )
+
+    return _buffer_cache(c.sb, "_ws_descs", ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
 
 
 def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp8_ws") -> None:
@@ -536,19 +532,18 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer, as ``_ws_constexprs``."""
-    cache = sb.__dict__.setdefault("_fp4_ws_constexprs", {})
-    key = (bm, has_clamp)
-    if key not in cache:
+    def build():
         L = sb.layout
         offs = _offsets(L)
         H, I = L.hidden, L.intermediate_hidden
         math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
-        cache[key] = dict(
+        return dict(
             {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
             SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
             LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
             KW2_PAD=triton.next_power_of_2(I // 128), num_warps=4, maxnreg=maxnreg)
-    return cache[key]
+
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp), build)
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
@@ -564,18 +559,17 @@ _WS_OFFSETS = ("OFF_GRID", "OFF_STATE", "OFF_L2_MASK", "OFF_ARRIVAL", "OFF_X", "
 def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer (no per-call work)."""
-    cache = sb.__dict__.setdefault("_ws_constexprs", {})
-    key = (bm, has_clamp)
-    if key not in cache:
+    def build():
         L = sb.layout
         offs = _offsets(L)
         math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
-        cache[key] = dict(
+        return dict(
             {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
             SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
             LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
             num_warps=4, maxnreg=maxnreg)
-    return cache[key]
+
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp), build)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -7,7 +7,7 @@ Both numerics are compared bit for bit with ``megamoe.reference`` in the matchin
 import pytest
 import torch
 
-from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
+from megamoe.cases import MoECase, SpreadScalesCase, prepare_rank, run_case_local, run_case_rank
 from megamoe.fused import (
     FP8_SWAP_BLOCK_M,
     FP8_SWAP_MAX_EXPECTED,
@@ -218,25 +218,6 @@ def _fp4_ws_config(block_m=128):
                        kind="fp4_ws")
 
 
-class _SpreadScales(MoECase):
-    """A case whose activation and weight scales are spread: 30 % of the packed scale words 2^10 lower in all four
-    groups (seeded), so that folding relative to a row's largest exponent rounds values below e4m3's normal range
-    (the case's own data fold exactly: its per-32 weight scales differ by about one exponent)."""
-
-    def problem(self, device="cpu"):
-        p = super().problem(device)
-        g = torch.Generator().manual_seed(self.seed)
-
-        def spread(sf):
-            lower = torch.rand(sf.shape, generator=g) < 0.3
-            return torch.where(lower.to(sf.device), sf - 0x0A0A0A0A, sf)
-
-        p.x_sf = [spread(sf) for sf in p.x_sf]
-        p.l1_weights = (p.l1_weights[0], spread(p.l1_weights[1]))
-        p.l2_weights = (p.l2_weights[0], spread(p.l2_weights[1]))
-        return p
-
-
 FP4_WS_CASE = dict(num_ranks=1, num_tokens=300, hidden=512, intermediate=384, num_topk=3, num_experts=6,
                    masked_ratio=0.1, activation_clamp=0.5, block_m=128, impl="fused", numerics="hopper", seed=21)
 
@@ -249,7 +230,7 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     against ``problem.reference(numerics="hopper")``, twice (the workspace is clean between calls), as the one-launch
     "hopper" kernel's tests. 300 tokens x top-3 over 6 experts: experts span a full and a partial pool block of 128;
     I = 384: three L1 tiles a block (the requant's scale blocks and the L2 fold across them); H = 512: two L2 tiles;
-    scales spread so that the folds round (``_SpreadScales``). The Gluon launch's TMA descriptors are built on CPU as
+    scales spread so that the folds round (``SpreadScalesCase``). The Gluon launch's TMA descriptors are built on CPU as
     on the GPU. Block 64 (the tile of one math warpgroup and two decode partitions, at few tokens per expert): the
     pool sized for 128, the front launch's blocks, tile table and folded rows at 64 (three blocks an expert, the last
     partial), A boxes of [64, 128]."""
@@ -261,7 +242,7 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     real_table, real_descs = mf._tile_table, mf._fp4_ws_descriptors
     monkeypatch.setattr(mf, "_tile_table", lambda sb: tables.append(real_table(sb)) or tables[-1])
     monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
-    _assert_exact(run_case_local(_SpreadScales(num_calls=2, **FP4_WS_CASE)))
+    _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
     a1, a2, w1, w2 = descs[-1]
     assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 64]] * 2
     assert list(w1.shape) == [6 * 2 * 384, 512 // 2] and list(w2.shape) == [6 * 512, 384 // 2]
@@ -285,7 +266,7 @@ def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
 
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config())
     monkeypatch.setattr(gp, "_folded_fp4_rows", unfolded)
-    reports = run_case_local(_SpreadScales(**FP4_WS_CASE))
+    reports = run_case_local(SpreadScalesCase(**FP4_WS_CASE))
     assert not all(r["bitwise_equal"] for r in reports)
 
 

@@ -7,29 +7,12 @@ math warpgroup, two decode partitions; forced through ``FP4_BLOCK64_MAX_EXPECTED
 import pytest
 import torch
 
-from megamoe.cases import MoECase, assert_reports, prepare_rank, run_case_local
+from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, prepare_rank, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
 REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m=128)
 WS = dict(block_m=128, impl="fused", numerics="hopper")
-
-
-class SpreadScales(MoECase):
-    """30 % of the activation and weight scale words 2^10 lower (seeded): folds round below e4m3's normal range."""
-
-    def problem(self, device="cpu"):
-        p = super().problem(device)
-        g = torch.Generator().manual_seed(self.seed)
-
-        def spread(sf):
-            lower = torch.rand(sf.shape, generator=g) < 0.3
-            return torch.where(lower.to(sf.device), sf - 0x0A0A0A0A, sf)
-
-        p.x_sf = [spread(sf) for sf in p.x_sf]
-        p.l1_weights = (p.l1_weights[0], spread(p.l1_weights[1]))
-        p.l2_weights = (p.l2_weights[0], spread(p.l2_weights[1]))
-        return p
 
 
 CASES = [
@@ -40,7 +23,7 @@ CASES = [
             intermediate=640, **WS),
     MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
             num_calls=3, **WS),
-    SpreadScales(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
+    SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
                  masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
 ]
 
