@@ -211,3 +211,23 @@ def test_results_in_a_subfolder_are_recorded_by_their_relative_path(dirs, capsys
     assert nbs.freshness_problems(nb) == []
     (res / "probes" / "x.json").write_text('{"rows": [2]}')
     assert any("changed since" in p for p in nbs.freshness_problems(nb))
+
+
+def test_probe_jsonl_is_read_as_rows_and_plotted(dirs, capsys):
+    """A probe's JSON-lines file loads as ``{"rows": [...]}`` (with the freshness line) and the fp4_ws probe figure
+    draws it without warnings."""
+    import warnings
+
+    _, res = dirs
+    (res / "probes").mkdir(exist_ok=True)
+    rows = [{"probe": "start"}] + [{"probe": "fp4", "T": t, "variant": v, "us": us}
+                                   for t in (512, 2048) for v, us in (("as_is", 2 * t), ("nodecode", t))]
+    rows += [{"probe": "block", "T": t, "block_m": b, "us": t + b} for t in (32, 128) for b in (64, 128)]
+    (res / "probes" / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = figures.load_results("probes/p")
+    assert data == {"rows": rows}
+    assert "read results/probes/p.jsonl sha256:" in capsys.readouterr().out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figures.save_figure(figures.fp4_ws_probe(data), "p")
+    assert figures.load_results("probes/none") is None

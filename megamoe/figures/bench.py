@@ -324,6 +324,41 @@ def bench_xy(data: dict) -> Figure | None:
 
 
 #: ``kind`` -> plotting function for results/*.json.
+def fp4_ws_probe(data: dict) -> Figure:
+    """``results/probes/ws_variants_probe_h200.jsonl``: the FP8 x FP4 call with its Gluon phase ("fp4_ws") as it is
+    and with the decode (and the per-K-block add) patched out, by tokens per rank (left), and the phase at pool block
+    64 against 128 (right). µs per call, one EP8 rank of V4-Pro on an H200."""
+    rows = data["rows"]
+    fig, axes = new_figure(1, 2, size=(10.0, 3.6))
+    variants = [("as_is", "as it is", "#222222"), ("nodecode", "decode patched out", "#4c72b0"),
+                ("nodecode+nopromote", "decode and per-K add out", "#55a868")]
+    ax = axes[0, 0]
+    Ts = sorted({r["T"] for r in rows if r.get("probe") == "fp4"})
+    width = 0.8 / len(variants)
+    for i, (v, label, color) in enumerate(variants):
+        us = {r["T"]: r["us"] for r in rows if r.get("probe") == "fp4" and r["variant"] == v}
+        xs = [j + (i - 1) * width for j, t in enumerate(Ts) if t in us]
+        bars = ax.bar(xs, [us[t] for t in Ts if t in us], width, label=label, color=color)
+        ax.bar_label(bars, fmt="%.0f", fontsize=6)
+    ax.set_xticks(range(len(Ts)), [str(t) for t in Ts])
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("µs per call")
+    ax.set_title("fp4_ws: the FP4 decode sets the pace", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[0, 1]
+    for block, color in ((128, "#222222"), (64, "#dd8452")):
+        pts = sorted((r["T"], r["us"]) for r in rows if r.get("probe") == "block" and r["block_m"] == block)
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=f"pool block {block}")
+    log_axis(ax, "x")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("µs per call")
+    ax.set_title("fp4_ws at block 64 (8 decode warps) vs 128 (4)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.suptitle("FP8 x FP4 Gluon GEMM phase, one EP8 rank of V4-Pro (H200)")
+    return fig
+
+
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "layer_fp8": bench_layer_impls,
     "pull_push": bench_pull_push,

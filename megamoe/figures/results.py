@@ -48,21 +48,25 @@ def results_name(path: Path) -> str:
 def read_results(path: Path) -> dict:
     """A results file as a dict; prints ``read results/<name> sha256:<16 hex>`` (``<name>`` relative to the results
     folder: ``probes/x.json`` for a probe's output) so that outputs made from it can be checked for freshness later.
-    The one reader of ``results/*.json`` (figures and notebooks)."""
+    The one reader of ``results/*.json`` and of the probes' ``*.jsonl`` (one JSON row a line, read as
+    ``{"rows": [...]}``) for figures and notebooks."""
     path = Path(path)
     print(f"read results/{results_name(path)} sha256:{results_sha(path)}")
     with open(path) as f:
+        if path.suffix == ".jsonl":
+            return {"rows": [json.loads(line) for line in f if line.strip()]}
         return json.load(f)
 
 
 def load_results(name: str) -> dict | None:
-    """``results/<name>.json`` as a dict (through :func:`read_results`), or None (with a printed line) when the
-    file does not exist. ``name`` may name a subfolder (``"probes/gemm_tile_probe_h200"``)."""
-    path = results_dir() / f"{name}.json"
-    if not path.exists():
-        print(f"figures: no {path}, skipping")
-        return None
-    return read_results(path)
+    """``results/<name>.json`` (else ``.jsonl``) as a dict (through :func:`read_results`), or None (with a printed
+    line) when neither exists. ``name`` may name a subfolder (``"probes/gemm_tile_probe_h200"``)."""
+    for suffix in (".json", ".jsonl"):
+        path = results_dir() / f"{name}{suffix}"
+        if path.exists():
+            return read_results(path)
+    print(f"figures: no {results_dir() / name}.json(l), skipping")
+    return None
 
 
 def results_kind(data: dict, name: str) -> str:
