@@ -131,14 +131,23 @@ def test_keyboard_interrupt_from_a_timer_then_correct_calls():
         raise KeyboardInterrupt("timer")
 
     previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupted = 0
     try:
         for delay in (0.3, 0.05):
-            signal.setitimer(signal.ITIMER_REAL, delay)
-            with pytest.raises(KeyboardInterrupt):
-                r.call()
-                time.sleep(5)  # only if the call finished first: the timer must still fire inside the test
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            # An alarm that lands in a finalizer (a weakref callback during garbage collection; seen once in CI) is
+            # swallowed by Python ("Exception ignored in ...") and the call completes: then the same delay again.
+            for _ in range(3):
+                signal.setitimer(signal.ITIMER_REAL, delay)
+                try:
+                    r.call()
+                    time.sleep(delay + 1)  # only if the call finished first: the timer fires here instead
+                except KeyboardInterrupt:
+                    interrupted += 1
+                    break
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
             assert r.call()
+        assert interrupted == 2
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
