@@ -99,6 +99,21 @@ class SpreadScalesCase(MoECase):
         return p
 
 
+def gluon_phase_cases(**common) -> list[MoECase]:
+    """The small cases both Gluon GEMM phases' GPU tests run (``common``: the format, block and impl keywords): one
+    rank; two ranks with masks and an empty rank at top-6; four ranks with a clamp and an I of five 128-blocks; two
+    skewed ranks over three calls."""
+    return [
+        MoECase(num_ranks=1, num_topk=2, num_experts=4, num_tokens=300, hidden=512, intermediate=256, **common),
+        MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[145, 0], masked_ratio=0.3, hidden=768,
+                intermediate=384, **common),
+        MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[133, 7, 0, 212], activation_clamp=0.25,
+                hidden=512, intermediate=640, **common),
+        MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
+                num_calls=3, **common),
+    ]
+
+
 def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
     """int32 [El]: (token, slot) pairs every rank routes to each of ``rank``'s local experts."""
     El = problem.num_local_experts

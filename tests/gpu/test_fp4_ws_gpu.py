@@ -7,7 +7,7 @@ math warpgroup, two decode partitions; forced through ``FP4_BLOCK64_MAX_EXPECTED
 import pytest
 import torch
 
-from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, prepare_rank, run_case_local
+from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, gluon_phase_cases, prepare_rank, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
@@ -15,16 +15,9 @@ REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m
 WS = dict(block_m=128, impl="fused", numerics="hopper")
 
 
-CASES = [
-    MoECase(num_ranks=1, num_topk=2, num_experts=4, num_tokens=300, hidden=512, intermediate=256, **WS),
-    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[145, 0], masked_ratio=0.3, hidden=768,
-            intermediate=384, **WS),
-    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[133, 7, 0, 212], activation_clamp=0.25, hidden=512,
-            intermediate=640, **WS),
-    MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
-            num_calls=3, **WS),
+CASES = gluon_phase_cases(**WS) + [
     SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
-                 masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
+                     masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
 ]
 
 

@@ -4,7 +4,7 @@ local ranks (masks, an empty rank, clamp, skew, repeated calls) and the real siz
 import pytest
 import torch
 
-from megamoe.cases import MoECase, assert_reports, run_case_local
+from megamoe.cases import MoECase, assert_reports, gluon_phase_cases, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
 
@@ -39,14 +39,7 @@ def test_fp8_real_size_one_rank(impl, num_tokens):
 
 # ------------------------------------------------------------------ the Gluon GEMM phase ("fp8_ws")
 WS = dict(format="fp8", block_m=128)
-WS_CASES = [
-    MoECase(num_ranks=1, num_topk=2, num_experts=4, num_tokens=300, hidden=512, intermediate=256, **WS),
-    MoECase(num_ranks=2, num_topk=6, num_experts=8, num_tokens=[145, 0], masked_ratio=0.3, hidden=768,
-            intermediate=384, **WS),
-    MoECase(num_ranks=4, num_topk=2, num_experts=8, num_tokens=[133, 7, 0, 212], activation_clamp=0.25, hidden=512,
-            intermediate=640, **WS),
-    MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
-            num_calls=3, **WS),
+WS_CASES = gluon_phase_cases(**WS) + [
     MoECase(num_ranks=2, num_topk=2, num_experts=8, num_tokens=[100, 40], masked_ratio=0.2, activation_clamp=0.3,
             hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert: pool block 64
 ]
