@@ -531,19 +531,25 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
-    layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer, as ``_ws_constexprs``."""
-    def build():
-        L = sb.layout
-        offs = _offsets(L)
-        H, I = L.hidden, L.intermediate_hidden
-        math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
-        return dict(
-            {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
-            LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
-            KW2_PAD=triton.next_power_of_2(I // 128), num_warps=4, maxnreg=maxnreg)
+    layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp) and cached on the buffer, as
+    ``_ws_constexprs``."""
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp),
+                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp))
 
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp), build)
+
+def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
+    """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
+    at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` at ``bm``,
+    ``num_warps`` and ``maxnreg``. What a launch passes, and what
+    ``megamoe.hopper_compile`` compiles offline."""
+    offs = _offsets(L)
+    H, I = L.hidden, L.intermediate_hidden
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
+    return dict(
+        {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
+        SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
+        LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
+        KW2_PAD=triton.next_power_of_2(I // 128), num_warps=4, maxnreg=maxnreg)
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
@@ -558,18 +564,22 @@ _WS_OFFSETS = ("OFF_GRID", "OFF_STATE", "OFF_L2_MASK", "OFF_ARRIVAL", "OFF_X", "
 
 def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
-    layout at pool block ``bm``; built once per (block, clamp) and cached on the buffer (no per-call work)."""
-    def build():
-        L = sb.layout
-        offs = _offsets(L)
-        math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
-        return dict(
-            {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
-            SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
-            LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-            num_warps=4, maxnreg=maxnreg)
+    layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
+    per-call work)."""
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp),
+                         lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp), build)
+
+def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
+    """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for layout ``L``
+    at pool block ``bm`` (64 or 128), as ``fp4_ws_keywords``."""
+    offs = _offsets(L)
+    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
+    return dict(
+        {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
+        SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
+        LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
+        num_warps=4, maxnreg=maxnreg)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

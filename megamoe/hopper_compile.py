@@ -1,0 +1,159 @@
+"""Offline sm_90a compiles of the two Gluon GEMM phases, on any machine (no GPU): what ptxas and the SASS say about
+the kernel a launch of this checkout would run.
+
+``compile_gluon_phase(kind, layout, block_m)`` compiles ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``
+(``kind="fp4_ws"``) or ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` (``"fp8_ws"``) with exactly the
+keywords the host passes (``megamoe.fused.fp4_ws_keywords`` / ``fp8_ws_keywords``: buffer offsets, shapes, ring
+stages, register split, ``maxnreg``) and the argument types of its TMA descriptors, for ``GPUTarget("cuda", 90,
+32)``, then runs the bundled ``ptxas -v`` and ``cuobjdump -sass``. The report carries the dynamic shared memory,
+registers, stack and spill bytes, the ``setmaxnreg`` values, a SASS opcode histogram and the K loops' bodies.
+
+Used by ``tests/test_hopper_compile.py`` (CI compiles the kernels it cannot run: shared memory within sm_90's
+limit, the register split the host asks for, spills within the budgets below) and by the compile probes of
+``results/probes/``. Nothing here launches anything.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+#: sm_90's largest dynamic shared memory per block (H100 / H200: 227 KiB).
+SM90_MAX_SHARED_PER_BLOCK = 232448
+#: Pointer arguments the host passes 16-byte aligned (buffer bases, torch allocations), per kind.
+_ALIGNED = {"fp4_ws": ("buf", "w1_sf", "w2_sf", "lut", "tiles", "buffer_ptrs"),
+            "fp8_ws": ("buf", "w1_sf", "w2_sf", "tiles", "buffer_ptrs")}
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """One offline compile. ``setmaxnreg``: sorted ``(inc|dec, registers)`` pairs of the PTX; ``loops``: per
+    backward branch spanning more than 64 instructions, ``(first address, last address, instructions, {opcode:
+    count})`` of the SASS between them (a K loop's body); ``directory``: where the PTX / TTGIR / SASS were written."""
+    kind: str
+    block_m: int
+    shared: int
+    registers: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+    setmaxnreg: list
+    sass_ops: dict
+    loops: list
+    directory: str
+
+
+def _signature(kind: str, bm: int) -> dict:
+    from triton.experimental.gluon import language as gl
+
+    def td(dt, blk, lay):
+        return f"tensordesc<{dt}{list(blk)},{lay!r}>"
+
+    a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    if kind == "fp4_ws":  # the layouts of megamoe.fused._fp4_ws_descriptors
+        w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
+                    w1_desc=td("u8", [256, 64], w), w2_desc=td("u8", [256, 64], w), buf="*u8", w1_sf="*i32",
+                    w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32",
+                    timeout_ns="i64")
+    w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)  # megamoe.fused._ws_descriptors
+    s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
+                w1_desc=td("fp8e4nv", [256, 128], w), w2_desc=td("fp8e4nv", [256, 128], w),
+                sa1_desc=td("fp32", [bm], s), sa2_desc=td("fp32", [bm], s), buf="*u8", w1_sf="*fp32", w2_sf="*fp32",
+                tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
+
+
+def _loops(sass: str, min_instructions: int = 64) -> list:
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    out = []
+    for ad, text in ins:
+        m = re.search(r"\bBRA (?:U?!?P\w+, )?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < ad:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= ad]
+            if len(body) > min_instructions:
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+                out.append((int(m.group(1), 16), ad, len(body), dict(ops)))
+    return out
+
+
+def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False) -> CompileReport:
+    """Compile ``kind``'s Gluon GEMM phase ("fp4_ws" or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
+    ``block_m`` with the host's keywords; see the module docstring. In a process whose Triton runs its interpreter
+    (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs in a child process
+    with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as JSON."""
+    from megamoe.env import interpreting
+
+    if interpreting():
+        L = layout
+        args = [kind, str(block_m), str(int(has_clamp)), str(L.num_ranks), str(L.num_experts),
+                str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
+                str(L.block_m), L.format]
+        out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
+                             env=dict(os.environ, TRITON_INTERPRET="0"))
+        if out.returncode != 0:
+            raise RuntimeError(f"offline compile of {kind} at block_m={block_m} failed:\n{out.stderr[-4000:]}")
+        return CompileReport(**json.loads(out.stdout.strip().splitlines()[-1]))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe import fused as mf
+    if kind == "fp4_ws":
+        from megamoe.kernels.gemm_fp4_ws import fp4_gemm_phase_kernel as fn
+        kw = mf.fp4_ws_keywords(layout, block_m, has_clamp)
+    elif kind == "fp8_ws":
+        from megamoe.kernels.gemm_fp8_ws import fp8_gemm_phase_kernel as fn
+        kw = mf.fp8_ws_keywords(layout, block_m, has_clamp)
+    else:
+        raise ValueError(f"kind must be 'fp4_ws' or 'fp8_ws', got {kind!r}")
+    options = {"num_warps": kw.pop("num_warps"), "maxnreg": kw.pop("maxnreg")}
+    sig = _signature(kind, block_m)
+    sig.update({k: "constexpr" for k in kw})
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in _ALIGNED[kind]}
+    k = triton.compile(GluonASTSource(fn, sig, kw, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    d = tempfile.mkdtemp(prefix=f"megamoe_{kind}_{block_m}_")
+    for name, key, mode in (("k.ptx", "ptx", "w"), ("k.ttgir", "ttgir", "w"), ("k.cubin", "cubin", "wb")):
+        with open(os.path.join(d, name), mode) as f:
+            f.write(k.asm[key])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    pv = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                         os.path.join(d, "k2.cubin")], capture_output=True, text=True, check=True)
+    info = pv.stdout + pv.stderr
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(d, "k.sass"), "w") as f:
+        f.write(sass)
+
+    def num(pattern):
+        m = re.search(pattern, info)
+        return int(m.group(1)) if m else 0
+
+    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
+    return CompileReport(
+        kind=kind, block_m=block_m, shared=k.metadata.shared, registers=num(r"Used (\d+) registers"),
+        stack=num(r"(\d+) bytes stack frame"), spill_stores=num(r"(\d+) bytes spill stores"),
+        spill_loads=num(r"(\d+) bytes spill loads"),
+        setmaxnreg=sorted({(m.group(1), int(m.group(2))) for m in
+                           re.finditer(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])}),
+        sass_ops=dict(ops), loops=_loops(sass), directory=d)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP R E T K H I LAYOUT_BLOCK_M FORMAT``: one report as a
+    JSON line (what ``compile_gluon_phase`` reads back from its child)."""
+    from megamoe.layout import Layout
+
+    kind, bm, clamp, *dims, fmt = argv
+    L = Layout(*(int(v) for v in dims), format=fmt)
+    print(json.dumps(dataclasses.asdict(compile_gluon_phase(kind, L, int(bm), bool(int(clamp))))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

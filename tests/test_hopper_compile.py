@@ -1,0 +1,42 @@
+"""The Gluon GEMM phases compile for sm_90a on a CPU machine, with the keywords the host passes, within their
+budgets (``megamoe.hopper_compile``): CI cannot run them, but it can see a change that no longer compiles, no
+longer fits in shared memory, ignores the host's register split, or spills inside a K loop."""
+import pytest
+
+from megamoe import fused as mf
+from megamoe.hopper_compile import SM90_MAX_SHARED_PER_BLOCK, compile_gluon_phase
+from megamoe.layout import Layout
+
+#: Spill-store bytes allowed per (kind, pool block), a little above the compiles of this checkout (Triton 3.6):
+#: fp4_ws 0 / 140 (block 128: ``_row_exponent_max``, once a tile), fp8_ws 4 / 28,
+#: none of them inside a K loop (the math and decode partitions' loops, checked below).
+SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 160, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40}
+
+
+def _innermost(loops):
+    """The loops (``CompileReport.loops``) that contain no other: the K loops of each partition."""
+    return [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,block_m", [("fp4_ws", 64), ("fp4_ws", 128), ("fp8_ws", 64), ("fp8_ws", 128)])
+def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8_fp4" if kind == "fp4_ws" else "fp8")
+    r = compile_gluon_phase(kind, layout, block_m)
+    assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK, r.shared
+    math, load, worker, maxnreg = mf.FP4_WS_REGS[block_m] if kind == "fp4_ws" else mf.FP8_WS_REGS
+    assert r.registers <= maxnreg
+    values = {v for _, v in r.setmaxnreg}
+    # the host's split reaches the PTX (fp4_ws at block 64: the math warpgroup is the default partition and keeps what
+    # the workers leave, 512 - loader - two decode partitions, so MATH_REGS is not used there)
+    want = {load, worker} | ({512 - load - 2 * worker} if (kind, block_m) == ("fp4_ws", 64) else {math})
+    assert want <= values, (want, r.setmaxnreg)
+    assert r.spill_stores <= SPILL_BUDGET[kind, block_m], (r.spill_stores, r.directory)
+    inner = _innermost(r.loops)
+    mma_loops = [lp for lp in inner if lp[3].get("QGMMA")]
+    decode_loops = [lp for lp in inner if lp[3].get("PRMT", 0) >= 64 and not lp[3].get("QGMMA")]
+    assert mma_loops, "no K loop issues wgmma"
+    assert bool(decode_loops) == (kind == "fp4_ws"), "the FP4 decode partitions' K loops: table lookups by prmt"
+    # (fp8_ws's pull partition spills 8 B a pulled row in its copy loop at 40 registers: known, not a K loop)
+    for first, last, n, ops in mma_loops + decode_loops:
+        assert not ops.get("STL") and not ops.get("LDL"), f"spill inside the K loop {first:#x}-{last:#x} ({r.directory})"
