@@ -39,4 +39,4 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
     assert bool(decode_loops) == (kind == "fp4_ws"), "the FP4 decode partitions' K loops: table lookups by prmt"
     # (fp8_ws's pull partition spills 8 B a pulled row in its copy loop at 40 registers: known, not a K loop)
     for first, last, n, ops in mma_loops + decode_loops:
-        assert not ops.get("STL") and not ops.get("LDL"), f"spill inside the K loop {first:#x}-{last:#x} ({r.directory})"
+        assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x} ({r.directory})"
