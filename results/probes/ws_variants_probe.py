@@ -62,22 +62,28 @@ PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
-TMP = pathlib.Path(tempfile.mkdtemp(prefix="ws_variants_"))
 
 
 def emit(**row):
     print(json.dumps(row), flush=True)
 
 
-def kernel_module(variant: str):
-    """``megamoe.kernels.gemm_fp4_ws`` as it is, or a text-patched copy imported from a temporary file."""
-    if variant == "as_is":
-        return AS_IS
+def patched_source(variant: str) -> str:
+    """The text of ``megamoe.kernels.gemm_fp4_ws`` with ``variant``'s patches (each old text must occur exactly once:
+    ``tests/test_probes.py`` checks every variant on CPU, so a kernel edit cannot silently unpatch a probe)."""
     src = pathlib.Path(AS_IS.__file__).read_text()
     for old, new in PATCHES[variant]:
         assert src.count(old) == 1, (variant, old[:60])
         src = src.replace(old, new)
-    path = TMP / f"gemm_fp4_ws_{variant.replace('+', '_')}.py"
+    return src
+
+
+def kernel_module(variant: str):
+    """``megamoe.kernels.gemm_fp4_ws`` as it is, or a text-patched copy imported from a temporary file."""
+    if variant == "as_is":
+        return AS_IS
+    src = patched_source(variant)
+    path = pathlib.Path(tempfile.mkdtemp(prefix="ws_variants_")) / f"gemm_fp4_ws_{variant.replace('+', '_')}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"gemm_fp4_ws_{variant.replace('+', '_')}", path)
     mod = importlib.util.module_from_spec(spec)
