@@ -142,8 +142,13 @@ from megamoe.kernels.gemm_fp8_ws import (
 from megamoe.kernels.numerics import _PRMT_LUT_ASM, ceil_ue8m0, f32_to_e4m3_bits
 from megamoe.kernels.symm import _globaltimer_ns
 
-DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once (4 chunks per stage)
+DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once without PREFETCH (4 chunks a stage)
 KW_CHUNK = gl.constexpr(16)  #: scale words per row read at once for the row maxima
+#: Packed W ``[rows, 32]`` bytes as the decode reads them: 16 consecutive bytes of one row a thread, two threads a
+#: row, 64 rows over the 4 warps (a 128-row chunk: two rows a thread).
+D_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+#: The L2 A stage ``[rows, 128]`` e4m3 as the fold reads it: 16 bytes a thread, 8 threads a row.
+A_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -230,9 +235,12 @@ def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.conste
 @gluon.jit
 def _fold_table(lut, word, rmax, g: gl.constexpr):
     """The decode table words (codes 0-3, codes 4-7) of per-32 group ``g`` of each row: ``fold_lut`` at the fold
-    shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``)."""
+    shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``). The pair is one
+    8-byte gather (``lut`` as int64: entry ``d`` = words ``2d`` (low, little-endian) and ``2d + 1``): half the loads
+    and address arithmetic of two 4-byte gathers (``fold_lut`` is a fresh, 8-byte aligned allocation)."""
     d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
-    return gl.load(lut + 2 * d), gl.load(lut + 2 * d + 1)
+    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)
+    return pair.to(gl.int32), (pair >> 32).to(gl.int32)
 
 
 @gluon.jit
@@ -261,43 +269,59 @@ def _cat(x, y):
 
 
 @gluon.jit
+def _fold_a_rows(a_view, s_mx, s_kb):
+    """``e4m3(a * 2^(s_kb - s_mx))`` in place for the rows of ``a_view`` (``[CR, 128]`` e4m3 shared memory), through
+    fp16 and the hardware's RNE conversion (exact for every value that survives into e4m3, as ``_fold_e4m3``);
+    ``s_mx`` / ``s_kb``: int32 ``[CR]`` in ``SliceLayout(1, A_LAYOUT)``."""
+    scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
+    a = a_view.load(A_LAYOUT)
+    a_view.store((a.to(gl.float16) * scale).to(gl.float8e4nv))
+
+
+@gluon.jit
+def _a_scales(sf, valid, c: gl.constexpr, CR: gl.constexpr, live):
+    """This K block's UE8M0 exponents of pool rows ``[c, c + CR)`` (``sf``: the block's scale words; rows past
+    ``valid``, or every row when ``live`` is false, read as 0 without a memory access), int32 ``[CR]``."""
+    rows = gl.arange(0, CR, layout=gl.SliceLayout(1, A_LAYOUT))
+    return gl.load(sf + c + rows, mask=(c + rows < valid) & live, other=0) & 0xFF
+
+
+@gluon.jit
 def _fold_a_stage(a_buf, smax, sf, valid, A0: gl.constexpr, NA: gl.constexpr):
-    """L2: fold rows ``[A0, A0 + NA)`` of the A stage ``a_buf`` ``[BM, 128]`` (e4m3) in place per row, ``e4m3(a *
-    2^(s_kb - s_max))`` through fp16 and the hardware's RNE conversion (exact for every value that survives into
-    e4m3, as ``_fold_e4m3``). ``smax``: the block's rows' largest per-128 exponents (shared memory); ``sf``: this K
+    """L2: fold rows ``[A0, A0 + NA)`` of the A stage ``a_buf`` ``[BM, 128]`` (e4m3) in place per row
+    (``_fold_a_rows``). ``smax``: the block's rows' largest per-128 exponents (shared memory); ``sf``: this K
     block's scale words of the block's rows."""
-    AL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [16 k, 128] e4m3
     CR: gl.constexpr = DEC_ROWS if NA > DEC_ROWS else NA  # rows a chunk
-    rows = gl.arange(0, CR, layout=gl.SliceLayout(1, AL))
     for c in gl.static_range(A0, A0 + NA, CR):
-        a_view = a_buf.slice(c, CR)
-        s_kb = gl.load(sf + c + rows, mask=c + rows < valid, other=0) & 0xFF
-        s_mx = smax.slice(c, CR).load(gl.SliceLayout(1, AL))
-        scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
-        a = a_view.load(AL)
-        a_view.store((a.to(gl.float16) * scale).to(gl.float8e4nv))
+        _fold_a_rows(a_buf.slice(c, CR), smax.slice(c, CR).load(gl.SliceLayout(1, A_LAYOUT)),
+                     _a_scales(sf, valid, c, CR, True))
+
+
+@gluon.jit
+def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
+    """Rows ``[r0, r0 + ROWS)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``: packed bytes
+    ``[0, 32)`` hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32, 64)`` K ``[64, 96)``
+    and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K block's scale word of each of the rows
+    (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four bytes); ``rmax``: the 256 rows' largest
+    exponents (shared memory; this partition's rows written by it). ``ROWS`` 64: one row a thread; 128: two."""
+    rm = rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT))
+    p = wp.slice(r0, ROWS)
+    t00, t01 = _fold_table(lut, word, rm, 0)
+    t10, t11 = _fold_table(lut, word, rm, 1)
+    g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(D_LAYOUT), t00, t01, t10, t11)
+    t20, t21 = _fold_table(lut, word, rm, 2)
+    t30, t31 = _fold_table(lut, word, rm, 3)
+    g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(D_LAYOUT), t20, t21, t30, t31)
+    wd.slice(r0, ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
 
 
 @gluon.jit
 def _decode_stage(wp, wd, rmax, w_sf, lut, R0: gl.constexpr, NR: gl.constexpr):
-    """Rows ``[R0, R0 + NR)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``, 64 rows at a
-    time: packed bytes ``[0, 32)`` hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32,
-    64)`` K ``[64, 96)`` and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``w_sf``: this K block's scale words
-    of the tile's 256 rows (one per row, groups in its four bytes); ``rmax``: the 256 rows' largest exponents (shared
-    memory; this partition's rows written by it)."""
-    DL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 32] packed bytes
-    rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, DL))
+    """Rows ``[R0, R0 + NR)`` of a stage (``_decode_rows``), 64 at a time, each chunk's scale words loaded here
+    (``w_sf``: this K block's scale words of the tile's 256 rows, one per row)."""
+    rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, D_LAYOUT))
     for r0 in gl.static_range(R0, R0 + NR, DEC_ROWS):
-        word = gl.load(w_sf + r0 + rows)
-        rm = rmax.slice(r0, DEC_ROWS).load(gl.SliceLayout(1, DL))
-        p = wp.slice(r0, DEC_ROWS)
-        t00, t01 = _fold_table(lut, word, rm, 0)
-        t10, t11 = _fold_table(lut, word, rm, 1)
-        g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(DL), t00, t01, t10, t11)
-        t20, t21 = _fold_table(lut, word, rm, 2)
-        t30, t31 = _fold_table(lut, word, rm, 3)
-        g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(DL), t20, t21, t30, t31)
-        wd.slice(r0, DEC_ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
+        _decode_rows(wp, wd, rmax, gl.load(w_sf + r0 + rows), lut, r0, DEC_ROWS)
 
 
 @gluon.jit
@@ -305,7 +329,7 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
-                      NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr):
+                      NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
     256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
     half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
@@ -347,14 +371,30 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
             w_sf = w1_sf + (e * (H // 128) * (2 * I) + nt * TILE_N)
             rmax = _row_exponent_max(w_sf + R0, 2 * I, H // 128, KW1_PAD, RL, NR)
         rmax_s.index(slot).slice(R0, NR).store(rmax)
+        if PREFETCH:  # K block 0's scale words (W rows; L2: A rows), then each K block loads the next one's
+            w_rows = R0 + gl.arange(0, NR, layout=gl.SliceLayout(1, D_LAYOUT))
+            word = gl.load(w_sf + w_rows)
+            a_word = _a_scales(l2_sf + b * BM, valid, A0, NA, is_l2)
         gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
         for kb in range(KB):
             s = it % STAGES
             ph = (it // STAGES) & 1
+            if PREFETCH:  # issued before the wait: the next K block's words are in flight during this one's decode
+                more = kb + 1 < KB
+                word_next = gl.load(w_sf + (kb + 1) * N + w_rows, mask=(w_rows >= 0) & more, other=0)
+                a_word_next = _a_scales(l2_sf + (kb + 1) * SP + b * BM, valid, A0, NA, is_l2 & more)
             mbarrier.wait(ready.index(s), ph)
-            if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
-                _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
-            _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0, NR)
+            if PREFETCH:
+                if is_l2:  # fold the A stage per row (_fold_a_rows), this K block's exponents already loaded
+                    _fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(
+                        gl.SliceLayout(1, A_LAYOUT)), a_word)
+                _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
+                word = word_next
+                a_word = a_word_next
+            else:
+                if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
+                    _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
+                _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0, NR)
             fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them
             gl.thread_barrier()  # every warp has stored and fenced before the one arrive
             mbarrier.arrive(decoded.index(s), count=1)
@@ -475,7 +515,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
                           T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
-                          KW2_PAD: gl.constexpr):
+                          KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed:
@@ -492,6 +532,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
         num_tiles = 0
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     gl.static_assert((BM == 128) | (BM == 64), "the FP4 Gluon phase runs pool blocks of 128 or 64 rows")
+    gl.static_assert((not PREFETCH) or (BM == 64), "PREFETCH decodes a partition's 128 weight rows as one chunk: BM 64")
     NWG: gl.constexpr = BM // WM  # math warpgroups: 2 at BM 128, 1 at BM 64
     NDEC: gl.constexpr = 1 if BM == 128 else 2  # decode partitions (4 warps each)
     WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -521,10 +562,11 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
                                num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
                                  rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2)),
+                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH)),
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
                                  rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2)),
+                                 STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
+                                 PREFETCH)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
@@ -538,5 +580,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
                            num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
         (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
                              tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM)),
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

@@ -173,6 +173,12 @@ FP4_WS_MIN_EXPECTED = 2
 #: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured).
 FP4_WS_STAGES = {128: 3, 64: 3}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
+#: Whether the decode partitions load each K block's scale words one K block ahead (``PREFETCH`` of
+#: ``megamoe.kernels.gemm_fp4_ws``: in flight during the previous block's decode instead of first on each stage's
+#: dependency chain, words -> fold-table gathers -> PRMT), by pool block. Only block 64 (a partition's 128 weight
+#: rows decoded as one chunk, two rows a thread); block 128's single partition at 72 registers has no room.
+#: Offline sm_90a compile at block 64: see the kernel's docstring. NOT YET TIMED OR RUN ON A GPU (branch fp4-prefetch).
+FP4_WS_PREFETCH = {128: False, 64: True}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
@@ -539,8 +545,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
 
 def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
-    at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` at ``bm``,
-    ``num_warps`` and ``maxnreg``. What a launch passes, and what
+    at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
+    ``FP4_WS_PREFETCH`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
     ``megamoe.hopper_compile`` compiles offline."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
@@ -549,7 +555,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
-        KW2_PAD=triton.next_power_of_2(I // 128), num_warps=4, maxnreg=maxnreg)
+        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm], num_warps=4, maxnreg=maxnreg)
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
