@@ -108,6 +108,18 @@ PRMT string of ``megamoe.kernels.numerics`` (selector by one byte PRMT instead o
 the old one on CPU through ``megamoe.inline_asm``) takes 224 SASS instructions off each stage body at both blocks
 (whole kernel 13840 -> 13616 at BM 128, 8552 -> 8328 at BM 64: 192 LOP3, 64 LEA, 32 IMAD fewer, 64 PRMT more), ~21 %
 of the BM-128 decode; not yet timed on a GPU.
+Where each stage's scale words come from (branch ``fp4-sf-tma``, not yet run on a GPU). The stage body's dependency
+chain starts with a global load of the K block's 256 scale words (one per weight row, from L2 or HBM while the TMA
+streams saturate it), then the fold-table gathers, then the PRMTs; at one or two warps a scheduler nothing hides it.
+On the H200 the BM-64 phase spends ~2400 cycles a stage (T = 128: ~1000 us of GEMM phase over ~730 stages an SM)
+against ~750 issue cycles of its two warps a scheduler (373 SASS instructions a thread). Two ways off the chain,
+both constexprs: ``PREFETCH`` (``FP4_WS_PREFETCH``, BM 64 only: the words of K block kb + 1 loaded before the wait
+for kb, a partition's 128 rows as one chunk; 20 B spilled once a tile, none in the K loop) and ``SF_TMA``
+(``FP4_WS_SF_TMA``: the loader's TMA brings them with the stage, 1 KB of weight-row words + the pool rows' words,
+and the decode reads shared memory, as DeepGEMM's SM90 kernel loads its scales; BM 64 178892 B of shared memory,
+no spill, 359 SASS instructions in the K loop; BM 128 204764 B, 156 B spilled once a tile, 816 in the K loop). The
+fold-table pair is one 8-byte gather (``_fold_table``) in every variant. ``results/probes/ws_variants_probe.py
+scale_words`` times them against each other; the loser is to be deleted.
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
@@ -176,13 +188,21 @@ def _wait_mask(ptr, need, state, timeout_ns):
 
 
 @gluon.jit
-def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1, num_tiles,
-                    l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr, STAGES: gl.constexpr):
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
+                    wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
+                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
+                    SF_TMA: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
-    per-128 scale of the row)."""
-    nbytes: gl.constexpr = a1_desc.block_type.nbytes + w1_desc.block_type.nbytes
+    per-128 scale of the row). ``SF_TMA``: the stage also carries the K block's scale words of the tile's 256 weight
+    rows (``ws*_desc``, 1 KB) and of the block's pool rows (``as*_desc``: L2 the per-128 exponents the decode folds
+    with; L1 the front launch's folded words, unused, so that every stage has the same byte count)."""
+    if SF_TMA:
+        nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes
+                                + as1_desc.block_type.nbytes)
+    else:
+        nbytes: gl.constexpr = a1_desc.block_type.nbytes + w1_desc.block_type.nbytes
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     BKP: gl.constexpr = w1_desc.block_type.shape[1]  # packed bytes per K block (64)
     full = _full_mask(I // 128)
@@ -208,9 +228,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, 
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
                 tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+                if SF_TMA:  # MN-major [El][I/128][H] and [I/128][SP] words
+                    tma.async_copy_global_to_shared(ws2_desc, [(e * KB + kb) * H + nt * TILE_N], bar,
+                                                    wsf_bufs.index(s))
+                    tma.async_copy_global_to_shared(as2_desc, [kb * SP + b * BM], bar, asf_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
                 tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+                if SF_TMA:  # [El][H/128][2I] and [H/128][SP] words
+                    tma.async_copy_global_to_shared(ws1_desc, [(e * KB + kb) * (2 * I) + nt * TILE_N], bar,
+                                                    wsf_bufs.index(s))
+                    tma.async_copy_global_to_shared(as1_desc, [kb * SP + b * BM], bar, asf_bufs.index(s))
             it += 1
 
 
@@ -325,11 +353,33 @@ def _decode_stage(wp, wd, rmax, w_sf, lut, R0: gl.constexpr, NR: gl.constexpr):
 
 
 @gluon.jit
-def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
+def _decode_stage_smem(wp, wd, rmax, wsf, R0: gl.constexpr, NR: gl.constexpr, lut):
+    """``_decode_stage`` with the stage's scale words in shared memory (``wsf``: int32 ``[256]``, TMA'd with the
+    stage, ``SF_TMA``)."""
+    for r0 in gl.static_range(R0, R0 + NR, DEC_ROWS):
+        _decode_rows(wp, wd, rmax, wsf.slice(r0, DEC_ROWS).load(gl.SliceLayout(1, D_LAYOUT)), lut, r0, DEC_ROWS)
+
+
+@gluon.jit
+def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr):
+    """``_fold_a_stage`` with the K block's pool-row words in shared memory (``asf``: int32 ``[BM]``, ``SF_TMA``;
+    rows past ``valid`` fold by 1)."""
+    CR: gl.constexpr = DEC_ROWS if NA > DEC_ROWS else NA
+    rows = gl.arange(0, CR, layout=gl.SliceLayout(1, A_LAYOUT))
+    for c in gl.static_range(A0, A0 + NA, CR):
+        s_mx = smax.slice(c, CR).load(gl.SliceLayout(1, A_LAYOUT))
+        s_kb = gl.where(c + rows < valid, asf.slice(c, CR).load(gl.SliceLayout(1, A_LAYOUT)) & 0xFF, s_mx)
+        _fold_a_rows(a_buf.slice(c, CR), s_mx, s_kb)
+
+
+@gluon.jit
+def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded, rmax_s,
+                      smax_s, rfree,
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
-                      NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr):
+                      NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
+                      SF_TMA: gl.constexpr):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
     256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
     half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
@@ -391,6 +441,11 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, d
                 _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
+            elif SF_TMA:  # this K block's words came with the stage
+                if is_l2:
+                    _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
+                _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s), R0, NR,
+                                   lut)
             else:
                 if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
                     _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
@@ -507,19 +562,20 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
 
 
 @gluon.jit
-def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf, lut, tiles, buffer_ptrs, me, clamp,
-                          timeout_ns,
+def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, buf, w1_sf,
+                          w2_sf, lut, tiles, buffer_ptrs, me, clamp, timeout_ns,
                           OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
                           OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr,
                           OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                           T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
-                          KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr):
+                          KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
-    ``[El*H, I/2]`` packed FP4 bytes (transformed:
-    interleaved gate/up rows, split nibble order), box [256, 64]. ``buf``: the rank's symmetric buffer (uint8);
+    ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, split nibble order), box [256, 64];
+    ``ws1`` / ``ws2`` the weight scales below and ``as1`` / ``as2`` the pools' MN-major ``[K/128][SP]`` scale
+    words, flat int32, boxes [256] / [BM] (read only with ``SF_TMA``). ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
     ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;
     ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
@@ -533,6 +589,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     gl.static_assert((BM == 128) | (BM == 64), "the FP4 Gluon phase runs pool blocks of 128 or 64 rows")
     gl.static_assert((not PREFETCH) or (BM == 64), "PREFETCH decodes a partition's 128 weight rows as one chunk: BM 64")
+    gl.static_assert(not (PREFETCH and SF_TMA), "PREFETCH and SF_TMA are two sources of the same scale words")
     NWG: gl.constexpr = BM // WM  # math warpgroups: 2 at BM 128, 1 at BM 64
     NDEC: gl.constexpr = 1 if BM == 128 else 2  # decode partitions (4 warps each)
     WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -540,6 +597,12 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK // 2], w1_desc.layout)
     wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
+    if SF_TMA:  # the stage's scale words (weight rows, pool rows)
+        wsf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, TILE_N], ws1_desc.layout)
+        asf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BM], as1_desc.layout)
+    else:
+        wsf_bufs = gl.allocate_shared_memory(gl.int32, [1, 1], XL)
+        asf_bufs = gl.allocate_shared_memory(gl.int32, [1, 1], XL)
     rmax_s = gl.allocate_shared_memory(gl.int32, [2, TILE_N], XL)
     smax_s = gl.allocate_shared_memory(gl.int32, [2, BM], XL)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -558,15 +621,18 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
             (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s,
                                rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
                                OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
-            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1,
-                               num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
-                                 rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s,
-                                 rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP,
+            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
+                               wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
+                               state, timeout_ns, H, I, SP, STAGES, SF_TMA)),
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
+                                 decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
+                                 timeout_ns, OFF_L2_SF, H, I, SP,
+                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA)),
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
+                                 decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
+                                 timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH)),
+                                 PREFETCH, SF_TMA)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
@@ -576,9 +642,11 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, buf, w1_sf, w2_sf,
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
                            OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
-        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, a_bufs, wp_bufs, ready, empty, tiles, num_l1,
-                           num_tiles, l2_mask, progress, state, timeout_ns, H, I, STAGES)),
-        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, ready, decoded, rmax_s, smax_s, rfree,
-                             tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
+                           wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
+                           timeout_ns, H, I, SP, STAGES, SF_TMA)),
+        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded,
+                             rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF,
+                             H, I, SP, STAGES,
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

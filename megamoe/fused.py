@@ -178,7 +178,12 @@ FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: dependency chain, words -> fold-table gathers -> PRMT), by pool block. Only block 64 (a partition's 128 weight
 #: rows decoded as one chunk, two rows a thread); block 128's single partition at 72 registers has no room.
 #: Offline sm_90a compile at block 64: see the kernel's docstring. NOT YET TIMED OR RUN ON A GPU (branch fp4-prefetch).
-FP4_WS_PREFETCH = {128: False, 64: True}
+FP4_WS_PREFETCH = {128: False, 64: False}
+#: Whether each ring stage carries its K block's scale words by TMA (``SF_TMA``: the loader's 1 KB of the tile's 256
+#: weight rows + the pool rows' words, as DeepGEMM's SM90 kernel loads its scales; the decode reads them from shared
+#: memory, no global load left in its K loop), by pool block. Exclusive with FP4_WS_PREFETCH. Shared memory +1.25 KB
+#: (block 64) / +1.5 KB (128) a stage. NOT YET TIMED OR RUN ON A GPU (branch fp4-sf-tma).
+FP4_WS_SF_TMA = {128: True, 64: True}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
@@ -456,8 +461,10 @@ def _ws_descriptors(c, L, bm: int):
 
 def _fp4_ws_descriptors(c, L, bm: int = 128):
     """TMA descriptors of one rank's FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``):
-    the two pools (e4m3, box [bm, 128]: the pool block) and the transformed FP4 weights as bytes (box [256, 64]: 256
-    rows x 128 K values), cached on the buffer by the weights' addresses and the block like ``_ws_descriptors``."""
+    the two pools (e4m3, box [bm, 128]: the pool block), the transformed FP4 weights as bytes (box [256, 64]: 256
+    rows x 128 K values), and four flat int32 runs of scale words (``SF_TMA``: both weights' [El][K/128][N], box
+    [256]; both pools' [K/128][SP], box [bm]), cached on the buffer by the weights' addresses and the block like
+    ``_ws_descriptors``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -466,11 +473,19 @@ def _fp4_ws_descriptors(c, L, bm: int = 128):
         bn = WS_TILE_N.value
         lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
         lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
+        lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        # scale words as flat int32 runs (SF_TMA): the weights' MN-major [El][K/128][N], the pools' [K/128][SP]
+        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (c.l1, c.l2))  # views: a descriptor keeps no tensor
+        as1, as2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
         return (
             TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
             TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
             TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2), [bn, 64], lay_w),
             TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2), [bn, 64], lay_w),
+            TensorDescriptor(ws1, [ws1.numel()], [1], [bn], lay_s),
+            TensorDescriptor(ws2, [ws2.numel()], [1], [bn], lay_s),
+            TensorDescriptor(as1, [as1.numel()], [1], [bm], lay_s),
+            TensorDescriptor(as2, [as2.numel()], [1], [bm], lay_s),
         )
 
     return _buffer_cache(c.sb, "_ws_descs", ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
@@ -546,7 +561,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
 def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
     ``megamoe.hopper_compile`` compiles offline."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
@@ -555,7 +570,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
-        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm], num_warps=4, maxnreg=maxnreg)
+        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm],
+        SF_TMA=FP4_WS_SF_TMA[bm], num_warps=4, maxnreg=maxnreg)
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).

@@ -57,8 +57,11 @@ def _signature(kind: str, bm: int) -> dict:
     a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     if kind == "fp4_ws":  # the layouts of megamoe.fused._fp4_ws_descriptors
         w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
-                    w1_desc=td("u8", [256, 64], w), w2_desc=td("u8", [256, 64], w), buf="*u8", w1_sf="*i32",
+                    w1_desc=td("u8", [256, 64], w), w2_desc=td("u8", [256, 64], w), ws1_desc=td("i32", [256], s),
+                    ws2_desc=td("i32", [256], s), as1_desc=td("i32", [bm], s), as2_desc=td("i32", [bm], s),
+                    buf="*u8", w1_sf="*i32",
                     w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32",
                     timeout_ns="i64")
     w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)  # megamoe.fused._ws_descriptors

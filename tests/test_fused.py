@@ -243,9 +243,14 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     monkeypatch.setattr(mf, "_tile_table", lambda sb: tables.append(real_table(sb)) or tables[-1])
     monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
-    a1, a2, w1, w2 = descs[-1]
-    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 64]] * 2
+    a1, a2, w1, w2, ws1, ws2, as1, as2 = descs[-1]
+    assert [list(d.block_shape) for d in descs[-1]] == ([[block_m, 128]] * 2 + [[256, 64]] * 2 + [[256]] * 2
+                                                        + [[block_m]] * 2)
     assert list(w1.shape) == [6 * 2 * 384, 512 // 2] and list(w2.shape) == [6 * 512, 384 // 2]
+    # the scale words (SF_TMA): flat views of the MN-major weight scales [El][K/128][N] and the pools' [K/128][SP]
+    assert list(ws1.shape) == [6 * (512 // 128) * 2 * 384] and list(ws2.shape) == [6 * (384 // 128) * 512]
+    sp = list(as1.shape)[0] // (512 // 128)  # the padded scale rows of the pool, the same in both
+    assert list(as1.shape) == [(512 // 128) * sp] and list(as2.shape) == [(384 // 128) * sp] and sp % block_m == 0
     entries, num_l1, block_rows = tile_table(tables[-1])
     assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
     assert max(block_rows) == block_m and all(0 < r <= block_m for r in block_rows)

@@ -15,11 +15,11 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
   partitions) and 128 (``FP4_BLOCK64_MAX_EXPECTED`` = inf / -1), error of each against the reference: where the
   64-row tile should take over (``FP4_BLOCK64_MAX_EXPECTED``).
 
-* ``prefetch``: at T = 32 / 128 / 512 (block 64) the decode partitions' scale-word prefetch
-  (``FP4_WS_PREFETCH[64]``) off / on, at 3 and 4 ring stages (``FP4_WS_STAGES[64]``), error of each against the
-  reference.
+* ``scale_words``: at T = 128 / 512 (block 64) and 2048 (block 128) where the decode partitions get each K block's
+  scale words: a load in the stage, one K block ahead (``FP4_WS_PREFETCH``, block 64), by TMA with the stage
+  (``FP4_WS_SF_TMA``); at block 64 also 4 ring stages; error of each against the reference.
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,T2,..] | back | threshold | block [T1,..] | prefetch [T1,..]] \
+    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..]] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
@@ -63,9 +63,13 @@ DECODE_AS_IS = (" " * 20 + "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l
                 " lut, R0, NR)\n",
                 " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
-                " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)\n")
-DECODE_NONE = ("                    s = s + 0\n", "                s = s + 0\n", "                    s = s + 0\n",
-               "                s = s + 0\n")
+                " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0,"
+                " NR)\n",
+                " " * 20 + "_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0,"
+                " NA)\n",
+                " " * 16 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
+                " wsf_bufs.index(s), R0, NR,\n" + " " * 35 + "lut)\n")
+DECODE_NONE = ("                    s = s + 0\n", "                s = s + 0\n") * 3
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
@@ -187,32 +191,38 @@ def probe_block(tokens=(64, 128, 256, 512, 1024)):
     mf.FP4_WS_MIN_EXPECTED, mf.FP4_BLOCK64_MAX_EXPECTED = saved
 
 
-def probe_prefetch(tokens=(32, 128, 512)):
-    """Block 64 (``fp4_ws``, as chosen at these T): ``FP4_WS_PREFETCH[64]`` off / on at ``FP4_WS_STAGES[64]`` 3, and on
-    at 4 stages; error of each against the reference (each variant is a fresh buffer: the launch keywords are cached
-    on it)."""
+def probe_scale_words(tokens=(128, 512, 2048)):
+    """Where the decode partitions get each K block's scale words, at the pool block the host picks for T (64 up to
+    64 expected tokens per expert, 128 above): a global load in the stage (neither), one K block ahead
+    (``FP4_WS_PREFETCH``, block 64 only), by TMA with the stage (``FP4_WS_SF_TMA``); at block 64 also 4 ring
+    stages (``FP4_WS_STAGES[64]``, where shared memory allows). Error of each against the reference; each variant
+    a fresh buffer (the launch keywords are cached on it)."""
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
-    saved = dict(mf.FP4_WS_PREFETCH), dict(mf.FP4_WS_STAGES)
+    saved = dict(mf.FP4_WS_PREFETCH), dict(mf.FP4_WS_SF_TMA), dict(mf.FP4_WS_STAGES)
     for T in tokens:
-        for prefetch, stages in ((False, 3), (True, 3), (True, 4), (False, 4)):
-            mf.FP4_WS_PREFETCH[64], mf.FP4_WS_STAGES[64] = prefetch, stages
+        block = 64 if T * SHAPE["num_topk"] / SHAPE["num_experts"] <= mf.FP4_BLOCK64_MAX_EXPECTED else 128
+        variants = [(False, False, 3), (False, True, 3)]
+        if block == 64:
+            variants += [(True, False, 3), (False, False, 4), (True, False, 4)]
+        for prefetch, sf_tma, stages in variants:
+            mf.FP4_WS_PREFETCH[block], mf.FP4_WS_SF_TMA[block], mf.FP4_WS_STAGES[block] = prefetch, sf_tma, stages
             sb, problem, y, call = rank("fp8_fp4", T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
-            assert (cfg.kind, cfg.block_m) == ("fp4_ws", 64), cfg
+            assert (cfg.kind, cfg.block_m) == ("fp4_ws", block), cfg
             y.fill_(float("nan"))
             call()
             torch.cuda.synchronize()
             err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
-            emit(probe="prefetch", T=T, kind="fp4_ws", block_m=64, prefetch=prefetch, stages=stages,
-                 us=_median_ms(call) * 1e3, rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+            emit(probe="scale_words", T=T, kind="fp4_ws", block_m=block, prefetch=prefetch, sf_tma=sf_tma,
+                 stages=stages, us=_median_ms(call) * 1e3, rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
             sb.destroy()
-    mf.FP4_WS_PREFETCH.update(saved[0])
-    mf.FP4_WS_STAGES.update(saved[1])
+    for d, v in zip((mf.FP4_WS_PREFETCH, mf.FP4_WS_SF_TMA, mf.FP4_WS_STAGES), saved):
+        d.update(v)
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "prefetch"]
+    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "scale_words"]
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block,
-         "prefetch": probe_prefetch}[name]()
+         "scale_words": probe_scale_words}[name]()
