@@ -120,6 +120,12 @@ and the decode reads shared memory, as DeepGEMM's SM90 kernel loads its scales; 
 no spill, 359 SASS instructions in the K loop; BM 128 204764 B, 156 B spilled once a tile, 816 in the K loop). The
 fold-table pair is one 8-byte gather (``_fold_table``) in every variant. ``results/probes/ws_variants_probe.py
 scale_words`` times them against each other; the loser is to be deleted.
+Predecoded calls (branch ``fp4-predecode``, not yet run on a GPU): from ``FP4_PREDECODE_MIN_EXPECTED`` expected tokens
+per expert the host decodes both weights once per call (``megamoe.fold_decode``, the same table lookups in one
+elementwise Triton pass) and passes e4m3 descriptors (box [256, 128]); the kernel sees ``w1_desc.dtype`` and takes
+``PREDECODED``: the loader's weight stage is what the math reads (no packed ring, no decoded ring), and the decode
+partitions only fold the L2 A stage. At T = 8192 every weight is otherwise decoded once per pool block (eight
+times); offline sm_90a: BM 64 129708 B of shared memory (room for 5 stages), BM 128 155580 B (4).
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
@@ -379,7 +385,7 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
-                      SF_TMA: gl.constexpr):
+                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
     256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
     half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
@@ -441,6 +447,12 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                 _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
+            elif PREDECODED:  # the weights came decoded: only the L2 A stage's fold is left
+                if is_l2:
+                    if SF_TMA:
+                        _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
+                    else:
+                        _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
             elif SF_TMA:  # this K block's words came with the stage
                 if is_l2:
                     _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
@@ -595,8 +607,15 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (a 1-D layout: .index() views are 1-D)
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
-    wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, BK // 2], w1_desc.layout)
-    wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
+    # PREDECODED (the host passes e4m3 weights, box [256, 128], ``megamoe.fold_decode``): the loader's weight stage
+    # is already what the math reads, so the decode partitions only fold the L2 A stage
+    PREDECODED: gl.constexpr = w1_desc.dtype == gl.float8e4nv
+    gl.static_assert(not (PREDECODED and PREFETCH), "PREFETCH loads scale words that a predecoded call does not use")
+    wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
+    if PREDECODED:
+        wd_bufs = wp_bufs
+    else:
+        wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
     if SF_TMA:  # the stage's scale words (weight rows, pool rows)
         wsf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, TILE_N], ws1_desc.layout)
         asf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BM], as1_desc.layout)
@@ -627,12 +646,13 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
                                  decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA)),
+                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
+                                 PREDECODED)),
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
                                  decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH, SF_TMA)),
+                                 PREFETCH, SF_TMA, PREDECODED)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
@@ -648,5 +668,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded,
                              rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF,
                              H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA)),
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

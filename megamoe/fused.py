@@ -115,6 +115,9 @@ class FusedConfig:
     maxnreg: int | None = None
     #: Tile family (a key of ``TILE_N``): None = ``tile_kind(layout, numerics)``; ``fused_config`` sets it.
     kind: str | None = None
+    #: "fp4_ws" only: decode the FP4 weights once per call (``megamoe.fold_decode``) and stream them as e4m3
+    #: (FP4_PREDECODE_MIN_EXPECTED).
+    predecode: bool = False
 
 
 def expected_tokens_per_expert(layout, num_tokens: int) -> float:
@@ -193,6 +196,14 @@ FP4_WS_SF_TMA = {128: True, 64: True}
 #: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before
 #: its own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
 FP4_BLOCK64_MAX_EXPECTED = 64
+#: "fp4_ws": from this many expected tokens per local expert, decode the weights once per call into folded e4m3
+#: (``megamoe.fold_decode``: one elementwise pass, 1.5 bytes a weight of HBM traffic) and let the Gluon phase
+#: stream those (its decode partitions then only fold the L2 A stage), instead of decoding each weight stage once
+#: per pool block: at T = 8192 (eight 128-row blocks an expert) the phase without its decode took 8124 us against
+#: 15720 (``results/probes/ws_variants_probe_h200.jsonl``); the pass is estimated at ~1.4 ms for one EP8 rank of
+#: V4-Pro. The scratch (El x (2I x H + H x I) bytes, 3.2 GB at that shape) is kept on the buffer for the weights in
+#: use. NOT YET RUN ON A GPU (branch fp4-predecode): off (inf) until measured.
+FP4_PREDECODE_MIN_EXPECTED = float("inf")
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
@@ -247,6 +258,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
+    predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -254,9 +266,9 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                           num_stages=stages, maxnreg=maxnreg, kind=kind)
+                           num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                       num_stages=stages, kind=kind)
+                       num_stages=stages, kind=kind, predecode=predecode)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -408,7 +420,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
                 int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
 
     if cfg.kind in WS_KINDS:
-        _run_ws(calls, args_for, cfg.programs_per_rank, meta, tiles, rank0, L, dev, cfg.kind)
+        _run_ws(calls, args_for, cfg.programs_per_rank, meta, tiles, rank0, L, dev, cfg.kind, cfg.predecode)
         return None
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
@@ -459,12 +471,37 @@ def _ws_descriptors(c, L, bm: int):
     return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
 
 
-def _fp4_ws_descriptors(c, L, bm: int = 128):
+def _predecode_scratch(c):
+    """The predecoded path's scratch for bound call ``c``: ``((folded1 e4m3 [El, 2I, H], exp1 int32 [El, 2I]),
+    (folded2 [El, H, I], exp2 [El, H]))``, kept on the buffer for these weights (one entry: a new pair of weights
+    replaces it; El x (2I x H + H x I) bytes, a workspace like the buffer itself)."""
+    def build():
+        return tuple((torch.empty((w.shape[0], w.shape[1], 2 * w.shape[2]), dtype=torch.float8_e4m3fn,
+                                  device=w.device),
+                      torch.empty((w.shape[0], w.shape[1]), dtype=torch.int32, device=w.device))
+                     for w in (c.l1[0], c.l2[0]))
+
+    return _buffer_cache(c.sb, "_predecoded", (c.l1[0].data_ptr(), c.l2[0].data_ptr()), build, limit=0)
+
+
+def _predecode(c):
+    """``megamoe.fold_decode`` of both of ``c``'s weights into ``_predecode_scratch(c)``, on every call (the weights
+    are FP4 and may have changed in place); returns the scratch."""
+    from megamoe.fold_decode import fold_decode
+
+    scratch = _predecode_scratch(c)
+    for weights, (out, row_exp) in zip((c.l1, c.l2), scratch):
+        fold_decode(weights, out=out, row_exp=row_exp)
+    return scratch
+
+
+def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
     """TMA descriptors of one rank's FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel``):
     the two pools (e4m3, box [bm, 128]: the pool block), the transformed FP4 weights as bytes (box [256, 64]: 256
     rows x 128 K values), and four flat int32 runs of scale words (``SF_TMA``: both weights' [El][K/128][N], box
     [256]; both pools' [K/128][SP], box [bm]), cached on the buffer by the weights' addresses and the block like
-    ``_ws_descriptors``."""
+    ``_ws_descriptors``. ``predecode``: the weights are ``_predecode``'s e4m3 scratch instead (box [256, 128], the
+    layout the math reads; the kernel takes the predecoded path from their dtype)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -472,6 +509,11 @@ def _fp4_ws_descriptors(c, L, bm: int = 128):
         H, I = L.hidden, L.intermediate_hidden
         bn = WS_TILE_N.value
         lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+        if predecode:
+            (f1, _), (f2, _) = scratch
+            lay_d = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+            w1_d = TensorDescriptor.from_tensor(f1.view(-1, H), [bn, 128], lay_d)
+            w2_d = TensorDescriptor.from_tensor(f2.view(-1, I), [bn, 128], lay_d)
         lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
         lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         # scale words as flat int32 runs (SF_TMA): the weights' MN-major [El][K/128][N], the pools' [K/128][SP]
@@ -480,18 +522,23 @@ def _fp4_ws_descriptors(c, L, bm: int = 128):
         return (
             TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
             TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
-            TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2), [bn, 64], lay_w),
-            TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2), [bn, 64], lay_w),
+            w1_d if predecode else TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2),
+                                                                [bn, 64], lay_w),
+            w2_d if predecode else TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2),
+                                                                [bn, 64], lay_w),
             TensorDescriptor(ws1, [ws1.numel()], [1], [bn], lay_s),
             TensorDescriptor(ws2, [ws2.numel()], [1], [bn], lay_s),
             TensorDescriptor(as1, [as1.numel()], [1], [bm], lay_s),
             TensorDescriptor(as2, [as2.numel()], [1], [bm], lay_s),
         )
 
-    return _buffer_cache(c.sb, "_ws_descs", ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
+    scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
+    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, scratch and scratch[0][0].data_ptr())
+    return _buffer_cache(c.sb, "_ws_descs", key, build)
 
 
-def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp8_ws") -> None:
+def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp8_ws",
+            predecode: bool = False) -> None:
     """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
     per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
     (``WS_BACK_PROGRAMS_PER_SM`` programs per SM). ``args_for(G)``: the fused kernel's arguments for G programs per
@@ -508,13 +555,16 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
 
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws":
-                _fp4_ws_descriptors(c, L, meta["BM"])
+                _fp4_ws_descriptors(c, L, meta["BM"], predecode)
                 _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
         kf.fused_mega_moe_kernel[grid](*args, **front)
-        (run_gemm_phase_fp4 if kind == "fp4_ws" else run_gemm_phase)(calls, tiles, meta["BM"])
+        if kind == "fp4_ws":  # (the predecoded path: the model reads the decode pass's output)
+            run_gemm_phase_fp4(calls, tiles, meta["BM"], [_predecode(c) for c in calls] if predecode else None)
+        else:
+            run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -524,7 +574,10 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     _check_resident(args_back, grid_back, back, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     if kind == "fp4_ws":
-        _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"])
+        if predecode:  # stream order: the decode pass, then the Gluon phase that reads its output
+            for c in calls:
+                _predecode(c)
+        _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode)
         kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -536,16 +589,17 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
 
 
-def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128) -> None:
+def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False) -> None:
     """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
-    ``_run_ws``."""
+    ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors)."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         k4.fp4_gemm_phase_kernel[(sms,)](
-            *_fp4_ws_descriptors(c, L, bm), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr], c.sb.buffer_ptrs,
+            *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr],
+            c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None))
 

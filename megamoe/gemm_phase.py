@@ -136,13 +136,23 @@ def _dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return a @ w.T
 
 
-def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int) -> None:
+def _weight_rows(weights, decoded, e: int, rows: torch.Tensor):
+    """``_folded_fp4_rows`` of transformed ``weights``, or the same rows read from ``decoded`` = ``(folded e4m3 [El,
+    N, K], row_exp int32 [El, N])`` of ``megamoe.fold_decode`` when given."""
+    if decoded is None:
+        return _folded_fp4_rows(*weights, e, rows)
+    return decoded[0][e, rows].float(), decoded[1][e, rows]
+
+
+def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int, predecoded=None) -> None:
     """The FP8 x FP4 ("hopper" numerics) GEMM phase: every tile of every rank's table, L1 tiles before L2 tiles
     (module docstring). ``block_m``: rows per pool block (128, or 64: the Gluon kernel's tile of one math warpgroup;
-the model is the same per row). The rows are in the L1 pool already (the front
-    launch copied and folded them)."""
-    for c, t in zip(calls, tiles):
+    the model is the same per row). The rows are in the L1 pool already (the front launch copied and folded them).
+    ``predecoded``: per call ``((folded1, exp1), (folded2, exp2))`` of ``megamoe.fold_decode`` (the predecoded path),
+    read instead of decoding the weight rows here."""
+    for ci, (c, t) in enumerate(zip(calls, tiles)):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
+        pre = None if predecoded is None else predecoded[ci]
         entries, num_l1, _ = tile_table(t)
         l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
         l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
@@ -152,7 +162,7 @@ the model is the same per row). The rows are in the L1 pool already (the front
             rows = slice(b * block_m, b * block_m + valid)
             w_rows = torch.arange(nt * TILE_N, nt * TILE_N + TILE_N, device=w1.device)
             if i < num_l1:
-                w, s_row = _folded_fp4_rows(w1, sf1, e, w_rows)
+                w, s_row = _weight_rows(c.l1, pre and pre[0], e, w_rows)
                 s_tok = l1_sf[rows, 0] & 0xFF  # the folded row's scale word: s_max in all four bytes
                 acc = _dot(l1[rows].float(), w)
                 h = (acc * _pow2(s_row - 127)) * _pow2(s_tok - 127).unsqueeze(1)
@@ -164,7 +174,7 @@ the model is the same per row). The rows are in the L1 pool already (the front
                 l2[rows, nt * 128: nt * 128 + 128] = q
                 l2_sf[rows, nt] = s[:, 0]
             else:
-                w, s_row = _folded_fp4_rows(w2, sf2, e, w_rows)
+                w, s_row = _weight_rows(c.l2, pre and pre[1], e, w_rows)
                 a, s_tok = fold_scales(l2[rows].float(), l2_sf[rows, : I // 128])
                 acc = _dot(a.float(), w)
                 out = ((acc * _pow2(s_row - 127)) * _pow2(s_tok - 127).unsqueeze(1)).to(torch.bfloat16)

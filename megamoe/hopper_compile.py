@@ -48,7 +48,7 @@ class CompileReport:
     directory: str
 
 
-def _signature(kind: str, bm: int) -> dict:
+def _signature(kind: str, bm: int, predecode: bool = False) -> dict:
     from triton.experimental.gluon import language as gl
 
     def td(dt, blk, lay):
@@ -56,10 +56,13 @@ def _signature(kind: str, bm: int) -> dict:
 
     a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     if kind == "fp4_ws":  # the layouts of megamoe.fused._fp4_ws_descriptors
-        w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        if predecode:  # megamoe.fused._predecode's e4m3 weights
+            w_desc = td("fp8e4nv", [256, 128], gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv))
+        else:
+            w_desc = td("u8", [256, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
         return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
-                    w1_desc=td("u8", [256, 64], w), w2_desc=td("u8", [256, 64], w), ws1_desc=td("i32", [256], s),
+                    w1_desc=w_desc, w2_desc=w_desc, ws1_desc=td("i32", [256], s),
                     ws2_desc=td("i32", [256], s), as1_desc=td("i32", [bm], s), as2_desc=td("i32", [bm], s),
                     buf="*u8", w1_sf="*i32",
                     w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32",
@@ -86,16 +89,18 @@ def _loops(sass: str, min_instructions: int = 64) -> list:
     return out
 
 
-def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False) -> CompileReport:
+def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False,
+                        predecode: bool = False) -> CompileReport:
     """Compile ``kind``'s Gluon GEMM phase ("fp4_ws" or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
-    ``block_m`` with the host's keywords; see the module docstring. In a process whose Triton runs its interpreter
+    ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights);
+    see the module docstring. In a process whose Triton runs its interpreter
     (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs in a child process
     with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as JSON."""
     from megamoe.env import interpreting
 
     if interpreting():
         L = layout
-        args = [kind, str(block_m), str(int(has_clamp)), str(L.num_ranks), str(L.num_experts),
+        args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), str(L.num_ranks), str(L.num_experts),
                 str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
                 str(L.block_m), L.format]
         out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
@@ -117,7 +122,7 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     else:
         raise ValueError(f"kind must be 'fp4_ws' or 'fp8_ws', got {kind!r}")
     options = {"num_warps": kw.pop("num_warps"), "maxnreg": kw.pop("maxnreg")}
-    sig = _signature(kind, block_m)
+    sig = _signature(kind, block_m, predecode)
     sig.update({k: "constexpr" for k in kw})
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in _ALIGNED[kind]}
     k = triton.compile(GluonASTSource(fn, sig, kw, attrs), target=GPUTarget("cuda", 90, 32), options=options)
@@ -149,13 +154,13 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
 
 
 def main(argv: list[str]) -> None:
-    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP R E T K H I LAYOUT_BLOCK_M FORMAT``: one report as a
-    JSON line (what ``compile_gluon_phase`` reads back from its child)."""
+    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE R E T K H I LAYOUT_BLOCK_M FORMAT``: one
+    report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
     from megamoe.layout import Layout
 
-    kind, bm, clamp, *dims, fmt = argv
+    kind, bm, clamp, predecode, *dims, fmt = argv
     L = Layout(*(int(v) for v in dims), format=fmt)
-    print(json.dumps(dataclasses.asdict(compile_gluon_phase(kind, L, int(bm), bool(int(clamp))))))
+    print(json.dumps(dataclasses.asdict(compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode))))))
 
 
 if __name__ == "__main__":

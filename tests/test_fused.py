@@ -4,6 +4,8 @@ The fused kernel's cross-rank protocol (in-kernel barriers, arrival counts and m
 with one process per rank; local ranks cannot share one interpreted launch (its programs run one after another).
 Both numerics are compared bit for bit with ``megamoe.reference`` in the matching mode.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -255,6 +257,40 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
     assert max(block_rows) == block_m and all(0 < r <= block_m for r in block_rows)
     assert all(valid == block_rows[b] for b, _, _, valid in entries)
+
+
+def test_fp4_ws_predecoded_split_bitwise(monkeypatch):
+    """The predecoded path ("fp4_ws" with ``FusedConfig.predecode``): the weights decoded once per call by
+    ``megamoe.fold_decode`` into the buffer's scratch, the phase's model reading them -- bit-exact against the
+    reference as the split test above, twice; the Gluon launch's weight descriptors are the scratch's, e4m3, box
+    [256, 128]."""
+    import megamoe.fused as mf
+
+    cfg = dataclasses.replace(_fp4_ws_config(128), predecode=True)
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
+    calls, descs = [], []
+    real_pre, real_descs = mf._predecode, mf._fp4_ws_descriptors
+    monkeypatch.setattr(mf, "_predecode", lambda c: calls.append(c) or real_pre(c))
+    monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
+    assert len(calls) == 2  # once per call
+    (f1, _), (f2, _) = mf._predecode_scratch(calls[-1])
+    _, _, w1, w2, *_ = descs[-1]
+    assert w1.base.dtype == torch.float8_e4m3fn and list(w1.block_shape) == [256, 128]
+    assert w1.base.data_ptr() == f1.data_ptr() and w2.base.data_ptr() == f2.data_ptr()
+
+
+def test_fp4_ws_predecoded_model_reads_the_scratch(monkeypatch):
+    """The predecoded split test can fail: with the decode pass writing zeros the call's result is wrong (the model
+    reads the scratch, it does not decode the weights itself)."""
+    import megamoe.fold_decode as fd
+    import megamoe.fused as mf
+
+    cfg = dataclasses.replace(_fp4_ws_config(128), predecode=True)
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
+    monkeypatch.setattr(fd, "fold_decode", lambda weights, out, row_exp: (out.zero_(), row_exp.fill_(127)))
+    reports = run_case_local(SpreadScalesCase(**FP4_WS_CASE))
+    assert not any(r["bitwise_equal"] for r in reports)
 
 
 def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):

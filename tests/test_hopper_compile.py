@@ -10,7 +10,8 @@ from megamoe.layout import Layout
 #: Spill-store bytes allowed per (kind, pool block), a little above the compiles of this checkout (Triton 3.6):
 #: fp4_ws 20 / 140 (block 64: the scale-word prefetch; block 128: ``_row_exponent_max``, once a tile), fp8_ws 4 / 28,
 #: none of them inside a K loop (the math and decode partitions' loops, checked below).
-SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 160, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40}
+SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 160, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40,
+                ("fp4_ws_predecoded", 64): 32, ("fp4_ws_predecoded", 128): 160}
 
 
 def _innermost(loops):
@@ -19,10 +20,13 @@ def _innermost(loops):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,block_m", [("fp4_ws", 64), ("fp4_ws", 128), ("fp8_ws", 64), ("fp8_ws", 128)])
+@pytest.mark.parametrize("kind,block_m", [("fp4_ws", 64), ("fp4_ws", 128), ("fp8_ws", 64), ("fp8_ws", 128),
+                                          ("fp4_ws_predecoded", 64), ("fp4_ws_predecoded", 128)])
 def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
+    predecode = kind == "fp4_ws_predecoded"
+    kind, budget = ("fp4_ws" if predecode else kind), SPILL_BUDGET[kind, block_m]
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8_fp4" if kind == "fp4_ws" else "fp8")
-    r = compile_gluon_phase(kind, layout, block_m)
+    r = compile_gluon_phase(kind, layout, block_m, predecode=predecode)
     assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK, r.shared
     math, load, worker, maxnreg = mf.FP4_WS_REGS[block_m] if kind == "fp4_ws" else mf.FP8_WS_REGS
     assert r.registers <= maxnreg
@@ -31,12 +35,12 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
     # the workers leave, 512 - loader - two decode partitions, so MATH_REGS is not used there)
     want = {load, worker} | ({512 - load - 2 * worker} if (kind, block_m) == ("fp4_ws", 64) else {math})
     assert want <= values, (want, r.setmaxnreg)
-    assert r.spill_stores <= SPILL_BUDGET[kind, block_m], (r.spill_stores, r.directory)
+    assert r.spill_stores <= budget, (r.spill_stores, r.directory)
     inner = _innermost(r.loops)
     mma_loops = [lp for lp in inner if lp[3].get("QGMMA")]
     decode_loops = [lp for lp in inner if lp[3].get("PRMT", 0) >= 64 and not lp[3].get("QGMMA")]
     assert mma_loops, "no K loop issues wgmma"
-    assert bool(decode_loops) == (kind == "fp4_ws"), "the FP4 decode partitions' K loops: table lookups by prmt"
+    assert bool(decode_loops) == (kind == "fp4_ws" and not predecode), "the FP4 decode partitions' K loops (prmt)"
     # (fp8_ws's pull partition spills 8 B a pulled row in its copy loop at 40 registers: known, not a K loop)
     for first, last, n, ops in mma_loops + decode_loops:
         assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x} ({r.directory})"

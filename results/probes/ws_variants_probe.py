@@ -15,11 +15,13 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
   partitions) and 128 (``FP4_BLOCK64_MAX_EXPECTED`` = inf / -1), error of each against the reference: where the
   64-row tile should take over (``FP4_BLOCK64_MAX_EXPECTED``).
 
+* ``predecode``: at T = 512 / 2048 / 8192 the predecoded path (weights decoded once per call by
+  ``megamoe.fold_decode``) against decoding per pool block, at 3 stages and the most that fit; the decode pass alone.
 * ``scale_words``: at T = 128 / 512 (block 64) and 2048 (block 128) where the decode partitions get each K block's
   scale words: a load in the stage, one K block ahead (``FP4_WS_PREFETCH``, block 64), by TMA with the stage
   (``FP4_WS_SF_TMA``); at block 64 also 4 ring stages; error of each against the reference.
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..]] \
+    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..]] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
@@ -57,23 +59,26 @@ MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).per
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             mbarrier.arrive(empty.index(s), count=1)
 """
-DECODE_AS_IS = (" " * 20 + "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid,"
-                " A0, NA)\n",
-                " " * 16 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
+_FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)\n"
+_FOLD_SMEM = "_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)\n"
+# (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
+DECODE_AS_IS = ("\n" + " " * 20 + _FOLD,
+                "\n" + " " * 16 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
                 " lut, R0, NR)\n",
-                " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
+                "\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
-                " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0,"
+                "\n" + " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0,"
                 " NR)\n",
-                " " * 20 + "_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0,"
-                " NA)\n",
-                " " * 16 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
-                " wsf_bufs.index(s), R0, NR,\n" + " " * 35 + "lut)\n")
-DECODE_NONE = ("                    s = s + 0\n", "                s = s + 0\n") * 3
+                "\n" + " " * 20 + _FOLD_SMEM,
+                "\n" + " " * 16 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
+                " wsf_bufs.index(s), R0, NR,\n" + " " * 35 + "lut)\n",
+                "\n" + " " * 24 + _FOLD_SMEM,  # the predecoded path: its only work is the fold
+                "\n" + " " * 24 + _FOLD)
+DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n") * 3 + (
+    "\n                        s = s + 0\n",) * 2
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
-
 
 
 def emit(**row):
@@ -220,9 +225,51 @@ def probe_scale_words(tokens=(128, 512, 2048)):
         d.update(v)
 
 
+def probe_predecode(tokens=(512, 2048, 8192)):
+    """The predecoded path (``FP4_PREDECODE_MIN_EXPECTED``: weights decoded once per call by ``megamoe.fold_decode``,
+    the Gluon phase streaming e4m3) against the phase decoding per pool block, at the block the host picks for T;
+    the predecoded phase at 3 stages and at the most its shared memory takes (5 at block 64, 4 at 128); and the
+    decode pass alone on the same weights. Error of each call against the reference."""
+    from megamoe.fold_decode import fold_decode
+
+    tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
+    saved = mf.FP4_PREDECODE_MIN_EXPECTED, dict(mf.FP4_WS_STAGES)
+    for T in tokens:
+        block = 64 if T * SHAPE["num_topk"] / SHAPE["num_experts"] <= mf.FP4_BLOCK64_MAX_EXPECTED else 128
+        for predecode, stages in ((False, 3), (True, 3), (True, 5 if block == 64 else 4)):
+            mf.FP4_PREDECODE_MIN_EXPECTED = -1 if predecode else float("inf")
+            mf.FP4_WS_STAGES[block] = stages
+            sb, problem, y, call = rank("fp8_fp4", T)
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+            assert (cfg.kind, cfg.block_m, cfg.predecode) == ("fp4_ws", block, predecode), cfg
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
+            row = dict(probe="predecode", T=T, kind="fp4_ws", block_m=block, predecode=predecode, stages=stages,
+                       us=_median_ms(call) * 1e3, rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+            emit(**row)
+            sb.destroy()
+        mf.FP4_WS_STAGES.update(saved[1])
+    mf.FP4_PREDECODE_MIN_EXPECTED = saved[0]
+    # the decode pass alone, both weights of one EP8 rank of V4-Pro
+    from megamoe.quant import transform_weights_for_mega_moe
+
+    l1, l2 = MoECase(num_tokens=8, format="fp8_fp4", **SHAPE).problem(device="cuda").weights_for_rank(0)
+    l1, l2 = transform_weights_for_mega_moe(tuple(t.cuda() for t in l1), tuple(t.cuda() for t in l2))
+    outs = [(torch.empty((w.shape[0], w.shape[1], 2 * w.shape[2]), dtype=torch.float8_e4m3fn, device="cuda"),
+             torch.empty(w.shape[:2], dtype=torch.int32, device="cuda")) for w, _ in (l1, l2)]
+    run = lambda: [fold_decode(w, out=o, row_exp=x) for w, (o, x) in zip((l1, l2), outs)]  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    nbytes = sum(w.numel() + sf.numel() * 4 + o.numel() + x.numel() * 4 for (w, sf), (o, x) in zip((l1, l2), outs))
+    us = _median_ms(run) * 1e3
+    emit(probe="predecode", what="fold_decode pass", us=us, bytes=nbytes, tb_per_s=nbytes / us / 1e6)
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "scale_words"]
+    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "scale_words", "predecode"]
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block,
-         "scale_words": probe_scale_words}[name]()
+         "scale_words": probe_scale_words, "predecode": probe_predecode}[name]()

@@ -1,0 +1,55 @@
+"""Decode transformed FP4 expert weights once into folded e4m3 plus one exponent per row
+(``megamoe.kernels.fold_decode``; the ``"hopper"`` numerics' weight operand, ``megamoe.quant.fold_scales``).
+
+``fold_decode(weights)`` takes one :class:`megamoe.quant.TransformedWeights` pair ``(w int8 [El, N, K/2], sf int32
+[El, N, K/128] MN-major)`` and returns ``(folded float8_e4m3fn [El, N, K], row_exp int32 [El, N])``: ``folded *
+2^(row_exp - 127)`` is the weight up to the fold's rounding below e4m3's normal range, bit for bit what the FP8 x
+FP4 Gluon phase's decode partitions write into shared memory. Runs on the GPU (byte-permute lookups) and under the
+interpreter (its twin); tested on CPU against :func:`megamoe.gemm_phase._folded_fp4_rows`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from megamoe.env import interpreting
+
+#: Weight rows per program (``N`` must be a multiple: 2I and H are multiples of 128).
+FOLD_DECODE_ROWS = 64
+
+
+def fold_decode(weights, out: torch.Tensor | None = None, row_exp: torch.Tensor | None = None):
+    """Decode ``weights`` = ``(w, sf)`` (transformed, see the module docstring) into ``out`` (float8_e4m3fn ``[El, N,
+    K]``) and ``row_exp`` (int32 ``[El, N]``), allocated when ``None``; returns both. Errors name the argument."""
+    from megamoe.kernels.fold_decode import fold_decode_kernel
+
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2:
+        raise TypeError("weights: expected a (w, sf) pair of transformed FP4 weights")
+    w, sf = weights
+    if w.dtype != torch.int8 or w.dim() != 3:
+        raise ValueError(f"weights[0]: expected int8 [El, N, K/2], got {w.dtype} {tuple(w.shape)}")
+    El, N, K = w.shape[0], w.shape[1], 2 * w.shape[2]
+    if N % FOLD_DECODE_ROWS or K % 128:
+        raise ValueError(f"weights: N={N} must be a multiple of {FOLD_DECODE_ROWS} and K={K} of 128")
+    if sf.dtype != torch.int32 or tuple(sf.shape) != (El, N, K // 128) or not sf.transpose(1, 2).is_contiguous():
+        raise ValueError(f"weights[1]: expected MN-major int32 [El, N, K/128] = {(El, N, K // 128)}, memory order "
+                         f"[El][K/128][N] (transform_weights_for_mega_moe), got {sf.dtype} {tuple(sf.shape)} "
+                         f"strides {sf.stride()}")
+    if not w.is_contiguous():
+        raise ValueError("weights[0]: expected a contiguous tensor")
+    if out is None:
+        out = torch.empty((El, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    if row_exp is None:
+        row_exp = torch.empty((El, N), dtype=torch.int32, device=w.device)
+    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (El, N, K) or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous float8_e4m3fn {(El, N, K)}, got {out.dtype} {tuple(out.shape)}")
+    if row_exp.dtype != torch.int32 or tuple(row_exp.shape) != (El, N) or not row_exp.is_contiguous():
+        raise ValueError(f"row_exp: expected contiguous int32 {(El, N)}, got {row_exp.dtype} {tuple(row_exp.shape)}")
+    from megamoe.fused import _fold_lut  # (the one per-device table; imported here: megamoe.fused imports this module)
+
+    lut = _fold_lut(w.device)
+    fold_decode_kernel[(El * (N // FOLD_DECODE_ROWS),)](
+        w, sf, lut, out, row_exp, N=N, K=K, KW_PAD=triton.next_power_of_2(K // 128), BN=FOLD_DECODE_ROWS,
+        PRMT_DECODE=not interpreting())
+    return out, row_exp
+
