@@ -95,6 +95,42 @@ def test_fp4_ws_real_size_block64_forced(num_ranks, num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks} b64")
 
 
+@pytest.mark.parametrize("block_m", [128, 64])
+@pytest.mark.parametrize("num_ranks,num_tokens", [(1, [8192]), (4, [4096, 0, 2048, 77])], ids=["r1-t8192", "r4-skew"])
+def test_fp4_ws_predecoded(num_ranks, num_tokens, block_m, monkeypatch):
+    """The predecoded path forced (``FP4_PREDECODE_MIN_EXPECTED`` = -1: both weights decoded once per call by
+    ``megamoe.fold_decode``, the Gluon phase streaming e4m3) at the real size, both pool blocks, two calls."""
+    import megamoe.fused as mf
+
+    _force_fp4_ws(monkeypatch, block_m)
+    monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", -1)
+    case = MoECase(num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
+                   routing="skewed" if num_ranks > 1 else "uniform", impl="fused", numerics="hopper", **REAL)
+    cfg = mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m, cfg.predecode) == ("fp4_ws", block_m, True)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 predecoded) r{num_ranks} b{block_m}")
+
+
+def test_fold_decode_on_the_gpu_equals_the_cpu_pass():
+    """``megamoe.fold_decode`` on the GPU (byte-permute lookups) gives the interpreter's bits (tested against the
+    decode partitions' model on CPU): one expert of V4-Pro's L1 and L2 shapes, scales spread over 2^10."""
+    from megamoe.fold_decode import fold_decode
+    from megamoe.gemm_phase import _folded_fp4_rows
+    from megamoe.quant import cast_grouped_weights_to_fp4, transform_weights_for_mega_moe
+
+    g = torch.Generator().manual_seed(5)
+    l1 = cast_grouped_weights_to_fp4(torch.randn(2, 2 * 3072, 7168, generator=g))
+    l2 = cast_grouped_weights_to_fp4(torch.randn(2, 7168, 3072, generator=g))
+    low = lambda sf: torch.where(torch.rand(sf.shape, generator=g) < 0.3, sf - 0x0A0A0A0A, sf)  # noqa: E731
+    for w, sf in transform_weights_for_mega_moe((l1[0], low(l1[1])), (l2[0], low(l2[1]))):
+        folded, row_exp = fold_decode((w.cuda(), sf.cuda()))
+        rows = torch.arange(0, w.shape[1], 97)
+        for e in range(w.shape[0]):
+            want, want_exp = _folded_fp4_rows(w, sf, e, rows)
+            assert torch.equal(row_exp[e, rows.cuda()].cpu(), want_exp.to(torch.int32))
+            assert torch.equal(folded[e, rows.cuda()].float().cpu(), want)
+
+
 @pytest.mark.parametrize("num_tokens,block_m", [(2048, 128), (512, 64)])
 def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     """The three launches captured in a CUDA graph (descriptors, tile tables, the fold table cached before the
