@@ -89,18 +89,20 @@ def _loops(sass: str, min_instructions: int = 64) -> list:
     return out
 
 
-def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False,
-                        predecode: bool = False) -> CompileReport:
+def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False, predecode: bool = False,
+                        overrides: dict | None = None) -> CompileReport:
     """Compile ``kind``'s Gluon GEMM phase ("fp4_ws" or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
-    ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights);
-    see the module docstring. In a process whose Triton runs its interpreter
+    ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights;
+    ``overrides``: keywords to compile instead of the host's, e.g. ``{"STAGES": 4, "DECODE_REGS": 80}`` for a sweep
+    in ``results/probes/``); see the module docstring. In a process whose Triton runs its interpreter
     (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs in a child process
     with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as JSON."""
     from megamoe.env import interpreting
 
     if interpreting():
         L = layout
-        args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), str(L.num_ranks), str(L.num_experts),
+        args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), json.dumps(overrides or {}),
+                str(L.num_ranks), str(L.num_experts),
                 str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
                 str(L.block_m), L.format]
         out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
@@ -121,6 +123,10 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
         kw = mf.fp8_ws_keywords(layout, block_m, has_clamp)
     else:
         raise ValueError(f"kind must be 'fp4_ws' or 'fp8_ws', got {kind!r}")
+    unknown = set(overrides or {}) - set(kw)
+    if unknown:
+        raise ValueError(f"overrides: {sorted(unknown)} are not keywords of the {kind} launch ({sorted(kw)})")
+    kw.update(overrides or {})
     options = {"num_warps": kw.pop("num_warps"), "maxnreg": kw.pop("maxnreg")}
     sig = _signature(kind, block_m, predecode)
     sig.update({k: "constexpr" for k in kw})
@@ -154,13 +160,14 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
 
 
 def main(argv: list[str]) -> None:
-    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE R E T K H I LAYOUT_BLOCK_M FORMAT``: one
-    report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
+    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON R E T K H I LAYOUT_BLOCK_M
+    FORMAT``: one report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
     from megamoe.layout import Layout
 
-    kind, bm, clamp, predecode, *dims, fmt = argv
+    kind, bm, clamp, predecode, overrides, *dims, fmt = argv
     L = Layout(*(int(v) for v in dims), format=fmt)
-    print(json.dumps(dataclasses.asdict(compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode))))))
+    report = compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode)), json.loads(overrides))
+    print(json.dumps(dataclasses.asdict(report)))
 
 
 if __name__ == "__main__":
