@@ -47,6 +47,18 @@ class CompileReport:
     loops: list
     directory: str
 
+    def summary(self, ops: tuple[str, ...]) -> str:
+        """Lines for a reader: where the files are, shared memory, registers and spills, the ``ops`` of the SASS
+        histogram, the ``setmaxnreg`` values, and each loop's size and most frequent opcodes."""
+        lines = [f"dir {self.directory} shared {self.shared}",
+                 f"{self.registers} registers, {self.stack} bytes stack, {self.spill_stores} / {self.spill_loads} "
+                 "bytes spill stores / loads",
+                 str({o: n for o, n in sorted(self.sass_ops.items()) if o in ops}), str(self.setmaxnreg)]
+        for first, last, n, loop_ops in self.loops:
+            top = dict(sorted(loop_ops.items(), key=lambda x: -x[1])[:8])
+            lines.append(f"loop {first:#x}-{last:#x}: {n} instructions {top}")
+        return "\n".join(lines)
+
 
 def _signature(kind: str, bm: int, predecode: bool = False) -> dict:
     from triton.experimental.gluon import language as gl

@@ -27,9 +27,4 @@ r = compile_gluon_phase("fp4_ws", Layout(1, 48, 8192, 6, H, I, 128), BM, predeco
 keep = ("QGMMA", "UTMALDG", "STL", "LDL", "BAR", "SYNCS", "USETMAXREG", "WARPGROUP", "MEMBAR", "FENCE", "ATOMG",
         "STG", "PRMT", "LDS", "STS", "HMUL2", "F2FP")
 print("BM", BM, "overrides", overrides)
-print("dir", r.directory, "shared", r.shared)
-print(f"{r.registers} registers, {r.stack} bytes stack, {r.spill_stores} / {r.spill_loads} bytes spill stores / loads")
-print({o: n for o, n in sorted(r.sass_ops.items()) if o in keep})
-print(r.setmaxnreg)
-for first, last, n, ops in r.loops:
-    print(f"loop {first:#x}-{last:#x}: {n} instructions", dict(sorted(ops.items(), key=lambda x: -x[1])[:8]))
+print(r.summary(keep))
