@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ class CompileReport:
     setmaxnreg: list
     sass_ops: dict
     loops: list
-    directory: str
+    directory: str | None
 
     def summary(self, ops: tuple[str, ...]) -> str:
         """Lines for a reader: where the files are, shared memory, registers and spills, the ``ops`` of the SASS
@@ -102,19 +103,21 @@ def _loops(sass: str, min_instructions: int = 64) -> list:
 
 
 def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False, predecode: bool = False,
-                        overrides: dict | None = None) -> CompileReport:
+                        overrides: dict | None = None, keep: bool = False) -> CompileReport:
     """Compile ``kind``'s Gluon GEMM phase ("fp4_ws" or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
     ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights;
     ``overrides``: keywords to compile instead of the host's, e.g. ``{"STAGES": 4, "DECODE_REGS": 80}`` for a sweep
-    in ``results/probes/``); see the module docstring. In a process whose Triton runs its interpreter
-    (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs in a child process
-    with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as JSON."""
+    in ``results/probes/``); see the module docstring. ``keep``: leave the PTX / TTGIR / cubin / SASS in the
+    report's ``directory`` (a probe's reader opens them; a test leaves nothing behind). In a process whose Triton
+    runs its interpreter (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs
+    in a child process with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as
+    JSON."""
     from megamoe.env import interpreting
 
     if interpreting():
         L = layout
         args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), json.dumps(overrides or {}),
-                str(L.num_ranks), str(L.num_experts),
+                str(int(keep)), str(L.num_ranks), str(L.num_experts),
                 str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
                 str(L.block_m), L.format]
         out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
@@ -162,23 +165,26 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
         return int(m.group(1)) if m else 0
 
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass, re.M))
+    if not keep:
+        shutil.rmtree(d)
     return CompileReport(
         kind=kind, block_m=block_m, shared=k.metadata.shared, registers=num(r"Used (\d+) registers"),
         stack=num(r"(\d+) bytes stack frame"), spill_stores=num(r"(\d+) bytes spill stores"),
         spill_loads=num(r"(\d+) bytes spill loads"),
         setmaxnreg=sorted({(m.group(1), int(m.group(2))) for m in
                            re.finditer(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])}),
-        sass_ops=dict(ops), loops=_loops(sass), directory=d)
+        sass_ops=dict(ops), loops=_loops(sass), directory=d if keep else None)
 
 
 def main(argv: list[str]) -> None:
-    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON R E T K H I LAYOUT_BLOCK_M
-    FORMAT``: one report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
+    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON KEEP R E T K H I
+    LAYOUT_BLOCK_M FORMAT``: one report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
     from megamoe.layout import Layout
 
-    kind, bm, clamp, predecode, overrides, *dims, fmt = argv
+    kind, bm, clamp, predecode, overrides, keep, *dims, fmt = argv
     L = Layout(*(int(v) for v in dims), format=fmt)
-    report = compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode)), json.loads(overrides))
+    report = compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode)), json.loads(overrides),
+                                 bool(int(keep)))
     print(json.dumps(dataclasses.asdict(report)))
 
 

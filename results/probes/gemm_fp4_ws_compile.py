@@ -23,7 +23,7 @@ overrides.update({k: bool(int(os.environ[k])) for k in ("PREFETCH", "SF_TMA") if
 if len(sys.argv) > 1:
     overrides["STAGES"] = int(sys.argv[1])
 r = compile_gluon_phase("fp4_ws", Layout(1, 48, 8192, 6, H, I, 128), BM, predecode=bool(int(os.environ.get(
-    "PREDECODE", 0))), overrides=overrides)
+    "PREDECODE", 0))), overrides=overrides, keep=True)
 keep = ("QGMMA", "UTMALDG", "STL", "LDL", "BAR", "SYNCS", "USETMAXREG", "WARPGROUP", "MEMBAR", "FENCE", "ATOMG",
         "STG", "PRMT", "LDS", "STS", "HMUL2", "F2FP")
 print("BM", BM, "overrides", overrides)

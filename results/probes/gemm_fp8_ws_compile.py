@@ -19,7 +19,8 @@ names = (("MATH_REGS", "MATH"), ("maxnreg", "MAXNREG"), ("PULL_WARPS", "PW"), ("
 overrides = {k: int(os.environ[e]) for k, e in names if e in os.environ}
 if len(sys.argv) > 1:
     overrides["STAGES"] = int(sys.argv[1])
-r = compile_gluon_phase("fp8_ws", Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8"), BM, overrides=overrides)
+r = compile_gluon_phase("fp8_ws", Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8"), BM, overrides=overrides,
+                        keep=True)
 keep = ("QGMMA", "UTMALDG", "STL", "LDL", "BAR", "SYNCS", "USETMAXREG", "WARPGROUP", "MEMBAR", "FENCE", "ATOM",
         "ATOMG", "RED", "STG", "FSEL", "FFMA")
 print("BM", BM, "overrides", overrides)
