@@ -139,8 +139,7 @@ def _dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int) -> None:
     """The FP8 x FP4 ("hopper" numerics) GEMM phase: every tile of every rank's table, L1 tiles before L2 tiles
     (module docstring). ``block_m``: rows per pool block (128, or 64: the Gluon kernel's tile of one math warpgroup;
-the model is the same per row). The rows are in the L1 pool already (the front
-    launch copied and folded them)."""
+    the model is the same per row). The rows are in the L1 pool already (the front launch copied and folded them)."""
     for c, t in zip(calls, tiles):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
         entries, num_l1, _ = tile_table(t)
