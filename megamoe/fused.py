@@ -155,7 +155,8 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: (``tests/gpu/test_fp4_ws_gpu.py``: 1 / 2 / 4 local ranks, masks, skew, clamp, spread scales, the real size, CUDA
 #: graph) passed on an H200 at pool blocks 128 and 64, and (block 128) it took the layer at T = 512 / 2048 / 8192
 #: from 5132 / 16870 / 64165 us (the one-launch "hopper" kernel, c1f41b1) to 2118 / 4995 / 15650
-#: (``results/layer_h200.json``). ``tile_kind`` takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per
+#: (``results/layer_h200.json`` at 3e811ce; the file at 5bee5a1, with block 64 and the leaner decode: 1824 / 4869 /
+#: 15078). ``tile_kind`` takes it on sm_90 above FP4_WS_MIN_EXPECTED expected tokens per
 #: local expert (``fused_config``: pool block 64 up to FP4_BLOCK64_MAX_EXPECTED, 128 above);
 #: ``FusedConfig(kind="fp4_ws", block_m=128 or 64, numerics="hopper")`` forces it; ``FP4_WS_ENABLED = False`` turns
 #: it off. FP4_WS_MIN_EXPECTED: measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of
@@ -444,29 +445,45 @@ def _tile_table(sb) -> torch.Tensor:
     return t
 
 
+def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False) -> dict:
+    """Per TMA descriptor argument of a Gluon GEMM phase ("fp8_ws" or "fp4_ws") at pool block ``bm``: ``(Triton
+    dtype name, box, shared layout)``. The one home of what the launch builds (``_ws_descriptors``,
+    ``_fp4_ws_descriptors``) and what ``megamoe.hopper_compile`` compiles offline. ``predecode`` ("fp4_ws"): the
+    weights are ``_predecode``'s e4m3, box [256, 128] in the layout the math reads."""
+    from triton.experimental.gluon import language as gl
+
+    bn = WS_TILE_N.value
+    lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    a = ("fp8e4nv", [bm, 128], lay_a)
+    words = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # flat runs of 32-bit words
+    if kind == "fp4_ws":  # the transformed FP4 weights as bytes, 256 rows x 128 K values; the decode warps read rows
+        if predecode:
+            w = ("fp8e4nv", [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv))
+        else:
+            w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+        ws, as_ = ("i32", [bn], words), ("i32", [bm], words)  # SF_TMA's scale words of the weight and pool rows
+        return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws, as1_desc=as_, as2_desc=as_)
+    w = ("fp8e4nv", [bn, FP8_BLOCK], gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv))
+    # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
+    sa = ("fp32", [bm], words)
+    return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, sa1_desc=sa, sa2_desc=sa)
+
+
 def _ws_descriptors(c, L, bm: int):
     """TMA descriptors of one rank's GEMM phase (``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel``), cached on
     its buffer by the weights' addresses (a repeated or captured call builds none)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def build():
         H, I = L.hidden, L.intermediate_hidden
         f8 = torch.float8_e4m3fn
-        bn, bk = WS_TILE_N.value, FP8_BLOCK
-        lay_a = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
-        lay_w = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
-        lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
+        spec = ws_descriptor_specs("fp8_ws", bm)
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
-        return (
-            TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, bk], lay_a),
-            TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, bk], lay_a),
-            TensorDescriptor.from_tensor(c.l1[0].view(f8).reshape(-1, H), [bn, bk], lay_w),
-            TensorDescriptor.from_tensor(c.l2[0].view(f8).reshape(-1, I), [bn, bk], lay_w),
-            TensorDescriptor(sa1, [sa1.numel()], [1], [bm], lay_s),
-            TensorDescriptor(sa2, [sa2.numel()], [1], [bm], lay_s),
-        )
+        tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"),
+                       w1_desc=c.l1[0].view(f8).reshape(-1, H), w2_desc=c.l2[0].view(f8).reshape(-1, I))
+        return tuple(TensorDescriptor.from_tensor(tensors[k], spec[k][1], spec[k][2]) for k in tensors) + tuple(
+            TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in (("sa1_desc", sa1),
+                                                                                       ("sa2_desc", sa2)))
 
     return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
 
@@ -502,35 +519,23 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
     [256]; both pools' [K/128][SP], box [bm]), cached on the buffer by the weights' addresses and the block like
     ``_ws_descriptors``. ``predecode``: the weights are ``_predecode``'s e4m3 scratch instead (box [256, 128], the
     layout the math reads; the kernel takes the predecoded path from their dtype)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def build():
         H, I = L.hidden, L.intermediate_hidden
-        bn = WS_TILE_N.value
-        lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+        spec = ws_descriptor_specs("fp4_ws", bm, predecode)
         if predecode:
             (f1, _), (f2, _) = scratch
-            lay_d = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-            w1_d = TensorDescriptor.from_tensor(f1.view(-1, H), [bn, 128], lay_d)
-            w2_d = TensorDescriptor.from_tensor(f2.view(-1, I), [bn, 128], lay_d)
-        lay_w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # the decode warps read rows
-        lay_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+            w1, w2 = f1.view(-1, H), f2.view(-1, I)
+        else:
+            w1, w2 = c.l1[0].view(torch.uint8).reshape(-1, H // 2), c.l2[0].view(torch.uint8).reshape(-1, I // 2)
         # scale words as flat int32 runs (SF_TMA): the weights' MN-major [El][K/128][N], the pools' [K/128][SP]
         ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (c.l1, c.l2))  # views: a descriptor keeps no tensor
         as1, as2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
-        return (
-            TensorDescriptor.from_tensor(c.sb.view("l1_acts"), [bm, 128], lay_a),
-            TensorDescriptor.from_tensor(c.sb.view("l2_acts"), [bm, 128], lay_a),
-            w1_d if predecode else TensorDescriptor.from_tensor(c.l1[0].view(torch.uint8).reshape(-1, H // 2),
-                                                                [bn, 64], lay_w),
-            w2_d if predecode else TensorDescriptor.from_tensor(c.l2[0].view(torch.uint8).reshape(-1, I // 2),
-                                                                [bn, 64], lay_w),
-            TensorDescriptor(ws1, [ws1.numel()], [1], [bn], lay_s),
-            TensorDescriptor(ws2, [ws2.numel()], [1], [bn], lay_s),
-            TensorDescriptor(as1, [as1.numel()], [1], [bm], lay_s),
-            TensorDescriptor(as2, [as2.numel()], [1], [bm], lay_s),
-        )
+        boxed = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
+        flat = dict(ws1_desc=ws1, ws2_desc=ws2, as1_desc=as1, as2_desc=as2)
+        return tuple(TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in boxed.items()) + tuple(
+            TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
     scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
     key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, scratch and scratch[0][0].data_ptr())

@@ -62,30 +62,17 @@ class CompileReport:
 
 
 def _signature(kind: str, bm: int, predecode: bool = False) -> dict:
-    from triton.experimental.gluon import language as gl
+    """The kernel's argument types: its TMA descriptors as the launch builds them (``ws_descriptor_specs``), then
+    the pointers and scalars."""
+    from megamoe.fused import ws_descriptor_specs
 
-    def td(dt, blk, lay):
-        return f"tensordesc<{dt}{list(blk)},{lay!r}>"
-
-    a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
-    if kind == "fp4_ws":  # the layouts of megamoe.fused._fp4_ws_descriptors
-        s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        if predecode:  # megamoe.fused._predecode's e4m3 weights
-            w_desc = td("fp8e4nv", [256, 128], gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv))
-        else:
-            w_desc = td("u8", [256, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-        return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
-                    w1_desc=w_desc, w2_desc=w_desc, ws1_desc=td("i32", [256], s),
-                    ws2_desc=td("i32", [256], s), as1_desc=td("i32", [bm], s), as2_desc=td("i32", [bm], s),
-                    buf="*u8", w1_sf="*i32",
-                    w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32",
-                    timeout_ns="i64")
-    w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)  # megamoe.fused._ws_descriptors
-    s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return dict(a1_desc=td("fp8e4nv", [bm, 128], a), a2_desc=td("fp8e4nv", [bm, 128], a),
-                w1_desc=td("fp8e4nv", [256, 128], w), w2_desc=td("fp8e4nv", [256, 128], w),
-                sa1_desc=td("fp32", [bm], s), sa2_desc=td("fp32", [bm], s), buf="*u8", w1_sf="*fp32", w2_sf="*fp32",
-                tiles="*i32", buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
+    specs = ws_descriptor_specs(kind, bm, predecode)
+    sig = {k: f"tensordesc<{dt}{list(box)},{lay!r}>" for k, (dt, box, lay) in specs.items()}
+    if kind == "fp4_ws":
+        return dict(sig, buf="*u8", w1_sf="*i32", w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
+                    me="i32", clamp="fp32", timeout_ns="i64")
+    return dict(sig, buf="*u8", w1_sf="*fp32", w2_sf="*fp32", tiles="*i32", buffer_ptrs="*i64", me="i32",
+                clamp="fp32", timeout_ns="i64")
 
 
 def _loops(sass: str, min_instructions: int = 64) -> list:
