@@ -323,7 +323,6 @@ def bench_xy(data: dict) -> Figure | None:
     return fig
 
 
-#: ``kind`` -> plotting function for results/*.json.
 def fp4_ws_probe(data: dict) -> Figure:
     """``results/probes/ws_variants_probe_h200.jsonl``: the FP8 x FP4 call with its Gluon phase ("fp4_ws") as it is
     and with the decode (and the per-K-block add) patched out, by tokens per rank (left), and the phase at pool block
@@ -359,13 +358,13 @@ def fp4_ws_probe(data: dict) -> Figure:
     return fig
 
 
+#: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "layer_fp8": bench_layer_impls,
     "pull_push": bench_pull_push,
     "ceilings": bench_ceilings, "tune": bench_tune, "tma_pull": bench_pull_bandwidth, "timeline": bench_timeline,
     "fused_tune": bench_fused_tune,
 }
-
 
 
 def plot_results(name: str) -> Figure | None:
