@@ -23,11 +23,13 @@ from megamoe.kernels.fused import _decode_chunk, _row_exponent_max
 
 @triton.jit
 def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.constexpr, KW_PAD: tl.constexpr,
-                       BN: tl.constexpr, PRMT_DECODE: tl.constexpr):
+                       BN: tl.constexpr, PRMT_DECODE: tl.constexpr,
+                       LOOP_STAGES: tl.constexpr = 1):
     """One program: ``BN`` rows of one local expert. ``w`` int8 ``[El, N, K/2]`` transformed FP4 (split nibble
     order, ``transform_weights_for_mega_moe``), ``w_sf`` int32 MN-major ``[El][K/128][N]`` UE8M0 words, ``lut``
     ``fold_lut``; writes ``out`` e4m3 ``[El, N, K]`` in K order and ``row_exp`` int32 ``[El, N]``. ``PRMT_DECODE``:
-    the GPU's byte-permute lookup (the interpreter runs its twin, ``e2m1_lut``)."""
+    the GPU's byte-permute lookup (the interpreter runs its twin, ``e2m1_lut``). ``LOOP_STAGES``: software-pipeline
+    stages of the K loop (its loads in flight ahead of the decode)."""
     pid = tl.program_id(0)
     e = (pid // (N // BN)).to(tl.int64)
     rows = (pid % (N // BN)) * BN + tl.arange(0, BN)
@@ -35,7 +37,7 @@ def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.conste
     sf_e = w_sf + e * (K // 128) * N
     rmax = _row_exponent_max(sf_e, rows, N, K // 128, KW_PAD)
     o = out + (e * N + rows[:, None]) * K + tl.arange(0, 32)[None, :]
-    for k0 in range(0, K, 128):
+    for k0 in tl.range(0, K, 128, num_stages=LOOP_STAGES):
         word = tl.load(sf_e + (k0 // 128) * N + rows)
         b0, b1 = _decode_chunk(w_e, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE)
         tl.store(o + k0, b0)

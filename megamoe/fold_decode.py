@@ -16,6 +16,9 @@ from megamoe.env import interpreting
 
 #: Weight rows per program (``N`` must be a multiple: 2I and H are multiples of 128).
 FOLD_DECODE_ROWS = 64
+#: Warps a program and software-pipeline stages of its K loop.
+FOLD_DECODE_WARPS = 4
+FOLD_DECODE_LOOP_STAGES = 1
 
 
 def fold_decode(weights, out: torch.Tensor | None = None, row_exp: torch.Tensor | None = None):
@@ -50,6 +53,6 @@ def fold_decode(weights, out: torch.Tensor | None = None, row_exp: torch.Tensor 
     lut = _fold_lut(w.device)
     fold_decode_kernel[(El * (N // FOLD_DECODE_ROWS),)](
         w, sf, lut, out, row_exp, N=N, K=K, KW_PAD=triton.next_power_of_2(K // 128), BN=FOLD_DECODE_ROWS,
-        PRMT_DECODE=not interpreting())
+        PRMT_DECODE=not interpreting(), LOOP_STAGES=FOLD_DECODE_LOOP_STAGES, num_warps=FOLD_DECODE_WARPS)
     return out, row_exp
 

@@ -174,20 +174,24 @@ FP4_WS_MIN_EXPECTED = 2
 #: K loop). Block 64: A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB a stage; one math warpgroup (64 rows x 256
 #: weight rows) and two 4-warp decode partitions (128 weight rows and 32 pool rows each), 232 + 24 + 2 x 128 = 512
 #: (the math warpgroup is the default partition and gets what the workers leave, so MATH_REGS is not used at this
-#: block); 174988 B, no spill anywhere (4 stages: 232332 B, also no spill; not measured).
-FP4_WS_STAGES = {128: 3, 64: 3}
+#: block); 174988 B, no spill anywhere. Block 64 takes 4 stages with PREFETCH (below): 232332 B, no spill.
+#: Measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, ``scale_words`` rows at eca4bf7, whole
+#: call, block 64, T = 128 / 512): 3 stages 1089 / 1742 us, 4 stages 1067 / 1707, SF_TMA 997 / 1627, PREFETCH
+#: 1038 / 1561, PREFETCH at 4 stages 954 / 1527.
+FP4_WS_STAGES = {128: 3, 64: 4}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: Whether the decode partitions load each K block's scale words one K block ahead (``PREFETCH`` of
 #: ``megamoe.kernels.gemm_fp4_ws``: in flight during the previous block's decode instead of first on each stage's
 #: dependency chain, words -> fold-table gathers -> PRMT), by pool block. Only block 64 (a partition's 128 weight
 #: rows decoded as one chunk, two rows a thread); block 128's single partition at 72 registers has no room.
-#: Offline sm_90a compile at block 64: see the kernel's docstring. NOT YET TIMED OR RUN ON A GPU (branch fp4-prefetch).
-FP4_WS_PREFETCH = {128: False, 64: False}
+#: Block 64's fastest choice with 4 stages (numbers above; all GPU tests at block 64 run it).
+FP4_WS_PREFETCH = {128: False, 64: True}
 #: Whether each ring stage carries its K block's scale words by TMA (``SF_TMA``: the loader's 1 KB of the tile's 256
 #: weight rows + the pool rows' words, as DeepGEMM's SM90 kernel loads its scales; the decode reads them from shared
 #: memory, no global load left in its K loop), by pool block. Exclusive with FP4_WS_PREFETCH. Shared memory +1.25 KB
-#: (block 64) / +1.5 KB (128) a stage. NOT YET TIMED OR RUN ON A GPU (branch fp4-sf-tma).
-FP4_WS_SF_TMA = {128: True, 64: True}
+#: (block 64) / +1.5 KB (128) a stage. Measured (same file, T = 2048, block 128, 3 stages): 4713 us without, 4129
+#: with. At block 64 PREFETCH with a fourth stage beats it (SF_TMA's extra shared memory leaves no room for that).
+FP4_WS_SF_TMA = {128: True, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
@@ -200,11 +204,13 @@ FP4_BLOCK64_MAX_EXPECTED = 64
 #: "fp4_ws": from this many expected tokens per local expert, decode the weights once per call into folded e4m3
 #: (``megamoe.fold_decode``: one elementwise pass, 1.5 bytes a weight of HBM traffic) and let the Gluon phase
 #: stream those (its decode partitions then only fold the L2 A stage), instead of decoding each weight stage once
-#: per pool block: at T = 8192 (eight 128-row blocks an expert) the phase without its decode took 8124 us against
-#: 15720 (``results/probes/ws_variants_probe_h200.jsonl``); the pass is estimated at ~1.4 ms for one EP8 rank of
-#: V4-Pro. The scratch (El x (2I x H + H x I) bytes, 3.2 GB at that shape) is kept on the buffer for the weights in
-#: use. NOT YET RUN ON A GPU (branch fp4-predecode): off (inf) until measured.
-FP4_PREDECODE_MIN_EXPECTED = float("inf")
+#: per pool block. The scratch (El x (2I x H + H x I) bytes, 3.2 GB for one EP8 rank of V4-Pro) is kept on the
+#: buffer for the weights in use. Measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``,
+#: ``predecode`` rows at eca4bf7, whole call, 3 stages, per block / predecoded): T = 512 (64 expected) 1617 /
+#: 3090 us, T = 2048 (256) 4117 / 4635, T = 8192 (1024) 13485 / 10988; the pass alone 1867 us (2.6 TB/s). The
+#: difference is about linear in T (the per-block decode repeats once per 128-row block): even near 390 expected
+#: (T ~ 3100), so from 512 (T = 4096; not measured between 256 and 1024).
+FP4_PREDECODE_MIN_EXPECTED = 512
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
@@ -561,7 +567,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"], predecode)
-                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
+                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode)
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
@@ -606,22 +612,23 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
             *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr],
             c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None))
+            **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
 
 
-def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
+def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
-    layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp) and cached on the buffer, as
-    ``_ws_constexprs``."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp),
-                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp))
+    layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
+    buffer, as ``_ws_constexprs``."""
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode),
+                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
 
-def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
+def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
-    ``megamoe.hopper_compile`` compiles offline."""
+    ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams ``_predecode``'s e4m3 weights, so
+    no weight scale words are prefetched (``PREFETCH`` off)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -629,7 +636,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
-        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm],
+        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], num_warps=4, maxnreg=maxnreg)
 
 

@@ -119,7 +119,7 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     from megamoe import fused as mf
     if kind == "fp4_ws":
         from megamoe.kernels.gemm_fp4_ws import fp4_gemm_phase_kernel as fn
-        kw = mf.fp4_ws_keywords(layout, block_m, has_clamp)
+        kw = mf.fp4_ws_keywords(layout, block_m, has_clamp, predecode)
     elif kind == "fp8_ws":
         from megamoe.kernels.gemm_fp8_ws import fp8_gemm_phase_kernel as fn
         kw = mf.fp8_ws_keywords(layout, block_m, has_clamp)

@@ -20,14 +20,16 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
 * ``scale_words``: at T = 128 / 512 (block 64) and 2048 (block 128) where the decode partitions get each K block's
   scale words: a load in the stage, one K block ahead (``FP4_WS_PREFETCH``, block 64), by TMA with the stage
   (``FP4_WS_SF_TMA``); at block 64 also 4 ring stages; error of each against the reference.
+* ``fold_decode``: the decode pass alone at rows a program / warps / K-loop pipeline stages, outputs compared bitwise.
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..]] \
+    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
 """
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -252,24 +254,44 @@ def probe_predecode(tokens=(512, 2048, 8192)):
             sb.destroy()
         mf.FP4_WS_STAGES.update(saved[1])
     mf.FP4_PREDECODE_MIN_EXPECTED = saved[0]
-    # the decode pass alone, both weights of one EP8 rank of V4-Pro
+    probe_fold_decode(variants=((64, 4, 1),))
+
+
+def probe_fold_decode(variants=((64, 4, 1), (32, 4, 1), (64, 4, 3), (32, 4, 3), (128, 8, 3), (32, 2, 3))):
+    """The decode pass alone (``megamoe.fold_decode``: both weights of one EP8 rank of V4-Pro) at rows a program,
+    warps and K-loop pipeline stages (``FOLD_DECODE_ROWS`` / ``_WARPS`` / ``_LOOP_STAGES``); every variant's output
+    checked bitwise against the first's."""
+    import megamoe.fold_decode as fd
     from megamoe.quant import transform_weights_for_mega_moe
 
     l1, l2 = MoECase(num_tokens=8, format="fp8_fp4", **SHAPE).problem(device="cuda").weights_for_rank(0)
     l1, l2 = transform_weights_for_mega_moe(tuple(t.cuda() for t in l1), tuple(t.cuda() for t in l2))
     outs = [(torch.empty((w.shape[0], w.shape[1], 2 * w.shape[2]), dtype=torch.float8_e4m3fn, device="cuda"),
              torch.empty(w.shape[:2], dtype=torch.int32, device="cuda")) for w, _ in (l1, l2)]
-    run = lambda: [fold_decode(w, out=o, row_exp=x) for w, (o, x) in zip((l1, l2), outs)]  # noqa: E731
-    run()
-    torch.cuda.synchronize()
     nbytes = sum(w.numel() + sf.numel() * 4 + o.numel() + x.numel() * 4 for (w, sf), (o, x) in zip((l1, l2), outs))
-    us = _median_ms(run) * 1e3
-    emit(probe="predecode", what="fold_decode pass", us=us, bytes=nbytes, tb_per_s=nbytes / us / 1e6)
+    saved, first = (fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES), None
+    for rows, warps, loop_stages in variants:
+        fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES = rows, warps, loop_stages
+        run = lambda: [fd.fold_decode(w, out=o, row_exp=x) for w, (o, x) in zip((l1, l2), outs)]  # noqa: E731
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
+            emit(probe="fold_decode", rows=rows, warps=warps, loop_stages=loop_stages, error=repr(exc)[:200])
+            continue
+        got = [(o.view(torch.uint8).clone(), x.clone()) for o, x in outs]
+        first = first or got
+        same = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, first))
+        us = _median_ms(run) * 1e3
+        emit(probe="fold_decode", what="fold_decode pass", rows=rows, warps=warps, loop_stages=loop_stages, us=us,
+             bytes=nbytes, tb_per_s=nbytes / us / 1e6, bitwise_equal_to_first=same)
+    fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES = saved
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "scale_words", "predecode"]
-    emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which)
+    which = sys.argv[1:2] or ["fp4", "back", "threshold", "block", "scale_words", "predecode", "fold_decode"]
+    emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which,
+         commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block,
-         "scale_words": probe_scale_words, "predecode": probe_predecode}[name]()
+         "scale_words": probe_scale_words, "predecode": probe_predecode, "fold_decode": probe_fold_decode}[name]()
