@@ -5,15 +5,16 @@ Why: the FP8 x FP4 Gluon GEMM phase (``megamoe.kernels.gemm_fp4_ws``) decodes ev
 register-starved warps *per pool block*, so at T = 8192 (eight 128-row blocks an expert) each weight is decoded
 eight times, and the decode sets the phase's pace (``results/probes/ws_variants_probe_h200.jsonl``: 15720 us with
 the decode, 8124 without). Decoding each weight once per call into a scratch buffer costs one elementwise pass over
-the weights (read FP4 + scales, write e4m3: 1.5 bytes a value, ~1.4 ms for one EP8 rank of V4-Pro at ~3.5 TB/s,
-by estimate; not yet measured), after which the phase streams FP8 like the FP8 x FP8 format.
+the weights (read FP4 + scales, write e4m3: 1.5 bytes a value; 1877 us for one EP8 rank of V4-Pro on an H200, 2.6
+TB/s, ``megamoe.fold_decode.FOLD_DECODE_WARPS``), after which the phase streams FP8 like the FP8 x FP8 format.
 
 The values are exactly what the decode partitions write (``megamoe.kernels.fused._decode_chunk``: one table lookup
 per value, ``megamoe.quant.fold_lut``): ``e4m3(m * 2^(s_g - s_row))`` with ``s_row`` the row's largest UE8M0
 exponent over all K, and the same row exponent; so the GEMMs' results do not change by a bit.
 
-Offline sm_90a compile (Triton 3.6, 4 warps, 64 rows a program, PRMT lookups): 55 registers at the L1 shape (N =
-6144, K = 7168), 48 at L2 (7168, 3072), no spill -- room for many programs an SM to hide the loads' latency.
+Offline sm_90a compile (Triton 3.6, ptxas -v, 4 warps, 64 rows a program, PRMT lookups): 142 registers at the L1
+shape (N = 6144, K = 7168), no spill: three programs an SM. Fewer rows (72 registers at 32) or a pipelined K loop
+(cp.async) did not run faster (the measurements at FOLD_DECODE_WARPS).
 """
 import triton
 import triton.language as tl

@@ -16,7 +16,10 @@ from megamoe.env import interpreting
 
 #: Weight rows per program (``N`` must be a multiple: 2I and H are multiples of 128).
 FOLD_DECODE_ROWS = 64
-#: Warps a program and software-pipeline stages of its K loop.
+#: Warps a program and software-pipeline stages of its K loop. Measured on an H200 (``results/probes/
+#: ws_variants_probe_h200.jsonl``, ``fold_decode`` rows at 741e144, both weights of one EP8 rank of V4-Pro, 4.86 GB):
+#: 64 rows / 4 warps / 1 stage 1877 us (2.6 TB/s); 32 / 4 / 1 1894; 64 / 4 / 3 1982; 128 / 8 / 3 2040; 32 / 2 / 3
+#: 2010; 32 / 4 / 3 2578 (all bitwise equal).
 FOLD_DECODE_WARPS = 4
 FOLD_DECODE_LOOP_STAGES = 1
 
