@@ -227,6 +227,45 @@ def test_slow_but_alive_rank_does_not_time_out():
     assert all(c["seconds"] > 3 * timeout for c in out[1][:2])  # rank 1 really waited that long
 
 
+def test_progress_beacon_sees_a_busy_python_thread_move_and_a_sleeping_one_not():
+    """The beacon's criterion (``ProgressBeacon.moved``) on a thread busy in pure Python, looked at every
+    ``BEACON_INTERVAL_S``: moving at every look (its frame position alone repeats for seconds: the thread gives up
+    the GIL at the same instructions); then the same thread asleep: not moving."""
+    import threading
+
+    state, looks = {}, {"busy": [], "asleep": []}
+    ready, phase, done = threading.Event(), threading.Event(), threading.Event()
+
+    def owner():
+        state["beacon"] = ks.ProgressBeacon([], timeout_s=10.0)
+        ready.set()
+        while not phase.is_set():
+            sum(i * i for i in range(2000))
+        done.wait(10)
+
+    t = threading.Thread(target=owner, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    beacon = state["beacon"]
+    try:
+        for key in ("busy", "asleep"):
+            if key == "asleep":
+                phase.set()
+                time.sleep(ks.BEACON_INTERVAL_S)
+            last = beacon._position()
+            for _ in range(10):
+                time.sleep(ks.BEACON_INTERVAL_S)
+                now = beacon._position()
+                looks[key].append(beacon.moved(last, now))
+                last = now
+    finally:
+        phase.set()
+        done.set()
+        t.join(10)
+    assert all(looks["busy"]), looks
+    assert not any(looks["asleep"]), looks
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)
 def test_stuck_rank_is_named_within_the_timeout_and_reset_recovers():
