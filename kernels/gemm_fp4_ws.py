@@ -32,7 +32,8 @@ so a dot needs no scale inside its K loop:
 
 The epilogues apply ``2^(s_row - 127)`` per weight row (column) and ``2^(s_max - 127)`` per token (row) and then
 do what ``_l1_tile_hopper`` / ``_l2_tile_hopper`` do (bf16 round, clamp, SwiGLU, top-k weight, per-128 UE8M0
-requant; bf16 rows into the source rank's ``combine`` through ``sym_map`` arithmetic, :func:`gemm_fp8_ws._l2_epilogue`).
+requant, :func:`gemm_fp8_ws._l1_epilogue` with ``UE8M0``; bf16 rows into the source rank's ``combine`` through
+``sym_map`` arithmetic, :func:`gemm_fp8_ws._l2_epilogue`).
 
 Summation: each 128-wide K block is one wgmma chain into a fresh register tile, added into the float32 accumulator
 (the FP8 phase's "halves" structure with the scale product dropped). That is ``PROMOTE_EVERY = 1`` of the
@@ -143,7 +144,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megamoe.kernels.formats import AMAX_FLOOR, FOLD_LUT_MAX_SHIFT, FP8_MAX
+from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -152,12 +153,12 @@ from megamoe.kernels.gemm_fp8_ws import (
     TILE_N,
     WM,
     _fence_proxy_async_global,
-    _l1_half,
+    _l1_epilogue,
     _l2_epilogue,
     _pin,
     _tile,
 )
-from megamoe.kernels.numerics import _PRMT_LUT_ASM, ceil_ue8m0, f32_to_e4m3_bits
+from megamoe.kernels.numerics import _PRMT_LUT_ASM
 from megamoe.kernels.symm import _globaltimer_ns
 
 DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once without PREFETCH (4 chunks a stage)
@@ -470,42 +471,6 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
 
 
 @gluon.jit
-def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr,
-                 OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
-                 SP: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr):
-    """This warpgroup's 64 rows of an L1 tile (``_l1_tile_hopper``'s epilogue), the accumulators already scaled by
-    the weight rows' and tokens' powers of two: bf16 round, clamp, SwiGLU, top-k weight, the per-128 UE8M0 requant
-    (``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``) into the L2 pool (bytes + one int32 word of four equal scale
-    bytes a row), then the warpgroup's arrival bit (``NWG`` = 1, BM 64: the one warpgroup holds the tile's rows,
-    so it sets both bits of the tile: the mask and its waits are those of BM 128)."""
-    act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
-    act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
-    L: gl.constexpr = act_lo.type.layout
-    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
-    row_ok = r < valid - wg * WM
-    row = b * BM + wg * WM + r
-    topk_w = gl.expand_dims(gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0), 1)
-    act_lo = act_lo * topk_w
-    act_hi = act_hi * topk_w
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(act_lo), axis=1), gl.max(gl.abs(act_hi), axis=1)), AMAX_FLOOR)
-    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
-    inv = gl.expand_dims(((254 - sbyte) << 23).to(gl.float32, bitcast=True), 1)  # exact 1 / scale
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
-    ok = gl.expand_dims(row_ok, 1)
-    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 1) \
-        + gl.expand_dims(c, 0)
-    gl.store(out, f32_to_e4m3_bits(act_lo * inv).to(gl.uint8), mask=ok)
-    gl.store(out + 64, f32_to_e4m3_bits(act_hi * inv).to(gl.uint8), mask=ok)
-    gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=row_ok)
-    _fence_proxy_async_global()  # the L2 tiles read these bytes by TMA
-    gl.thread_barrier()  # every thread of the warpgroup has stored (and fenced) before the bit is published
-    if NWG == 1:
-        gl.atomic_or(l2_mask + b, gl.to_tensor(3).to(gl.int64) << (2 * nt), sem="release", scope="gpu")
-    else:
-        gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
-
-
-@gluon.jit
 def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
@@ -569,7 +534,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
                          OFF_COMBINE, T, H, mma)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP, BM, NWG)
+                         HAS_CLAMP, BM, NWG, True)  # the per-128 UE8M0 requant
         j += 1
 
 

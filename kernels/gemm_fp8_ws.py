@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.gemm import swiglu
-from megamoe.kernels.numerics import f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
+from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
 
 BK = gl.constexpr(128)  #: K block = scale block along K
@@ -236,6 +236,16 @@ def _promote(acc, dot, sa, s_gate, s_up, gate_col):
 
 
 @gluon.jit
+def _retire(dot, empty, s, acc, sa, s_gate, s_up, gate_col):
+    """The end of a K block's last wgmma ``dot`` (async, ``[64, 128]`` float32 in the wgmma layout): wait for it,
+    release ring stage ``s`` (one arrive on ``empty[s]``), promote it into ``acc`` (:func:`_promote`). Returns the
+    new ``acc`` and the dot's register tile (the next block's ``use_acc=False`` target)."""
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    return _promote(acc, d, sa, s_gate, s_up, gate_col), d
+
+
+@gluon.jit
 def _split_gate_up(acc):
     """[64, 128] columns interleaved by 8 (gate 0..7, up 8..15, ...) -> gate, up [64, 64] (a register reshape)."""
     g, u = gl.split(gl.permute(gl.reshape(acc, [WM, 8, 2, 8]), (0, 1, 3, 2)))
@@ -255,34 +265,74 @@ def _l1_half(acc, clamp, HAS_CLAMP: gl.constexpr):
 
 
 @gluon.jit
+def _l1_rows(L: gl.constexpr, buf, b, valid, wg: gl.constexpr, BM: gl.constexpr, OFF_L1_W: gl.constexpr):
+    """Warpgroup ``wg``'s 64 rows of the L1 tile of pool block ``b`` (``BM`` rows a block): the pool rows
+    ``[b BM + 64 wg, +64)`` as int32, the mask of the real ones (the first ``valid`` of the block) and their float32
+    top-k weights (``buf[OFF_L1_W:]`` per pool row, 0 on padding rows), each ``[64]`` in ``SliceLayout(1, L)``,
+    ``L`` the layout of the epilogue's ``[64, 64]`` activations."""
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
+    row_ok = r < valid - wg * WM
+    row = b * BM + wg * WM + r
+    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    return row, row_ok, topk_w
+
+
+@gluon.jit
+def _l1_publish(l2_mask, b, nt, wg: gl.constexpr, BITS: gl.constexpr):
+    """After a warpgroup's L1 epilogue stored its L2 pool bytes and scales: ``fence.proxy.async`` (the L2 tiles read
+    them by TMA), a warpgroup barrier (every thread has stored and fenced), then ``BITS << (2 nt + wg)`` OR-ed into
+    the block's int64 arrival mask ``l2_mask[b]`` (release, gpu): ``BITS`` 1 sets the warpgroup's bit, 3 both bits
+    of L1 tile ``nt`` (``wg`` 0)."""
+    _fence_proxy_async_global()
+    gl.thread_barrier()
+    gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+
+
+@gluon.jit
 def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr, OFF_L1_W: gl.constexpr,
                  OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                 HAS_CLAMP: gl.constexpr):
-    """This warpgroup's 64 rows of an L1 tile: SwiGLU, top-k weight, requant per the tile's 128 intermediate
-    columns into the L2 pool (bytes + one float32 scale per row), then its arrival bit."""
+                 HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr):
+    """Warpgroup ``wg``'s 64 rows of an L1 tile, both halves: ``acc_lo`` / ``acc_hi`` float32 ``[64, 128]`` in the
+    wgmma layout (gate / up interleaved by 8; for ``gemm_fp4_ws`` already scaled by the weight rows' and tokens'
+    powers of two). bf16 round, clamp (``HAS_CLAMP``), SwiGLU (:func:`_l1_half`), top-k weight (:func:`_l1_rows`),
+    then the requant of the tile's 128 intermediate columns per row (``amax = max(|act|, 1e-4)``) into the L2 pool
+    ``[P, I]`` e4m3: the bytes at pool row ``b BM + 64 wg + r``, columns ``[128 nt, +128)``, and one scale per row
+    at ``L2_SF[nt * SP + row]`` (MN-major ``[I/128][SP]``):
+
+    * ``UE8M0`` False (this module's FP8 format): float32 ``amax / 448``, the bytes ``act / scale``;
+    * ``UE8M0`` True (``gemm_fp4_ws``, ``_l1_tile_hopper``'s): ``2^ceil(log2(amax / 448))``, the bytes ``act`` times
+      its exact inverse, stored as an int32 word of four equal UE8M0 bytes.
+
+    Then the arrival bits (:func:`_l1_publish`): the warpgroup's, or with ``NWG`` = 1 (``gemm_fp4_ws`` at BM 64: the
+    one warpgroup holds the tile's rows) both bits of the tile, so the mask and its waits are those of BM 128."""
     act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
     act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
     L: gl.constexpr = act_lo.type.layout
-    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
-    row_ok = r < valid - wg * WM
-    row = b * TILE_M + wg * WM + r
-    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    row, row_ok, topk_w = _l1_rows(L, buf, b, valid, wg, BM, OFF_L1_W)
     topk_w = gl.expand_dims(topk_w, 1)
     act_lo = act_lo * topk_w
     act_hi = act_hi * topk_w
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(act_lo), axis=1), gl.max(gl.abs(act_hi), axis=1)), AMAX_FLOOR)
-    scale = amax / FP8_MAX
-    inv = gl.expand_dims(1.0 / scale, 1)
+    if UE8M0:
+        _, sbyte = ceil_ue8m0(amax / FP8_MAX)
+        inv = gl.expand_dims(((254 - sbyte) << 23).to(gl.float32, bitcast=True), 1)  # exact 1 / scale
+    else:
+        scale = amax / FP8_MAX
+        inv = gl.expand_dims(1.0 / scale, 1)
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
     ok = gl.expand_dims(row_ok, 1)
     out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 1) \
         + gl.expand_dims(c, 0)
     gl.store(out, f32_to_e4m3_bits(act_lo * inv).to(gl.uint8), mask=ok)
     gl.store(out + 64, f32_to_e4m3_bits(act_hi * inv).to(gl.uint8), mask=ok)
-    gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
-    _fence_proxy_async_global()  # the L2 tiles read these bytes and scales by TMA
-    gl.thread_barrier()  # every thread of the warpgroup has stored (and fenced) before the bit is published
-    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+    if UE8M0:
+        gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=row_ok)
+    else:
+        gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
+    if NWG == 1:
+        _l1_publish(l2_mask, b, nt, wg, 3)
+    else:
+        _l1_publish(l2_mask, b, nt, wg, 1)
 
 
 @gluon.jit
@@ -314,10 +364,7 @@ def _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg: 
     the other; warpgroup 0 stores the scales."""
     act = _l1_half(acc, clamp, HAS_CLAMP)
     L: gl.constexpr = act.type.layout
-    r = gl.arange(0, WM, layout=gl.SliceLayout(1, L))
-    row_ok = r < valid
-    row = b * WM + r
-    topk_w = gl.load((buf + OFF_L1_W).to(gl.pointer_type(gl.float32)) + row, mask=row_ok, other=0.0)
+    row, row_ok, topk_w = _l1_rows(L, buf, b, valid, 0, WM, OFF_L1_W)  # both warpgroups: the block's 64 rows
     act = act * gl.expand_dims(topk_w, 1)
     rmax = gl.max(gl.abs(act), axis=1)
     slot = k1 % 2
@@ -334,9 +381,7 @@ def _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg: 
     gl.store(out, f32_to_e4m3_bits(act * inv).to(gl.uint8), mask=gl.expand_dims(row_ok, 1))
     if wg == 0:
         gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
-    _fence_proxy_async_global()  # the L2 tiles read these bytes and scales by TMA
-    gl.thread_barrier()
-    gl.atomic_or(l2_mask + b, gl.to_tensor(1).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+    _l1_publish(l2_mask, b, nt, wg, 1)
 
 
 @gluon.jit
@@ -376,10 +421,7 @@ def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_buf
             dot = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), spare,
                                 use_acc=False, is_async=True)
             sa = sa_bufs.index(s).load(rows_l)
-            d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = _promote(acc, d, sa, x, y, gate_col)
-            spare = d
+            acc, spare = _retire(dot, empty, s, acc, sa, x, y, gate_col)
             it += 1
         if is_l2:
             _l2_epilogue(acc, buf, buffer_ptrs, me, b * WM, nt * TILE_N + wg * HN, valid, OFF_META, OFF_COMBINE, T, H,
@@ -434,10 +476,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
             dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
-            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc_hi = _promote(acc_hi, d_hi, sa, hi_g, y, gate_col)
-            spare = d_hi
+            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
             it += 1
         if is_l2:
             row0 = b * TILE_M + wg * WM
@@ -447,7 +486,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                          OFF_COMBINE, T, H, mma)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP)
+                         HAS_CLAMP, TILE_M, 2, False)
 
 
 @gluon.jit
