@@ -135,6 +135,21 @@ def swiglu(gate, up, F64_EXP: tl.constexpr):
 
 
 @triton.jit
+def swiglu_weighted(acc_g, acc_u, clamp, topk_w, rows, mask_m, HAS_CLAMP: tl.constexpr, F64_EXP: tl.constexpr):
+    """The L1 epilogue's activation, both formats: the float32 gate / up accumulators ``[BM, BN]`` (pool ``rows``
+    int32 ``[BM]`` x intermediate columns) rounded to bf16 (as DeepGEMM and the reference's L1 output), clamped
+    (``HAS_CLAMP``: ``gate <= clamp``, ``-clamp <= up <= clamp``), :func:`swiglu`, times each row's top-k weight
+    (``topk_w``: float32 per pool row; 0 on padding rows, ``mask_m`` False) -> float32 ``[BM, BN]``."""
+    gate = round_to_bf16(acc_g)
+    up = round_to_bf16(acc_u)
+    if HAS_CLAMP:
+        gate = tl.minimum(gate, clamp)
+        up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    act = swiglu(gate, up, F64_EXP)
+    return act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
+
+
+@triton.jit
 def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
             OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
             OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -170,13 +185,7 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
             acc_g = _weight_step(acc_g, a0, a1, sa0, sa1, pg, sg, k0, PRMT_DECODE)
             acc_u = _weight_step(acc_u, a0, a1, sa0, sa1, pu, su, k0, PRMT_DECODE)
     # epilogue: bf16 round (as DeepGEMM), clamp, SwiGLU, top-k weight
-    gate = round_to_bf16(acc_g)
-    up = round_to_bf16(acc_u)
-    if HAS_CLAMP:
-        gate = tl.minimum(gate, clamp)
-        up = tl.minimum(tl.maximum(up, -clamp), clamp)
-    act = swiglu(gate, up, F64_EXP)
-    act = act * tl.load(topk_w + rows, mask=mask_m, other=0.0)[:, None]
+    act = swiglu_weighted(acc_g, acc_u, clamp, topk_w, rows, mask_m, HAS_CLAMP, F64_EXP)
     # FP8 requant per 32 columns: scale = 2^ceil(log2(amax / 448)), amax >= 1e-4
     act3 = tl.reshape(act, [BLOCK_M, G, SF_GRAN_K])
     amax = tl.maximum(tl.max(tl.abs(act3), axis=2), AMAX_FLOOR)
@@ -190,6 +199,29 @@ def l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt,
 
 
 @triton.jit
+def for_each_pool_tile(tile_fn: tl.constexpr, lead, trail, buf, OFF_RECV: tl.constexpr, N_TILES: tl.constexpr,
+                       R: tl.constexpr, El: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The persistent schedule of the staged GEMM kernels (both layers, both formats: :mod:`megamoe.kernels.gemm`
+    and :mod:`megamoe.kernels.gemm_fp8`). Tiles are ``(pool block, N tile)`` pairs, ``tile = block * N_TILES + nt``,
+    up to the number of used pool blocks times ``N_TILES``, computed on the device from ``expert_recv_count``
+    (int64 ``[R, El]`` at byte offset ``OFF_RECV`` of ``buf``); program ``p`` runs tiles ``p, p + num_programs, ...``
+    as ``tile_fn(*lead, expert, rows, sf_rows, mask_m, nt, *trail)``: ``expert`` the local expert (int32 scalar),
+    ``rows`` its pool rows int32 ``[BLOCK_M]``, ``sf_rows`` their rows in the MN-major scale segments (block *
+    ``SF_BLOCK_M`` + m), ``mask_m`` bool ``[BLOCK_M]`` (rows holding a token; padding rows past the expert's count
+    are False), ``nt`` the N tile. ``lead`` / ``trail``: tuples of ``tile_fn``'s other arguments, before / after those
+    five (constexprs included)."""
+    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
+    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
+                                                       BLOCK_R, BLOCK_E)
+        tile_fn(*lead, expert, rows, sf_rows, mask_m, nt, *trail)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
 def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      OFF_RECV: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr,
                      OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr,
@@ -198,17 +230,27 @@ def l1_swiglu_kernel(buf, w1, w1_sf, clamp,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CLAMP: tl.constexpr,
                      SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr,
                      F64_EXP: tl.constexpr = False):
-    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N intermediate columns (see :func:`l1_tile`)."""
-    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
-    N_TILES: tl.constexpr = I // BLOCK_N
-    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
-    tile = tl.program_id(0)
-    while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
-                                                       BLOCK_R, BLOCK_E)
-        l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE, F64_EXP)
-        tile += tl.num_programs(0)
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N intermediate columns (:func:`l1_tile` on each, scheduled
+    by :func:`for_each_pool_tile`)."""
+    for_each_pool_tile(l1_tile, (buf, w1, w1_sf, clamp),
+                       (OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BLOCK_M, BLOCK_N, HAS_CLAMP,
+                        SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE, F64_EXP),
+                       buf, OFF_RECV, I // BLOCK_N, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
+
+
+@triton.jit
+def store_combine(out, meta, combine, buffer_ptrs, me, rows, mask_m, n_rows, T: tl.constexpr, H: tl.constexpr):
+    """The L2 write-back of both formats' tiles: ``out`` float32 ``[BM, BN]`` (pool ``rows`` int32 ``[BM]`` x hidden
+    columns ``n_rows`` int32 ``[BN]``) rounded to bf16 into ``combine[slot][token]`` (``combine``: int16 pointer to
+    this rank's ``[K, T, H]`` bf16 bits) of each row's source rank, read from ``meta`` (int32 pointer to
+    ``token_src_metadata`` ``[pool rows, 3]``: source rank, token, slot) and reached through
+    :func:`~megamoe.kernels.symm.sym_map`; padding rows (``mask_m`` False) skipped."""
+    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
+    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
+    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
+    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
+    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
+    tl.store(dst, f32_to_bf16_bits(out).to(tl.int16), mask=mask_m[:, None])
 
 
 @triton.jit
@@ -217,7 +259,8 @@ def l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
             T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, SCALED_OPERANDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
     """One L2 tile: pool ``rows`` x hidden columns ``[nt*BLOCK_N, (nt+1)*BLOCK_N)``, written as bf16 into
-    ``combine[slot][token]`` of each row's source rank (padding rows skipped). Shared with the fused kernel."""
+    ``combine[slot][token]`` of each row's source rank (padding rows skipped, :func:`store_combine`). Shared with
+    the fused kernel."""
     acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
     meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
@@ -235,12 +278,7 @@ def l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt,
         else:
             pw, sw = _load_w(w, w_sf, n_rows, k0, I, H)
             acc = _weight_step(acc, a0, a1, sa0, sa1, pw, sw, k0, PRMT_DECODE)
-    src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
-    token = tl.load(meta + rows * 3 + 1, mask=mask_m, other=0)
-    slot = tl.load(meta + rows * 3 + 2, mask=mask_m, other=0)
-    dst = combine + ((slot * T + token).to(tl.int64) * H)[:, None] + n_rows[None, :]
-    dst = sym_map(dst, buffer_ptrs, me, src_rank[:, None])
-    tl.store(dst, f32_to_bf16_bits(acc).to(tl.int16), mask=mask_m[:, None])
+    store_combine(acc, meta, combine, buffer_ptrs, me, rows, mask_m, n_rows, T, H)
 
 
 @triton.jit
@@ -251,14 +289,9 @@ def l2_combine_kernel(buf, buffer_ptrs, me, w2, w2_sf,
                       SP: tl.constexpr, BLOCK_M: tl.constexpr, SF_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, SCALED_OPERANDS: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, PRMT_DECODE: tl.constexpr):
-    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N hidden columns (see :func:`l2_tile`)."""
-    recv = (buf + OFF_RECV).to(tl.pointer_type(tl.int64))
-    N_TILES: tl.constexpr = H // BLOCK_N
-    num_tiles = _num_tiles(recv, N_TILES, R, El, BLOCK_M, BLOCK_R, BLOCK_E)
-    tile = tl.program_id(0)
-    while tile < num_tiles:
-        expert, rows, sf_rows, mask_m, nt = _pool_tile(tile, recv, N_TILES, R, El, BLOCK_M, SF_BLOCK_M,
-                                                       BLOCK_R, BLOCK_E)
-        l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF, OFF_META,
-                OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N, SCALED_OPERANDS, DOT_DTYPE, PRMT_DECODE)
-        tile += tl.num_programs(0)
+    """Persistent over tiles = BLOCK_M pool rows x BLOCK_N hidden columns (:func:`l2_tile` on each, scheduled by
+    :func:`for_each_pool_tile`)."""
+    for_each_pool_tile(l2_tile, (buf, buffer_ptrs, me, w2, w2_sf),
+                       (OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BLOCK_M, BLOCK_N, SCALED_OPERANDS,
+                        DOT_DTYPE, PRMT_DECODE),
+                       buf, OFF_RECV, H // BLOCK_N, R, El, BLOCK_M, SF_BLOCK_M, BLOCK_R, BLOCK_E)
