@@ -134,7 +134,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     from megamoe.env import resolve_backend
 
     backend = resolve_backend(backend, world_size, local=False)
-    store_dir = tempfile.mkdtemp(prefix="megamoe-launch-")
+    store_dir = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
     env = _child_env(backend, world_size) | {LAUNCH_DIR_ENV: _marker_dir()}
     procs, readers = [], []
     try:
@@ -204,19 +204,55 @@ def _context(backend: str):
 
 
 _MARKER_DIR: list[str] = []
+#: Prefix of this module's temporary folders (``<prefix><pid>-…`` for a launch's rendezvous store,
+#: ``<prefix>markers-<pid>-…`` for a process's bootstrap markers): the pid names the process that owns one.
+TEMP_PREFIX = "megamoe-launch-"
 
 
 def _marker_dir() -> str:
     """This process's folder for the bootstrap markers of its ranks (``_refuse_launch_while_bootstrapping``): one
     per launching process, not per launch, because a forked rank bootstraps with the fork server's environment,
-    which holds the first launch's ``MEGAMOE_LAUNCH_DIR``. Removed when the process exits."""
+    which holds the first launch's ``MEGAMOE_LAUNCH_DIR``. Removed when the process exits; folders of processes
+    that could not remove theirs (killed: a notebook kernel shut down by papermill, a test timeout) are removed
+    by the next process that makes one (:func:`sweep_orphaned_temp_dirs`)."""
     if not _MARKER_DIR or not os.path.isdir(_MARKER_DIR[0]):
         import atexit
 
-        path, pid = tempfile.mkdtemp(prefix=f"megamoe-launch-markers-{os.getpid()}-"), os.getpid()
+        sweep_orphaned_temp_dirs()
+        path, pid = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}markers-{os.getpid()}-"), os.getpid()
         atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
         _MARKER_DIR[:] = [path]
     return _MARKER_DIR[0]
+
+
+def sweep_orphaned_temp_dirs(directory: str | None = None) -> list[str]:
+    """Remove this user's ``TEMP_PREFIX`` folders in ``directory`` (default: the temporary directory) whose owning
+    process no longer exists; returns their paths. A folder of a live process, of another user, or without a pid
+    in its name is left alone."""
+    import re
+
+    directory = directory or tempfile.gettempdir()
+    pattern = re.compile(re.escape(TEMP_PREFIX) + r"(?:markers-)?(\d+)-")
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(directory, name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # the owner is gone
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except (OSError, PermissionError):  # alive under another user, or vanished meanwhile
+            continue
+    return removed
 
 
 def _child_env(backend: str, world_size: int) -> dict[str, str]:

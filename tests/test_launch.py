@@ -249,3 +249,41 @@ def test_rank_dying_before_it_starts_is_reported_as_such():
                                           r"interpreter failed while re-importing .*or unpickling") as info:
         launch(rank_fns.whoami, 2, rank_fns.FailsToUnpickle(), backend="cpu", timeout_s=60)
     assert info.value.exitcode == 1 and 'if __name__ == "__main__":' in str(info.value)
+
+
+def test_folders_of_killed_launchers_are_swept_by_the_next(tmp_path):
+    """A process killed before its atexit ran (a notebook kernel shut down by papermill, a timeout) leaves its marker
+    / store folders behind; the next process that makes its marker folder removes those whose owner is gone, and
+    leaves a live process's, its own and unrelated folders alone."""
+    import megamoe.launch as ml
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphans = [tmp_path / f"{ml.TEMP_PREFIX}markers-{dead.pid}-abc", tmp_path / f"{ml.TEMP_PREFIX}{dead.pid}-def"]
+    kept = [tmp_path / f"{ml.TEMP_PREFIX}markers-{os.getppid()}-ghi", tmp_path / f"{ml.TEMP_PREFIX}{os.getpid()}-jkl",
+            tmp_path / f"{ml.TEMP_PREFIX}nopid", tmp_path / "unrelated-123-x"]
+    for d in orphans + kept:
+        d.mkdir()
+        (d / "marker").write_text("x")
+    removed = ml.sweep_orphaned_temp_dirs(str(tmp_path))
+    assert sorted(removed) == sorted(str(d) for d in orphans)
+    assert not any(d.exists() for d in orphans) and all(d.exists() for d in kept)
+
+
+def test_a_new_marker_folder_sweeps_the_temporary_directory(tmp_path, monkeypatch):
+    """``_marker_dir`` runs the sweep where it makes its folder (the system's temporary directory)."""
+    import tempfile
+
+    import megamoe.launch as ml
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ml, "_MARKER_DIR", [])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{ml.TEMP_PREFIX}markers-{dead.pid}-abc"
+    orphan.mkdir()
+    made = ml._marker_dir()
+    assert not orphan.exists() and os.path.isdir(made) and os.path.dirname(made) == str(tmp_path)
+    import shutil
+
+    shutil.rmtree(made)
