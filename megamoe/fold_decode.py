@@ -20,6 +20,8 @@ FOLD_DECODE_ROWS = 64
 #: ws_variants_probe_h200.jsonl``, ``fold_decode`` rows at 741e144, both weights of one EP8 rank of V4-Pro, 4.86 GB):
 #: 64 rows / 4 warps / 1 stage 1877 us (2.6 TB/s); 32 / 4 / 1 1894; 64 / 4 / 3 1982; 128 / 8 / 3 2040; 32 / 2 / 3
 #: 2010; 32 / 4 / 3 2578 (all bitwise equal).
+#: Two K steps an iteration or the scale words kept in registers did not help either (``fold_decode`` rows at
+#: 81437de, branch fold-decode-unroll: 1853-2035 us against 1868): the pass is not bound by its dependency chain.
 FOLD_DECODE_WARPS = 4
 FOLD_DECODE_LOOP_STAGES = 1
 
