@@ -191,3 +191,24 @@ def test_freshness_check_flags_outputs_made_from_changed_results(tmp_path, monke
     (tmp_path / "x.json").unlink()
     assert any("no longer exists" in p for p in nbs.freshness_problems(notebook(line)))
     assert nbs.freshness_problems(notebook("no record\n", source="print(1)")) == []
+
+
+def test_freshness_check_covers_jsonl_results(tmp_path, monkeypatch):
+    """Probe files are JSON lines (``results/probes/*.jsonl``): their read records are checked like ``.json`` ones
+    (the pattern once stopped at ``.json``, so a changed probe file never made a notebook stale)."""
+    import nbformat
+
+    from megamoe import figures
+
+    monkeypatch.setenv("MEGAMOE_RESULTS_DIR", str(tmp_path))
+    (tmp_path / "probes").mkdir()
+    path = tmp_path / "probes" / "p_h200.jsonl"
+    path.write_text('{"probe": "a"}\n')
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("figures.load_results('probes/p_h200')")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                           text=f"read results/probes/p_h200.jsonl sha256:{figures.results_sha(path)}\n")]
+    nb.cells = [cell]
+    assert nbs.freshness_problems(nb) == []
+    path.write_text('{"probe": "a"}\n{"probe": "b"}\n')
+    assert any("p_h200.jsonl changed since" in p for p in nbs.freshness_problems(nb))

@@ -28,7 +28,7 @@ def results_dir() -> Path:
 
 #: The line :func:`read_results` prints for every results file it reads: notebooks carry it in their outputs, and
 #: ``python -m megamoe.notebooks check`` compares the hash with the file as committed (a stale output fails).
-RESULTS_READ_RE = re.compile(r"read results/(?P<name>[\w.\-/]+\.json) sha256:(?P<sha>[0-9a-f]{16})")
+RESULTS_READ_RE = re.compile(r"read results/(?P<name>[\w.\-/]+\.jsonl?) sha256:(?P<sha>[0-9a-f]{16})")
 
 
 def results_sha(path: Path) -> str:
