@@ -206,8 +206,8 @@ def test_freshness_check_covers_jsonl_results(tmp_path, monkeypatch):
     path.write_text('{"probe": "a"}\n')
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("figures.load_results('probes/p_h200')")
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout",
-                                           text=f"read results/probes/p_h200.jsonl sha256:{figures.results_sha(path)}\n")]
+    record = f"read results/probes/p_h200.jsonl sha256:{figures.results_sha(path)}\n"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=record)]
     nb.cells = [cell]
     assert nbs.freshness_problems(nb) == []
     path.write_text('{"probe": "a"}\n{"probe": "b"}\n')
