@@ -243,31 +243,41 @@ def reference_mega_moe(
         raise ValueError(f"x: on {x.device} but the weights are on {l1_weights[0].device}")
 
     a = _tokens(x, x_sf, numerics)
-    buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
-    rows_per_expert, outputs = [], []
     with _ieee_fp32_matmul():
-        for e in range(num_experts):
-            rows = (topk_idx == e).nonzero()
-            token, slot = rows.unbind(1)
-            out = _expert_forward(
+        return _each_expert_then_combine(
+            topk_idx, num_experts, x, return_intermediates,
+            lambda e, token, slot: _expert_forward(
                 a[token], topk_weights[token, slot],
                 _expert_weights(l1_weights, e, numerics), _expert_weights(l2_weights, e, numerics),
                 activation_clamp, numerics,
-            )
-            buffer[slot, token] = out.out
-            rows_per_expert.append(rows)
-            outputs.append(out)
+            ))
+
+
+def _each_expert_then_combine(topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, return_intermediates: bool,
+                              forward):
+    """The single-rank layer around one format's expert math: for each expert ``e``, ``forward(e, token, slot)``
+    on its (token, slot) pairs (int64 ``[m_e]`` each, token-major) returns an ``_ExpertOut`` whose bf16 rows go into
+    combine row ``slot`` of their tokens; then the top-k reduce (:func:`combine`). Returns ``y`` bf16 ``[n, H]``
+    (``x``'s shape and device), or ``(y, intermediates)`` as :func:`reference_mega_moe` documents."""
+    buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
+    rows_per_expert, outputs = [], []
+    for e in range(num_experts):
+        rows = (topk_idx == e).nonzero()
+        token, slot = rows.unbind(1)
+        out = forward(e, token, slot)
+        buffer[slot, token] = out.out
+        rows_per_expert.append(rows)
+        outputs.append(out)
     y = combine(buffer, topk_idx)
     if not return_intermediates:
         return y
-    intermediates = {
+    return y, {
         "expert_recv_count": torch.tensor([len(r) for r in rows_per_expert], dtype=torch.int64),
         "expert_rows": rows_per_expert,
         "l1_out": [o.l1_out for o in outputs],
         "l2_in": [(o.l2_in, o.l2_in_sf) for o in outputs],
         "combine": buffer,
     }
-    return y, intermediates
 
 
 def _check_ep_lists(xs, x_sfs, topk_idxs, topk_weights_list, num_ranks, num_experts: int) -> dict:
@@ -418,27 +428,12 @@ def reference_fp8_mega_moe(
 
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
     a = x.float()
-    buffer = torch.zeros((topk_idx.shape[1], *x.shape), dtype=torch.bfloat16, device=x.device)
-    rows_per_expert, outputs = [], []
-    for e in range(num_experts):
-        rows = (topk_idx == e).nonzero()
-        token, slot = rows.unbind(1)
-        out = _fp8_expert_forward(a[token], x_sf[token], topk_weights[token, slot],
-                                  w1[e].float(), sf1[e].repeat_interleave(128, dim=0),
-                                  w2[e].float(), sf2[e].repeat_interleave(128, dim=0), activation_clamp)
-        buffer[slot, token] = out.out
-        rows_per_expert.append(rows)
-        outputs.append(out)
-    y = combine(buffer, topk_idx)
-    if not return_intermediates:
-        return y
-    return y, {
-        "expert_recv_count": torch.tensor([len(r) for r in rows_per_expert], dtype=torch.int64),
-        "expert_rows": rows_per_expert,
-        "l1_out": [o.l1_out for o in outputs],
-        "l2_in": [(o.l2_in, o.l2_in_sf) for o in outputs],
-        "combine": buffer,
-    }
+    return _each_expert_then_combine(
+        topk_idx, num_experts, x, return_intermediates,
+        lambda e, token, slot: _fp8_expert_forward(
+            a[token], x_sf[token], topk_weights[token, slot],
+            w1[e].float(), sf1[e].repeat_interleave(128, dim=0),
+            w2[e].float(), sf2[e].repeat_interleave(128, dim=0), activation_clamp))
 
 
 def reference_fp8_mega_moe_ep(
