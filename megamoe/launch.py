@@ -225,6 +225,18 @@ def _marker_dir() -> str:
     return _MARKER_DIR[0]
 
 
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists in this pid namespace (a reused pid counts as alive: nothing is swept).
+    The test of both sweeps: this module's temporary folders and ``megamoe.symm.sweep_stale_shm``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
 def sweep_orphaned_temp_dirs(directory: str | None = None) -> list[str]:
     """Remove this user's ``TEMP_PREFIX`` folders in ``directory`` (default: the temporary directory) whose owning
     process no longer exists; returns their paths. A folder of a live process, of another user, or without a pid
@@ -241,17 +253,15 @@ def sweep_orphaned_temp_dirs(directory: str | None = None) -> list[str]:
     for name in names:
         m = pattern.match(name)
         path = os.path.join(directory, name)
-        if m is None or int(m.group(1)) == os.getpid():
+        if m is None or pid_alive(int(m.group(1))):  # (this process is alive too)
             continue
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:  # the owner is gone
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except (OSError, PermissionError):  # alive under another user, or vanished meanwhile
+        except OSError:  # vanished meanwhile
             continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

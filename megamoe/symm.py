@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.env import cuda_available, kernel_device, resolve_backend
+from megamoe.launch import pid_alive as _pid_alive
 from megamoe.layout import MIN_BLOCK_M, Layout
 
 #: The views DeepGEMM's SymmBuffer exposes as attributes.
@@ -57,17 +58,6 @@ def _shm_creator_pid(path: str) -> int | None:
     """The creator pid in a :func:`shm_path` name, or None for a name of another form."""
     head = os.path.basename(path).removeprefix(SHM_PREFIX).split("-", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-def _pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists in this pid namespace (a reused pid counts as alive: nothing is swept)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 def sweep_stale_shm(min_age_s: float = STALE_SHM_MIN_AGE_S) -> list[str]:
