@@ -251,22 +251,21 @@ class ProgressBeacon:
         self._thread = None
 
     def _position(self):
-        """``(CPU seconds of the owner thread or None, (frame id, line, instruction) or None)``."""
-        cpu = None
+        """The owner's CPU seconds (its thread clock), or without one its ``(frame id, line, instruction)``; None
+        once the thread is gone."""
         if self._clock is not None:
             try:
-                cpu = time.clock_gettime(self._clock)
+                return time.clock_gettime(self._clock)
             except OSError:  # the owner thread has exited
-                cpu = None
+                return None
         frame = sys._current_frames().get(self._owner)
-        return cpu, (None if frame is None else (id(frame), frame.f_lineno, frame.f_lasti))
+        return None if frame is None else (id(frame), frame.f_lineno, frame.f_lasti)
 
-    @staticmethod
-    def moved(last, now) -> bool:
+    def moved(self, last, now) -> bool:
         """Whether the owner made progress between two :meth:`_position` looks."""
-        if last[0] is not None and now[0] is not None:
-            return now[0] - last[0] >= BEACON_MIN_CPU_S
-        return now[1] != last[1]
+        if self._clock is None:
+            return now != last
+        return last is not None and now is not None and now - last >= BEACON_MIN_CPU_S
 
     def _run(self) -> None:
         last = self._position()
