@@ -108,25 +108,29 @@ instruction a cycle per scheduler only if its 4 warps, one a scheduler, never st
 PRMT string of ``megamoe.kernels.numerics`` (selector by one byte PRMT instead of five masks and shifts; equal to
 the old one on CPU through ``megamoe.inline_asm``) takes 224 SASS instructions off each stage body at both blocks
 (whole kernel 13840 -> 13616 at BM 128, 8552 -> 8328 at BM 64: 192 LOP3, 64 LEA, 32 IMAD fewer, 64 PRMT more), ~21 %
-of the BM-128 decode; not yet timed on a GPU.
-Where each stage's scale words come from (branch ``fp4-sf-tma``, not yet run on a GPU). The stage body's dependency
-chain starts with a global load of the K block's 256 scale words (one per weight row, from L2 or HBM while the TMA
-streams saturate it), then the fold-table gathers, then the PRMTs; at one or two warps a scheduler nothing hides it.
-On the H200 the BM-64 phase spends ~2400 cycles a stage (T = 128: ~1000 us of GEMM phase over ~730 stages an SM)
-against ~750 issue cycles of its two warps a scheduler (373 SASS instructions a thread). Two ways off the chain,
-both constexprs: ``PREFETCH`` (``FP4_WS_PREFETCH``, BM 64 only: the words of K block kb + 1 loaded before the wait
-for kb, a partition's 128 rows as one chunk; 20 B spilled once a tile, none in the K loop) and ``SF_TMA``
-(``FP4_WS_SF_TMA``: the loader's TMA brings them with the stage, 1 KB of weight-row words + the pool rows' words,
-and the decode reads shared memory, as DeepGEMM's SM90 kernel loads its scales; BM 64 178892 B of shared memory,
-no spill, 359 SASS instructions in the K loop; BM 128 204764 B, 156 B spilled once a tile, 816 in the K loop). The
-fold-table pair is one 8-byte gather (``_fold_table``) in every variant. ``results/probes/ws_variants_probe.py
-scale_words`` times them against each other; the loser is to be deleted.
-Predecoded calls (branch ``fp4-predecode``, not yet run on a GPU): from ``FP4_PREDECODE_MIN_EXPECTED`` expected tokens
-per expert the host decodes both weights once per call (``megamoe.fold_decode``, the same table lookups in one
-elementwise Triton pass) and passes e4m3 descriptors (box [256, 128]); the kernel sees ``w1_desc.dtype`` and takes
-``PREDECODED``: the loader's weight stage is what the math reads (no packed ring, no decoded ring), and the decode
-partitions only fold the L2 A stage. At T = 8192 every weight is otherwise decoded once per pool block (eight
-times); offline sm_90a: BM 64 129708 B of shared memory (room for 5 stages), BM 128 155580 B (4).
+of the BM-128 decode; on an H200 it took T = 128 / 512 from 1298 / 2058 to 1153 / 1824 us
+(``results/layer_h200.json`` as of 5bee5a1).
+Where each stage's scale words come from. The stage body's dependency chain starts with a global load of the K
+block's 256 scale words (one per weight row, from L2 or HBM while the TMA streams saturate it), then the fold-table
+gathers, then the PRMTs; at one or two warps a scheduler nothing hides it. On the H200 the BM-64 phase spends ~2400
+cycles a stage (T = 128: ~1000 us of GEMM phase over ~730 stages an SM) against ~750 issue cycles of its two warps a
+scheduler (373 SASS instructions a thread). Two ways off the chain, both constexprs: ``PREFETCH``
+(``FP4_WS_PREFETCH``, BM 64 only: the words of K block kb + 1 loaded before the wait for kb, a partition's 128 rows
+as one chunk; 20 B spilled once a tile, none in the K loop) and ``SF_TMA`` (``FP4_WS_SF_TMA``: the loader's TMA
+brings them with the stage, 1 KB of weight-row words + the pool rows' words, and the decode reads shared memory, as
+DeepGEMM's SM90 kernel loads its scales; BM 64 178892 B of shared memory, no spill, 359 SASS instructions in the K
+loop; BM 128 204764 B, 156 B spilled once a tile, 816 in the K loop). The fold-table pair is one 8-byte gather
+(``_fold_table``) in every variant. ``results/probes/ws_variants_probe.py scale_words`` timed them against each
+other on an H200: PREFETCH (with a fourth stage) at BM 64, SF_TMA at BM 128 (``megamoe.fused.FP4_WS_PREFETCH`` /
+``FP4_WS_SF_TMA`` cite the rows); the others stay selectable and GPU-tested (SF_TMA at BM 64 with 3 stages: with 4
+it needs 237516 B of shared memory, over sm_90's 232448).
+Predecoded calls (GPU-tested; ``megamoe.fused.FP4_PREDECODE_MIN_EXPECTED`` cites the timings): from that many
+expected tokens per expert the host decodes both weights once per call (``megamoe.fold_decode``, the same table
+lookups in one elementwise Triton pass) and passes e4m3 descriptors (box [256, 128]); the kernel sees
+``w1_desc.dtype`` and takes ``PREDECODED``: the loader's weight stage is what the math reads (no packed ring, no
+decoded ring), and the decode partitions only fold the L2 A stage. At T = 8192 every weight is otherwise decoded
+once per pool block (eight times); offline sm_90a: BM 64 129708 B of shared memory (room for 5 stages), BM 128
+155580 B (4).
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
 them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
@@ -448,21 +452,19 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                 _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
-            elif PREDECODED:  # the weights came decoded: only the L2 A stage's fold is left
-                if is_l2:
+            else:  # this K block's words: with the stage (SF_TMA) or loaded here
+                if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
                     if SF_TMA:
                         _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
                     else:
                         _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
-            elif SF_TMA:  # this K block's words came with the stage
-                if is_l2:
-                    _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
-                _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s), R0, NR,
-                                   lut)
-            else:
-                if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
-                    _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
-                _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0, NR)
+                if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
+                    if SF_TMA:
+                        _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
+                                           R0, NR, lut)
+                    else:
+                        _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0,
+                                      NR)
             fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them
             gl.thread_barrier()  # every warp has stored and fenced before the one arrive
             mbarrier.arrive(decoded.index(s), count=1)

@@ -174,7 +174,8 @@ FP4_WS_MIN_EXPECTED = 2
 #: K loop). Block 64: A 8 KB + packed W 16 KB + decoded W 32 KB = 56 KB a stage; one math warpgroup (64 rows x 256
 #: weight rows) and two 4-warp decode partitions (128 weight rows and 32 pool rows each), 232 + 24 + 2 x 128 = 512
 #: (the math warpgroup is the default partition and gets what the workers leave, so MATH_REGS is not used at this
-#: block); 174988 B, no spill anywhere. Block 64 takes 4 stages with PREFETCH (below): 232332 B, no spill.
+#: block); 174988 B, no spill anywhere. Block 64 takes 4 stages with PREFETCH (below): 232332 B, 20 B spilled once
+#: a tile (outside the K loop).
 #: Measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, ``scale_words`` rows at eca4bf7, whole
 #: call, block 64, T = 128 / 512): 3 stages 1089 / 1742 us, 4 stages 1067 / 1707, SF_TMA 997 / 1627, PREFETCH
 #: 1038 / 1561, PREFETCH at 4 stages 954 / 1527.

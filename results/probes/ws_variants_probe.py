@@ -64,20 +64,18 @@ MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).per
 _FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)\n"
 _FOLD_SMEM = "_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)\n"
 # (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
-DECODE_AS_IS = ("\n" + " " * 20 + _FOLD,
-                "\n" + " " * 16 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
-                " lut, R0, NR)\n",
-                "\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
+DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
                 "\n" + " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0,"
                 " NR)\n",
-                "\n" + " " * 20 + _FOLD_SMEM,
-                "\n" + " " * 16 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
-                " wsf_bufs.index(s), R0, NR,\n" + " " * 35 + "lut)\n",
-                "\n" + " " * 24 + _FOLD_SMEM,  # the predecoded path: its only work is the fold
-                "\n" + " " * 24 + _FOLD)
-DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n") * 3 + (
-    "\n                        s = s + 0\n",) * 2
+                "\n" + " " * 24 + _FOLD_SMEM,
+                "\n" + " " * 24 + _FOLD,
+                "\n" + " " * 24 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
+                " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
+                "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
+                " lut, R0,\n" + " " * 38 + "NR)\n")
+DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n") + (
+    "\n                        s = s + 0\n",) * 4
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
