@@ -460,7 +460,10 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             sw_b = sw_a + (I // 128) * KB
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
-        for kb in range(KB):
+        # a warpgroup whose 64 rows are all padding (a block's last tile) issues no MMA: it passes the ring's
+        # stages through (below); its epilogue then stores nothing (every row masked) but still publishes its bit
+        kb_mma = gl.where(valid > wg * WM, KB, 0)
+        for kb in range(kb_mma):
             s = it % STAGES
             ph = (it // STAGES) & 1
             x = gl.load(sw_a + kb)  # issued before the wait: its latency hides behind it
@@ -477,6 +480,10 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
             dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
             acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
+            it += 1
+        for kb in range(kb_mma, KB):
+            mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(it % STAGES), count=1)
             it += 1
         if is_l2:
             row0 = b * TILE_M + wg * WM

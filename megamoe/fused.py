@@ -147,6 +147,9 @@ FP8_WS_MIN_EXPECTED = 32
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
+#: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
+#: largest power of two dividing H), strided over the programs.
+COMBINE_TOKENS, COMBINE_COLUMNS = 8, 256
 #: The tile kinds whose GEMMs run in a separate Gluon launch between a front and a back launch (``_run_ws``).
 WS_KINDS = ("fp8_ws", "fp4_ws")
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
@@ -329,7 +332,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         LAYOUT_SF_BM=L.sf_block_m, BM=cfg.block_m, BLOCK_R=max(2, triton.next_power_of_2(L.num_ranks)),
         BLOCK_E=max(2, triton.next_power_of_2(L.num_experts_per_rank)), BLOCK_J=PULL_BLOCK_PAIRS,
         BLOCK_H=largest_pow2_tile(L.hidden, 256), BLOCK_W=triton.next_power_of_2(L.hidden // 32),
-        COUNT_BLOCK=256, COMBINE_T=8, COMBINE_H=largest_pow2_tile(L.hidden, 256), HAS_CLAMP=has_clamp,
+        COUNT_BLOCK=256, COMBINE_T=COMBINE_TOKENS, COMBINE_H=largest_pow2_tile(L.hidden, COMBINE_COLUMNS),
+        HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
         BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,

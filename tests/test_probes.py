@@ -31,3 +31,13 @@ def test_ws_variants_patch_check_can_fail(monkeypatch):
     monkeypatch.setitem(probe.PATCHES, "stale", [("text that is not in the kernel\n", "")])
     with pytest.raises(AssertionError):
         probe.patched_source("stale")
+
+
+def test_fp8_ws_probe_patches_apply_once_and_parse():
+    probe = _load("fp8_ws_probe")
+    assert set(probe.PATCHES) >= {"noskip", "nomma", "nopromote", "noepi", "noa", "now"}
+    original = pathlib.Path(probe.AS_IS.__file__).read_text()
+    for variant in probe.PATCHES:
+        src = probe.patched_source(variant)  # asserts each old text occurs exactly once
+        assert src != original
+        ast.parse(src)

@@ -1,0 +1,210 @@
+"""Where the FP8 x FP8 Gluon GEMM phase (tile kind "fp8_ws", ``megamoe.kernels.gemm_fp8_ws``) spends its time, and
+the back launch's combine work item, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top-6,
+uniform routing). The whole ``fp8_mega_moe(impl="fused")`` call is timed (µs: median of ``triton.testing.do_bench``
+with its L2 flush, as the bench).
+
+* ``phase [T1,..]``: the kernel as it is and text-patched copies (written to a temporary file and imported in its
+  place; a patched kernel's results are wrong and not checked, except ``noskip``):
+
+  - ``noskip``: a warpgroup whose 64 rows of a 128-row tile are all padding issues its MMAs anyway (the kernel
+    before it passed such tiles' stages through); output compared bitwise with ``as_is``;
+  - ``nomma``: the math warpgroups wait for each stage and release it, no wgmma, no promotion (what the ring's
+    bytes, the pull and the epilogues take alone);
+  - ``nopromote``: the wgmma accumulate in the tensor cores across K (``use_acc``), one wait per K block, no
+    float32 promotion;
+  - ``noepi``: no epilogue stores (the L1 tiles still publish their arrival bits);
+  - ``noa`` / ``now``: the loader does not load the A (activation) / W (weight) box of each stage (the stage's
+    expected bytes shrink with it): how much each operand's bytes cost.
+
+  At T = 512 also with 128-row tiles (``FP8_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
+* ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
+  recompile), output compared bitwise with the first.
+
+    python results/probes/fp8_ws_probe.py [phase [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+import megamoe  # noqa: F401  (before triton)
+import megamoe.fused as mf
+import megamoe.kernels as mk
+from megamoe.bench import _median_ms
+from megamoe.cases import MoECase, prepare_rank
+from megamoe.ops_fp8 import fp8_mega_moe
+from megamoe.symm import SymmBuffer
+
+SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
+
+# -- the math loops' wgmma + promotion, as in the kernel (each old text must occur exactly once)
+MMA128 = """            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
+            sa = sa_bufs.index(s).slice(wg * WM, WM).load(rows_l)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
+            dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
+"""
+MMA64 = """            dot = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), spare,
+                                use_acc=False, is_async=True)
+            sa = sa_bufs.index(s).load(rows_l)
+            acc, spare = _retire(dot, empty, s, acc, sa, x, y, gate_col)
+"""
+RELEASE = "            mbarrier.arrive(empty.index(s), count=1)\n"
+NOPROMOTE128 = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), acc_lo, is_async=True)
+            acc_hi = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), acc_hi, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            mbarrier.arrive(empty.index(s), count=1)
+"""
+NOPROMOTE64 = """            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(s), count=1)
+"""
+# -- the epilogues: kept alive behind a condition that never holds (so the accumulators are not dead code)
+EPI128 = ("""        if is_l2:
+            row0 = b * TILE_M + wg * WM
+""", """        else:
+            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
+                         HAS_CLAMP, TILE_M, 2, False)
+""")
+NOEPI128 = ("""        if nt < 0:
+            row0 = b * TILE_M + wg * WM
+""", """        elif not is_l2:
+            _l1_publish(l2_mask, b, nt, wg, 1)
+""")
+EPI64 = ("""        if is_l2:
+            _l2_epilogue(acc, buf""", """        else:
+            _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                             I, SP, HAS_CLAMP)
+""")
+NOEPI64 = ("""        if nt < 0:
+            _l2_epilogue(acc, buf""", """        elif not is_l2:
+            _l1_publish(l2_mask, b, nt, wg, 1)
+""")
+NBYTES = "nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)"
+
+
+def _tma(desc: str, coord: str, buf: str) -> str:
+    return f"                tma.async_copy_global_to_shared({desc}, {coord}, bar, {buf})\n"
+
+
+A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
+           _tma("a1_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"))
+W_LOADS = (_tma("w2_desc", "[w_row, kb * BK]", "w_bufs.index(s)"),
+           _tma("w1_desc", "[w_row, kb * BK]", "w_bufs.index(s)"))
+PATCHES = {
+    "noskip": [("kb_mma = gl.where(valid > wg * WM, KB, 0)", "kb_mma = gl.where(valid > -1, KB, 0)")],
+    "nomma": [(MMA128, RELEASE), (MMA64, RELEASE)],
+    "nopromote": [(MMA128, NOPROMOTE128), (MMA64, NOPROMOTE64)],
+    "noepi": [*zip(EPI128, NOEPI128), *zip(EPI64, NOEPI64)],
+    "noa": [(NBYTES, NBYTES.replace("a1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in A_LOADS],
+    "now": [(NBYTES, NBYTES.replace("w1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in W_LOADS],
+}
+import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
+def patched_source(variant: str) -> str:
+    """The text of ``megamoe.kernels.gemm_fp8_ws`` with ``variant``'s patches (each old text exactly once;
+    ``tests/test_probes.py`` checks every variant on CPU)."""
+    src = pathlib.Path(AS_IS.__file__).read_text()
+    for old, new in PATCHES[variant]:
+        assert src.count(old) == 1, (variant, old[:70])
+        src = src.replace(old, new)
+    return src
+
+
+def kernel_module(variant: str):
+    if variant == "as_is":
+        return AS_IS
+    path = pathlib.Path(tempfile.mkdtemp(prefix="fp8_ws_probe_")) / f"gemm_fp8_ws_{variant}.py"
+    path.write_text(patched_source(variant))
+    spec = importlib.util.spec_from_file_location(f"gemm_fp8_ws_{variant}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def use_kernel(mod):
+    sys.modules["megamoe.kernels.gemm_fp8_ws"] = mod
+    mk.gemm_fp8_ws = mod
+
+
+def rank(T: int):
+    case = MoECase(num_tokens=T, format="fp8", **SHAPE)
+    sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda", format="fp8")[0]
+    y, l1, l2, _ = prepare_rank(sb, case.problem(device="cuda"), 0)
+    return sb, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+
+
+def _tokens(default):
+    return [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else default
+
+
+def probe_phase(tokens=(512, 2048, 8192)):
+    saved = mf.FP8_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES)
+    runs = []  # (T, block-64 limit, stages at 128, variants)
+    for T in _tokens(tokens):
+        runs.append((T, saved[0], saved[1][128], ("as_is", "noskip", "nomma", "nopromote", "noepi", "noa", "now")))
+        if T * SHAPE["num_topk"] / SHAPE["num_experts"] <= saved[0]:  # also the 128-row tile
+            runs.append((T, -1, saved[1][128], ("as_is", "noskip", "nomma")))
+    runs.append((_tokens(tokens)[-1], saved[0], 3, ("as_is",)))
+    for T, limit, stages, variants in runs:
+        mf.FP8_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
+        want = None
+        for variant in variants:
+            use_kernel(kernel_module(variant))
+            sb, y, call = rank(T)  # a fresh buffer: the launch keywords are cached on it
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+            try:
+                y.zero_()
+                call()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a variant that does not compile is reported, not fatal
+                emit(probe="phase", T=T, variant=variant, error=repr(exc)[:300])
+                sb.destroy()
+                continue
+            row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
+                       stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant)
+            if variant in ("as_is", "noskip"):
+                want = y.clone() if want is None else want
+                row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
+            emit(**row, us=_median_ms(call) * 1e3)
+            sb.destroy()
+        use_kernel(AS_IS)
+    mf.FP8_BLOCK64_MAX_EXPECTED = saved[0]
+    mf.FP8_WS_STAGES.update(saved[1])
+
+
+def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
+    saved = mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS
+    for T in _tokens(tokens):
+        want = None
+        for ct, ch in variants:
+            mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS = ct, ch
+            sb, y, call = rank(T)
+            y.zero_()
+            call()
+            torch.cuda.synchronize()
+            want = y.clone() if want is None else want
+            emit(probe="combine", T=T, combine_tokens=ct, combine_columns=ch, us=_median_ms(call) * 1e3,
+                 bitwise_equal_to_first=bool(torch.equal(y, want)))
+            sb.destroy()
+    mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS = saved
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:2] or ["phase", "combine"]
+    emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which,
+         commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
+    for name in which:
+        {"phase": probe_phase, "combine": probe_combine}[name]()
