@@ -22,6 +22,7 @@ with its L2 flush, as the bench).
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
+import functools
 import importlib.util
 import json
 import os
@@ -122,6 +123,7 @@ def patched_source(variant: str) -> str:
     return src
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_module(variant: str):
     if variant == "as_is":
         return AS_IS
