@@ -484,6 +484,9 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # the epilogues' 16-byte stores need a shared-memory scratch for their layout change: BM 64's 4 ring stages
+    # leave no room for it (240520 B > 232448 with it, offline sm_90a compile)
+    COALESCED: gl.constexpr = BM == 128
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
     spare = gl.zeros([WM, HN], gl.float32, mma)
     it = 0
@@ -531,12 +534,12 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
         if is_l2:
             row0 = b * BM + wg * WM
             _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T, H,
-                         mma)
+                         mma, COALESCED)
             _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
-                         OFF_COMBINE, T, H, mma)
+                         OFF_COMBINE, T, H, mma, COALESCED)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP, BM, NWG, True)  # the per-128 UE8M0 requant
+                         HAS_CLAMP, BM, NWG, True, COALESCED)  # the per-128 UE8M0 requant
         j += 1
 
 

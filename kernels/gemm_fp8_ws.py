@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.gemm import swiglu
-from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16
+from megamoe.kernels.numerics import ceil_ue8m0
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
 
 BK = gl.constexpr(128)  #: K block = scale block along K
@@ -92,6 +92,36 @@ def _pin(x):
     """Identity through a side-effecting no-op (``mov.b32``, coalesced away by ptxas): LLVM may not move what
     computes ``x`` below a later wgmma (module docstring, "halves")."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _to_e4m3(x):
+    """float32 -> e4m3 bytes (uint8), round-to-nearest-even saturating to +-448: the hardware's
+    ``cvt.rn.satfinite.e4m3x2.f32``, two values an instruction. The same bits as
+    :func:`megamoe.kernels.numerics.f32_to_e4m3_bits` (the integer rounding the interpreter-run kernels need, ~25
+    integer operations a value); this module runs on GPUs only."""
+    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+
+
+@gluon.jit
+def _to_bf16_bits(x):
+    """float32 -> bf16 bit pattern (int16), round-to-nearest-even: ``cvt.rn.bf16x2.f32`` (the bits of
+    :func:`megamoe.kernels.numerics.f32_to_bf16_bits`)."""
+    return x.to(gl.bfloat16).to(gl.int16, bitcast=True)
+
+
+@gluon.jit
+def _round_bf16(x):
+    """float32 -> nearest bf16 value as float32 (:func:`megamoe.kernels.numerics.round_to_bf16`'s bits)."""
+    return x.to(gl.bfloat16).to(gl.float32)
+
+
+#: Epilogue store layouts: 16 contiguous bytes a thread (one ``st.global.v4``), a warp's row covering whole 32-byte
+#: sectors -- e4m3 ``[64, 64]`` (4 threads a row) and bf16 ``[64, 128]`` (16 threads a row). The wgmma layout holds
+#: 2 adjacent values a thread, so stored from it each instruction writes 2 or 4 bytes a thread and half of each
+#: sector; ``gl.convert_layout`` moves the tile through shared memory first (``COALESCED``).
+STORE_E4M3: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+STORE_BF16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -256,8 +286,8 @@ def _split_gate_up(acc):
 def _l1_half(acc, clamp, HAS_CLAMP: gl.constexpr):
     """SwiGLU of one half (64 intermediate columns): float32 ``[64, 64]``."""
     g, u = _split_gate_up(acc)
-    gate = round_to_bf16(g)
-    up = round_to_bf16(u)
+    gate = _round_bf16(g)
+    up = _round_bf16(u)
     if HAS_CLAMP:
         gate = gl.minimum(gate, clamp)
         up = gl.minimum(gl.maximum(up, -clamp), clamp)
@@ -291,7 +321,8 @@ def _l1_publish(l2_mask, b, nt, wg: gl.constexpr, BITS: gl.constexpr):
 @gluon.jit
 def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr, OFF_L1_W: gl.constexpr,
                  OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                 HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr):
+                 HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,
+                 COALESCED: gl.constexpr = True):
     """Warpgroup ``wg``'s 64 rows of an L1 tile, both halves: ``acc_lo`` / ``acc_hi`` float32 ``[64, 128]`` in the
     wgmma layout (gate / up interleaved by 8; for ``gemm_fp4_ws`` already scaled by the weight rows' and tokens'
     powers of two). bf16 round, clamp (``HAS_CLAMP``), SwiGLU (:func:`_l1_half`), top-k weight (:func:`_l1_rows`),
@@ -302,6 +333,8 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
     * ``UE8M0`` False (this module's FP8 format): float32 ``amax / 448``, the bytes ``act / scale``;
     * ``UE8M0`` True (``gemm_fp4_ws``, ``_l1_tile_hopper``'s): ``2^ceil(log2(amax / 448))``, the bytes ``act`` times
       its exact inverse, stored as an int32 word of four equal UE8M0 bytes.
+
+    ``COALESCED``: the bytes stored from :data:`STORE_E4M3` (16 a thread) instead of the wgmma layout.
 
     Then the arrival bits (:func:`_l1_publish`): the warpgroup's, or with ``NWG`` = 1 (``gemm_fp4_ws`` at BM 64: the
     one warpgroup holds the tile's rows) both bits of the tile, so the mask and its waits are those of BM 128."""
@@ -319,12 +352,23 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
     else:
         scale = amax / FP8_MAX
         inv = gl.expand_dims(1.0 / scale, 1)
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
-    ok = gl.expand_dims(row_ok, 1)
-    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 1) \
+    q_lo = _to_e4m3(act_lo * inv)
+    q_hi = _to_e4m3(act_hi * inv)
+    if COALESCED:
+        q_lo = gl.convert_layout(q_lo, STORE_E4M3)
+        q_hi = gl.convert_layout(q_hi, STORE_E4M3)
+        r = gl.arange(0, WM, layout=gl.SliceLayout(1, STORE_E4M3))
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, STORE_E4M3))
+        ok = gl.expand_dims(r < valid - wg * WM, 1)
+        row_s = b * BM + wg * WM + r
+    else:
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+        ok = gl.expand_dims(row_ok, 1)
+        row_s = row
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row_s.to(gl.int64) * I + nt * 128, 1) \
         + gl.expand_dims(c, 0)
-    gl.store(out, f32_to_e4m3_bits(act_lo * inv).to(gl.uint8), mask=ok)
-    gl.store(out + 64, f32_to_e4m3_bits(act_hi * inv).to(gl.uint8), mask=ok)
+    gl.store(out, q_lo, mask=ok)
+    gl.store(out + 64, q_hi, mask=ok)
     if UE8M0:
         gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=row_ok)
     else:
@@ -337,21 +381,29 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
 
 @gluon.jit
 def _l2_epilogue(acc, buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
-                 T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr):
+                 T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr, COALESCED: gl.constexpr = True):
     """A warpgroup's 64 pool rows ``[row0, row0 + 64)`` (the first ``valid`` real) x 128 hidden columns ``[n0, n0 +
-    128)`` of an L2 tile as bf16 into ``combine[slot][token]`` of each row's source rank."""
-    r = gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
-    c = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
+    128)`` of an L2 tile as bf16 into ``combine[slot][token]`` of each row's source rank; ``COALESCED``: stored
+    from :data:`STORE_BF16` (16 bytes a thread) instead of the wgmma layout ``mma``."""
+    v = _to_bf16_bits(acc)
+    if COALESCED:
+        v = gl.convert_layout(v, STORE_BF16)
+        S: gl.constexpr = STORE_BF16
+    else:
+        S: gl.constexpr = mma
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, S))
+    c = gl.arange(0, HN, layout=gl.SliceLayout(0, S))
     ok = r < valid
     meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (row0 + r) * 3
     src = gl.load(meta, mask=ok, other=0)
     token = gl.load(meta + 1, mask=ok, other=0)
     slot = gl.load(meta + 2, mask=ok, other=0)
-    # sym_map: the same byte offset in the source rank's buffer (bases 16-byte aligned: the delta is in int16s)
-    delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 2
+    # sym_map: the same byte offset in the source rank's buffer; bases are 16-byte aligned, so the delta in int16s
+    # is a multiple of 8, written so the compiler sees it (16-byte stores)
+    delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 16 * 8
     dst_row = (slot * T + token).to(gl.int64) * H + n0 + delta
     dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
-    gl.store(dst, f32_to_bf16_bits(acc).to(gl.int16), mask=gl.expand_dims(ok, 1))
+    gl.store(dst, v, mask=gl.expand_dims(ok, 1))
 
 
 @gluon.jit
@@ -375,10 +427,12 @@ def _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg: 
     other = xch.index(slot * 2 + 1 - wg).load(gl.SliceLayout(1, L))
     scale = gl.maximum(gl.maximum(rmax, other), AMAX_FLOOR) / FP8_MAX
     inv = gl.expand_dims(1.0 / scale, 1)
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
-    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128 + wg * 64, 1) \
-        + gl.expand_dims(c, 0)
-    gl.store(out, f32_to_e4m3_bits(act * inv).to(gl.uint8), mask=gl.expand_dims(row_ok, 1))
+    q = gl.convert_layout(_to_e4m3(act * inv), STORE_E4M3)
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, STORE_E4M3))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, STORE_E4M3))
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims((b * WM + r).to(gl.int64) * I + nt * 128
+                                                                         + wg * 64, 1) + gl.expand_dims(c, 0)
+    gl.store(out, q, mask=gl.expand_dims(r < valid, 1))
     if wg == 0:
         gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
     _l1_publish(l2_mask, b, nt, wg, 1)
