@@ -20,13 +20,15 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
 * ``scale_words``: at T = 128 / 512 (block 64) and 2048 (block 128) where the decode partitions get each K block's
   scale words: a load in the stage, one K block ahead (``FP4_WS_PREFETCH``, block 64), by TMA with the stage
   (``FP4_WS_SF_TMA``); at block 64 also 4 ring stages; error of each against the reference.
-* ``fold_decode``: the decode pass alone at rows a program / warps / K-loop pipeline stages, outputs compared bitwise.
+* ``fold_decode``: the decode pass alone at rows a program / warps / K-loop pipeline stages and the access-pattern
+  variants of ``megamoe.kernels.fold_decode`` (``FOLD_DECODE_VARIANTS``), outputs compared bitwise with the first.
 
     python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
 """
+import contextlib
 import importlib.util
 import json
 import os
@@ -252,13 +254,54 @@ def probe_predecode(tokens=(512, 2048, 8192)):
             sb.destroy()
         mf.FP4_WS_STAGES.update(saved[1])
     mf.FP4_PREDECODE_MIN_EXPECTED = saved[0]
-    probe_fold_decode(variants=((64, 4, 1),))
+    probe_fold_decode(variants=(dict(rows=64, warps=4, loop_stages=1),))
 
 
-def probe_fold_decode(variants=((64, 4, 1), (32, 4, 1), (64, 4, 3), (32, 4, 3), (128, 8, 3), (32, 2, 3))):
+#: ``probe_fold_decode``'s variant keys -> the ``megamoe.fold_decode`` constant each sets (a key left out of a variant:
+#: the constant's default, i.e. the kernel as measured at 741e144).
+FOLD_DECODE_KNOBS = {"rows": "FOLD_DECODE_ROWS", "warps": "FOLD_DECODE_WARPS", "loop_stages": "FOLD_DECODE_LOOP_STAGES",
+                     "wide": "FOLD_DECODE_WIDE", "step_k": "FOLD_DECODE_STEP_K", "k_split": "FOLD_DECODE_K_SPLIT",
+                     "rmax_chunk": "FOLD_DECODE_RMAX_CHUNK", "stream": "FOLD_DECODE_STREAM"}
+#: The access-pattern variants (``megamoe.kernels.fold_decode.fold_decode_kernel``'s docstring), the kernel as it is
+#: first (every other output is compared with its bytes): one contiguous 64-byte load / 128-byte store a row a K step
+#: at 64 rows; 32 rows x 256 K and 16 rows x 512 K an iteration; 8 programs a row block on neighbouring K ranges
+#: (as is and wide); the row exponent's scale words 8 at a time; streaming store hints (as is and wide).
+FOLD_DECODE_VARIANTS = (
+    dict(rows=64, warps=4, loop_stages=1),
+    dict(rows=64, warps=4, loop_stages=1, wide=True),
+    dict(rows=32, warps=4, loop_stages=1, wide=True, step_k=256),
+    dict(rows=16, warps=4, loop_stages=1, wide=True, step_k=512),
+    dict(rows=64, warps=4, loop_stages=1, k_split=8),
+    dict(rows=64, warps=4, loop_stages=1, wide=True, k_split=8),
+    dict(rows=64, warps=4, loop_stages=1, rmax_chunk=8),
+    dict(rows=64, warps=4, loop_stages=1, stream=True),
+    dict(rows=64, warps=4, loop_stages=1, wide=True, stream=True),
+)
+
+
+@contextlib.contextmanager
+def fold_decode_variant(variant: dict):
+    """``megamoe.fold_decode``'s constants set to ``variant`` (keys of ``FOLD_DECODE_KNOBS``; the others at their
+    defaults) for the ``with`` block, restored after. Yields the full setting, every knob by its key."""
+    import megamoe.fold_decode as fd
+
+    unknown = set(variant) - set(FOLD_DECODE_KNOBS)
+    assert not unknown, unknown
+    saved = {name: getattr(fd, name) for name in FOLD_DECODE_KNOBS.values()}
+    try:
+        for key, name in FOLD_DECODE_KNOBS.items():
+            setattr(fd, name, variant.get(key, saved[name]))
+        yield {key: getattr(fd, name) for key, name in FOLD_DECODE_KNOBS.items()}
+    finally:
+        for name, value in saved.items():
+            setattr(fd, name, value)
+
+
+def probe_fold_decode(variants=FOLD_DECODE_VARIANTS):
     """The decode pass alone (``megamoe.fold_decode``: both weights of one EP8 rank of V4-Pro) at rows a program,
-    warps and K-loop pipeline stages (``FOLD_DECODE_ROWS`` / ``_WARPS`` / ``_LOOP_STAGES``); every variant's output
-    checked bitwise against the first's."""
+    warps and K-loop pipeline stages (``FOLD_DECODE_ROWS`` / ``_WARPS`` / ``_LOOP_STAGES``) and the access-pattern
+    knobs (``FOLD_DECODE_KNOBS``); every variant's output checked bitwise against the first's. A variant is a dict
+    of ``FOLD_DECODE_KNOBS`` keys or (as before) a ``(rows, warps, loop_stages)`` tuple; each row names every knob."""
     import megamoe.fold_decode as fd
     from megamoe.quant import transform_weights_for_mega_moe
 
@@ -267,23 +310,27 @@ def probe_fold_decode(variants=((64, 4, 1), (32, 4, 1), (64, 4, 3), (32, 4, 3), 
     outs = [(torch.empty((w.shape[0], w.shape[1], 2 * w.shape[2]), dtype=torch.float8_e4m3fn, device="cuda"),
              torch.empty(w.shape[:2], dtype=torch.int32, device="cuda")) for w, _ in (l1, l2)]
     nbytes = sum(w.numel() + sf.numel() * 4 + o.numel() + x.numel() * 4 for (w, sf), (o, x) in zip((l1, l2), outs))
-    saved, first = (fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES), None
-    for rows, warps, loop_stages in variants:
-        fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES = rows, warps, loop_stages
-        run = lambda: [fd.fold_decode(w, out=o, row_exp=x) for w, (o, x) in zip((l1, l2), outs)]  # noqa: E731
-        try:
-            run()
-            torch.cuda.synchronize()
-        except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
-            emit(probe="fold_decode", rows=rows, warps=warps, loop_stages=loop_stages, error=repr(exc)[:200])
-            continue
-        got = [(o.view(torch.uint8).clone(), x.clone()) for o, x in outs]
-        first = first or got
-        same = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, first))
-        us = _median_ms(run) * 1e3
-        emit(probe="fold_decode", what="fold_decode pass", rows=rows, warps=warps, loop_stages=loop_stages, us=us,
-             bytes=nbytes, tb_per_s=nbytes / us / 1e6, bitwise_equal_to_first=same)
-    fd.FOLD_DECODE_ROWS, fd.FOLD_DECODE_WARPS, fd.FOLD_DECODE_LOOP_STAGES = saved
+    first = None
+    for variant in variants:
+        if not isinstance(variant, dict):
+            variant = dict(zip(("rows", "warps", "loop_stages"), variant))
+        with fold_decode_variant(variant) as knobs:
+            run = lambda: [fd.fold_decode(w, out=o, row_exp=x) for w, (o, x) in zip((l1, l2), outs)]  # noqa: E731
+            for o, x in outs:  # a variant that skipped some bytes would otherwise show the previous one's
+                o.view(torch.uint8).fill_(0xFF)
+                x.fill_(-1)
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
+                emit(probe="fold_decode", **knobs, error=repr(exc)[:200])
+                continue
+            got = [(o.view(torch.uint8).clone(), x.clone()) for o, x in outs]
+            first = first or got
+            same = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, first))
+            us = _median_ms(run) * 1e3
+        emit(probe="fold_decode", what="fold_decode pass", **knobs, us=us, bytes=nbytes, tb_per_s=nbytes / us / 1e6,
+             bitwise_equal_to_first=same)
 
 
 if __name__ == "__main__":
