@@ -20,7 +20,7 @@ with its L2 flush, as the bench).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
-    python results/probes/fp8_ws_probe.py [phase [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+    python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -98,7 +98,21 @@ A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
            _tma("a1_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"))
 W_LOADS = (_tma("w2_desc", "[w_row, kb * BK]", "w_bufs.index(s)"),
            _tma("w1_desc", "[w_row, kb * BK]", "w_bufs.index(s)"))
+SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
+          "from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16\n"),
+         ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n", "    return f32_to_e4m3_bits(x).to(gl.uint8)\n"),
+         ("    return x.to(gl.bfloat16).to(gl.int16, bitcast=True)\n", "    return f32_to_bf16_bits(x).to(gl.int16)\n"),
+         ("    return x.to(gl.bfloat16).to(gl.float32)\n", "    return round_to_bf16(x)\n")]
+UNCOALESCED = [("HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
+                "                 COALESCED: gl.constexpr = True):",
+                "HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
+                "                 COALESCED: gl.constexpr = False):"),
+               ("mma: gl.constexpr, COALESCED: gl.constexpr = True):",
+                "mma: gl.constexpr, COALESCED: gl.constexpr = False):")]
 PATCHES = {
+    "swcvt": SWCVT,  # the epilogues' conversions by integer rounding (numerics), as before 2026-12-02 (session 11)
+    "uncoalesced": UNCOALESCED,  # the epilogues store from the wgmma layout (BM 64's L1 epilogue stays coalesced)
+    "old_epilogue": SWCVT + UNCOALESCED,
     "noskip": [("kb_mma = gl.where(valid > wg * WM, KB, 0)", "kb_mma = gl.where(valid > -1, KB, 0)")],
     "nomma": [(MMA128, RELEASE), (MMA64, RELEASE)],
     "nopromote": [(MMA128, NOPROMOTE128), (MMA64, NOPROMOTE64)],
@@ -152,14 +166,21 @@ def _tokens(default):
     return [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else default
 
 
+#: The variants each T runs (``as_is`` first: the others' outputs compare with it where they should be equal), and
+#: those with 128-row tiles where the host picks 64. (Session 11's first run: "as_is", "noskip", "nomma",
+#: "nopromote", "noepi", "noa", "now"; "as_is", "noskip", "nomma"; and 3 stages at T = 8192.)
+VARIANTS = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ("as_is", "old_epilogue", "swcvt", "uncoalesced",
+                                                                     "noepi")
+VARIANTS_128_AT_64 = ("as_is", "old_epilogue")
+
+
 def probe_phase(tokens=(512, 2048, 8192)):
     saved = mf.FP8_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES)
     runs = []  # (T, block-64 limit, stages at 128, variants)
     for T in _tokens(tokens):
-        runs.append((T, saved[0], saved[1][128], ("as_is", "noskip", "nomma", "nopromote", "noepi", "noa", "now")))
+        runs.append((T, saved[0], saved[1][128], VARIANTS))
         if T * SHAPE["num_topk"] / SHAPE["num_experts"] <= saved[0]:  # also the 128-row tile
-            runs.append((T, -1, saved[1][128], ("as_is", "noskip", "nomma")))
-    runs.append((_tokens(tokens)[-1], saved[0], 3, ("as_is",)))
+            runs.append((T, -1, saved[1][128], VARIANTS_128_AT_64))
     for T, limit, stages, variants in runs:
         mf.FP8_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
@@ -177,7 +198,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
                 continue
             row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
                        stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant)
-            if variant in ("as_is", "noskip"):
+            if variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue"):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
             emit(**row, us=_median_ms(call) * 1e3)
