@@ -14,23 +14,27 @@ import triton
 
 from megamoe.env import interpreting
 
-#: Weight rows per program (``N`` must be a multiple: 2I and H are multiples of 128).
-FOLD_DECODE_ROWS = 64
-#: Warps a program and software-pipeline stages of its K loop. Measured on an H200 (``results/probes/
-#: ws_variants_probe_h200.jsonl``, ``fold_decode`` rows at 741e144, both weights of one EP8 rank of V4-Pro, 4.86 GB):
-#: 64 rows / 4 warps / 1 stage 1877 us (2.6 TB/s); 32 / 4 / 1 1894; 64 / 4 / 3 1982; 128 / 8 / 3 2040; 32 / 2 / 3
-#: 2010; 32 / 4 / 3 2578 (all bitwise equal).
-#: Two K steps an iteration or the scale words kept in registers did not help either (``fold_decode`` rows at
-#: 81437de, branch fold-decode-unroll: 1853-2035 us against 1868): the pass is not bound by its dependency chain.
+#: Weight rows per program and K values per loop iteration (``FOLD_DECODE_STEP_K``: 128, or a multiple of 128 with
+#: ``FOLD_DECODE_WIDE``: one contiguous load of ``STEP_K / 2`` bytes and one store of ``STEP_K`` bytes a row). Where K
+#: is not a multiple of the step, ``launch_keywords`` halves the step and doubles the rows (down to 128 K), keeping a
+#: program's rows x step. Measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, ``fold_decode`` rows
+#: at 251c94c, both weights of one EP8 rank of V4-Pro, 4.86 GB, all bitwise equal): 16 rows x 512 K wide **1329 us
+#: (3.7 TB/s)**; 32 x 256 wide 1410; 64 x 128 wide 1757; 64 x 128 as before (32-byte pieces a row, 4 stores a step)
+#: 1856; with 8 programs a row block on neighbouring K ranges 1643 (wide 1474); the row exponent's words 8 at a time
+#: 1943; streaming store hints 1928 (wide 1853). Earlier (741e144, the 32-byte-piece kernel): 64 rows / 4 warps / 1
+#: stage 1877 us; 32 / 4 / 1 1894; 64 / 4 / 3 1982; 128 / 8 / 3 2040; 32 / 2 / 3 2010; 32 / 4 / 3 2578; two K
+#: steps an iteration or the scale words kept in registers 1853-2035 (81437de): the pass was bound by its access
+#: pattern (32-byte pieces over 64 rows at a 7 KB stride), not by its dependency chain or its launch shape.
+FOLD_DECODE_ROWS = 16
+FOLD_DECODE_STEP_K = 512
+FOLD_DECODE_WIDE = True
+#: Warps a program and software-pipeline stages of its K loop (measured above).
 FOLD_DECODE_WARPS = 4
 FOLD_DECODE_LOOP_STAGES = 1
-#: Access-pattern variants of ``fold_decode_kernel`` (its docstring says what each changes; same bytes out). Not yet
-#: measured on a GPU: the defaults are the kernel measured above. ``WIDE``: one contiguous load / store per row a K
-#: step; ``STEP_K``: K values a loop iteration (128, or a multiple with ``WIDE``); ``K_SPLIT``: programs per row
-#: block, each on ``K / K_SPLIT`` values; ``RMAX_CHUNK``: scale words a loop iteration of the row exponent's max (0:
-#: one ``[rows, K/128]`` load); ``STREAM``: streaming cache hints on the output stores (and wide weight loads).
-FOLD_DECODE_WIDE = False
-FOLD_DECODE_STEP_K = 128
+#: Other access-pattern knobs of ``fold_decode_kernel`` (its docstring says what each changes; same bytes out),
+#: measured slower (above): ``K_SPLIT``: programs per row block, each on ``K / K_SPLIT`` values; ``RMAX_CHUNK``:
+#: scale words a loop iteration of the row exponent's max (0: one ``[rows, K/128]`` load); ``STREAM``: streaming
+#: cache hints on the output stores (and wide weight loads).
 FOLD_DECODE_K_SPLIT = 1
 FOLD_DECODE_RMAX_CHUNK = 0
 FOLD_DECODE_STREAM = False
@@ -38,17 +42,20 @@ FOLD_DECODE_STREAM = False
 
 def launch_keywords(N: int, K: int, prmt_decode: bool = True) -> dict:
     """``fold_decode_kernel``'s keywords (constexprs and ``num_warps``) for weights ``[El, N, K]`` under the module's
-    ``FOLD_DECODE_*`` constants (the launch's grid: ``El * N / BN * K_SPLIT`` programs); the offline compile probe
+    ``FOLD_DECODE_*`` constants (the launch's grid: ``El * N / BN * K_SPLIT`` programs), the step halved and the
+    rows doubled (where N allows) while ``K`` is not a multiple of ``STEP_K x K_SPLIT`` (down to 128); the offline compile probe
     (``results/probes/fold_decode_compile.py``) compiles exactly these. ``ValueError`` (naming ``weights``) when the
     shape does not divide into the constants' steps."""
-    step, split, chunk = FOLD_DECODE_STEP_K, FOLD_DECODE_K_SPLIT, FOLD_DECODE_RMAX_CHUNK
-    if N % FOLD_DECODE_ROWS or K % 128:
-        raise ValueError(f"weights: N={N} must be a multiple of {FOLD_DECODE_ROWS} and K={K} of 128")
+    step, rows, split, chunk = FOLD_DECODE_STEP_K, FOLD_DECODE_ROWS, FOLD_DECODE_K_SPLIT, FOLD_DECODE_RMAX_CHUNK
+    while step % 256 == 0 and K % (step * split):
+        step, rows = step // 2, rows * 2 if N % (2 * rows) == 0 else rows
+    if N % rows or K % 128:
+        raise ValueError(f"weights: N={N} must be a multiple of {rows} rows and K={K} of 128")
     if step % 128 or (step != 128 and not FOLD_DECODE_WIDE) or K % (step * split) or (chunk and (K // 128) % chunk):
         raise ValueError(f"weights: K={K} must be a multiple of FOLD_DECODE_STEP_K={step} x FOLD_DECODE_K_SPLIT="
                          f"{split} (STEP_K a multiple of 128, above 128 only with FOLD_DECODE_WIDE) and K/128 of "
                          f"FOLD_DECODE_RMAX_CHUNK={chunk}")
-    return dict(N=N, K=K, KW_PAD=triton.next_power_of_2(K // 128), BN=FOLD_DECODE_ROWS, PRMT_DECODE=prmt_decode,
+    return dict(N=N, K=K, KW_PAD=triton.next_power_of_2(K // 128), BN=rows, PRMT_DECODE=prmt_decode,
                 LOOP_STAGES=FOLD_DECODE_LOOP_STAGES, WIDE=FOLD_DECODE_WIDE, STEP_K=step, K_SPLIT=split,
                 RMAX_CHUNK=chunk, STREAM=FOLD_DECODE_STREAM, num_warps=FOLD_DECODE_WARPS)
 

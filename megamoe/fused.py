@@ -135,11 +135,19 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: "fp8_ws": the SM90 FP8 format's GEMMs as one warp-specialised Gluon launch (``megamoe.kernels.gemm_fp8_ws``:
 #: TMA ring, mbarriers, two math warpgroups + a loader warp) between a front launch (count, barrier 1, pull, tile
 #: table) and a back launch (barrier 2, combine, cleanup) of ``fused_mega_moe_kernel``. Taken above this many expected
-#: tokens per local expert (its tiles are pool blocks of 128 rows, or 64 up to FP8_BLOCK64_MAX_EXPECTED; the pool is
-#: sized for 128). On an H200 at T = 512 (64 expected, ``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``):
+#: tokens per local expert (its tiles are pool blocks of 128 rows, or 64 up to FP8_WS_BLOCK64_MAX_EXPECTED; the pool
+#: is sized for 128). On an H200 at T = 512 (64 expected, ``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``):
 #: front + back launches 59 us + GEMM phase 987 us (1012 us with 128-row tiles), against 1325 us for the one-launch
 #: "fp8" kernel of block 64 (``fused_fp8_ws_profile_h200.jsonl``).
 FP8_WS_MIN_EXPECTED = 32
+#: "fp8_ws": largest expected tokens per local expert that takes the 64-row tile (both math warpgroups on one block,
+#: ``_math_partition_m64``; 128 above). Measured on an H200 (``results/probes/fp8_ws_probe_h200.jsonl``, whole call,
+#: T = 512 = 64 expected, where about half of the experts need a second 64-row block): with the epilogues' hardware
+#: conversions and 16-byte stores (251c94c) 128-row tiles 924 us, 64-row 951; before them (beb53e5) 1066 / 1091, and
+#: with the L1 tiles' padding warpgroup still issuing its MMAs 1117 / 1096. Below 64 expected not measured since; the
+#: Gluon phase starts above FP8_WS_MIN_EXPECTED, so by default every "fp8_ws" call takes 128-row tiles (the 64-row
+#: tile is forced in its GPU tests).
+FP8_WS_BLOCK64_MAX_EXPECTED = 32
 #: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
 #: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
@@ -197,7 +205,7 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: with. At block 64 PREFETCH with a fourth stage beats it (SF_TMA's extra shared memory leaves no room for that).
 FP4_WS_SF_TMA = {128: True, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
-#: FP8_BLOCK64_MAX_EXPECTED for "fp8_ws": at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
+#: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
 #: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
 #: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Measured on an H200 (same file,
 #: ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329 / 2051
@@ -264,7 +272,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     elif kind == "fp8":
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
-        block_m = 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128
+        block_m = 64 if expected <= FP8_WS_BLOCK64_MAX_EXPECTED else 128
     elif kind == "fp4_ws":  # its 64-row tile (one math warpgroup, two decode partitions) at few tokens per expert
         block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N

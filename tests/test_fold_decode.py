@@ -66,7 +66,8 @@ _DECODE_WIDE = kfd._decode_wide  # (the real one, for the wrong one below to cal
 # is ``results/probes/ws_variants_probe.py``'s ``FOLD_DECODE_VARIANTS``), at the test shapes' divisors (K = 512:
 # four 128-wide steps, so ``K_SPLIT`` 2 / 4 and ``RMAX_CHUNK`` 2 / 4 instead of the probe's 8).
 VARIANTS = {
-    "wide": dict(FOLD_DECODE_WIDE=True),
+    "as_before": dict(FOLD_DECODE_WIDE=False, FOLD_DECODE_ROWS=64, FOLD_DECODE_STEP_K=128),
+    "wide": dict(FOLD_DECODE_WIDE=True, FOLD_DECODE_ROWS=64, FOLD_DECODE_STEP_K=128),
     "wide_32x256": dict(FOLD_DECODE_WIDE=True, FOLD_DECODE_ROWS=32, FOLD_DECODE_STEP_K=256),
     "wide_16x512_stream": dict(FOLD_DECODE_WIDE=True, FOLD_DECODE_ROWS=16, FOLD_DECODE_STEP_K=512,
                                FOLD_DECODE_STREAM=True),
@@ -141,7 +142,8 @@ def test_fold_decode_variant_check_can_fail(variant_case, monkeypatch):
     assert not torch.equal(out, default[0][0])
 
 
-@pytest.mark.parametrize("knobs", [dict(FOLD_DECODE_STEP_K=256), dict(FOLD_DECODE_WIDE=True, FOLD_DECODE_STEP_K=192),
+@pytest.mark.parametrize("knobs", [dict(FOLD_DECODE_WIDE=False, FOLD_DECODE_STEP_K=256),
+                                   dict(FOLD_DECODE_WIDE=True, FOLD_DECODE_STEP_K=192),
                                    dict(FOLD_DECODE_K_SPLIT=3), dict(FOLD_DECODE_RMAX_CHUNK=3)])
 def test_fold_decode_rejects_knobs_that_do_not_divide_k(knobs, monkeypatch):
     import megamoe.fold_decode as fd

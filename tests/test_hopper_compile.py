@@ -8,15 +8,23 @@ from megamoe.hopper_compile import SM90_MAX_SHARED_PER_BLOCK, compile_gluon_phas
 from megamoe.layout import Layout
 
 #: Spill-store bytes allowed per (kind, pool block), a little above the compiles of this checkout (Triton 3.6):
-#: fp4_ws 20 / 140 (block 64: the scale-word prefetch; block 128: ``_row_exponent_max``, once a tile), fp8_ws 4 / 28,
-#: none of them inside a K loop (the math and decode partitions' loops, checked below).
-SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 160, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40,
-                ("fp4_ws_predecoded", 64): 32, ("fp4_ws_predecoded", 128): 160}
+#: fp4_ws 20 / 164 (block 64: the scale-word prefetch; block 128: ``_row_exponent_max``, once a tile, 156 before the
+#: epilogues' 16-byte stores, session 11), fp8_ws 4 / 24, none of them inside a K loop (the math and decode
+#: partitions' loops, checked below).
+SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 180, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40,
+                ("fp4_ws_predecoded", 64): 32, ("fp4_ws_predecoded", 128): 180}
 
 
 def _innermost(loops):
-    """The loops (``CompileReport.loops``) that contain no other: the K loops of each partition."""
-    return [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    """The loops (``CompileReport.loops``: the range between a backward branch's target and the branch) that contain
+    no other: the K loops of each partition. A range that partially overlaps a smaller one is dropped: real loops nest,
+    but an out-of-line retry stub (an mbarrier ``TRYWAIT`` that failed jumps past the kernel's end and branches back
+    into the K loop) spans from inside one loop to past the others, covering code that never runs in it."""
+    def partial(a, b):
+        return a[0] < b[0] <= a[1] < b[1] or b[0] < a[0] <= b[1] < a[1]
+
+    real = [lp for lp in loops if not any(partial(lp, o) and o[1] - o[0] < lp[1] - lp[0] for o in loops)]
+    return [lp for lp in real if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in real)]
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ with its L2 flush, as the bench).
   - ``noa`` / ``now``: the loader does not load the A (activation) / W (weight) box of each stage (the stage's
     expected bytes shrink with it): how much each operand's bytes cost.
 
-  At T = 512 also with 128-row tiles (``FP8_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
+  At T = 512 also with 128-row tiles (``FP8_WS_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
@@ -175,14 +175,14 @@ VARIANTS_128_AT_64 = ("as_is", "old_epilogue")
 
 
 def probe_phase(tokens=(512, 2048, 8192)):
-    saved = mf.FP8_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES)
+    saved = mf.FP8_WS_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES)
     runs = []  # (T, block-64 limit, stages at 128, variants)
     for T in _tokens(tokens):
         runs.append((T, saved[0], saved[1][128], VARIANTS))
         if T * SHAPE["num_topk"] / SHAPE["num_experts"] <= saved[0]:  # also the 128-row tile
             runs.append((T, -1, saved[1][128], VARIANTS_128_AT_64))
     for T, limit, stages, variants in runs:
-        mf.FP8_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
+        mf.FP8_WS_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
         for variant in variants:
             use_kernel(kernel_module(variant))
@@ -204,7 +204,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
             emit(**row, us=_median_ms(call) * 1e3)
             sb.destroy()
         use_kernel(AS_IS)
-    mf.FP8_BLOCK64_MAX_EXPECTED = saved[0]
+    mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]
     mf.FP8_WS_STAGES.update(saved[1])
 
 

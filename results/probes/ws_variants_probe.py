@@ -262,20 +262,20 @@ def probe_predecode(tokens=(512, 2048, 8192)):
 FOLD_DECODE_KNOBS = {"rows": "FOLD_DECODE_ROWS", "warps": "FOLD_DECODE_WARPS", "loop_stages": "FOLD_DECODE_LOOP_STAGES",
                      "wide": "FOLD_DECODE_WIDE", "step_k": "FOLD_DECODE_STEP_K", "k_split": "FOLD_DECODE_K_SPLIT",
                      "rmax_chunk": "FOLD_DECODE_RMAX_CHUNK", "stream": "FOLD_DECODE_STREAM"}
-#: The access-pattern variants (``megamoe.kernels.fold_decode.fold_decode_kernel``'s docstring), the kernel as it is
-#: first (every other output is compared with its bytes): one contiguous 64-byte load / 128-byte store a row a K step
+#: The access-pattern variants (``megamoe.kernels.fold_decode.fold_decode_kernel``'s docstring), the kernel as it was
+#: before them first (every other output is compared with its bytes): one contiguous 64-byte load / 128-byte store a row a K step
 #: at 64 rows; 32 rows x 256 K and 16 rows x 512 K an iteration; 8 programs a row block on neighbouring K ranges
 #: (as is and wide); the row exponent's scale words 8 at a time; streaming store hints (as is and wide).
 FOLD_DECODE_VARIANTS = (
-    dict(rows=64, warps=4, loop_stages=1),
-    dict(rows=64, warps=4, loop_stages=1, wide=True),
+    dict(rows=64, warps=4, loop_stages=1, wide=False, step_k=128),
+    dict(rows=64, warps=4, loop_stages=1, wide=True, step_k=128),
     dict(rows=32, warps=4, loop_stages=1, wide=True, step_k=256),
     dict(rows=16, warps=4, loop_stages=1, wide=True, step_k=512),
-    dict(rows=64, warps=4, loop_stages=1, k_split=8),
-    dict(rows=64, warps=4, loop_stages=1, wide=True, k_split=8),
-    dict(rows=64, warps=4, loop_stages=1, rmax_chunk=8),
-    dict(rows=64, warps=4, loop_stages=1, stream=True),
-    dict(rows=64, warps=4, loop_stages=1, wide=True, stream=True),
+    dict(rows=64, warps=4, loop_stages=1, wide=False, step_k=128, k_split=8),
+    dict(rows=64, warps=4, loop_stages=1, wide=True, step_k=128, k_split=8),
+    dict(rows=64, warps=4, loop_stages=1, wide=False, step_k=128, rmax_chunk=8),
+    dict(rows=64, warps=4, loop_stages=1, wide=False, step_k=128, stream=True),
+    dict(rows=64, warps=4, loop_stages=1, wide=True, step_k=128, stream=True),
 )
 
 

@@ -41,7 +41,7 @@ def test_fp8_real_size_one_rank(impl, num_tokens):
 WS = dict(format="fp8", block_m=128)
 WS_CASES = gluon_phase_cases(**WS) + [
     MoECase(num_ranks=2, num_topk=2, num_experts=8, num_tokens=[100, 40], masked_ratio=0.2, activation_clamp=0.3,
-            hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert: pool block 64
+            hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert (block 64: below)
 ]
 
 
@@ -70,6 +70,21 @@ def test_fp8_ws_small_cases(case, monkeypatch):
     assert mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda")).kind == "fp8_ws"
     case.impl = "fused"
     assert_reports(run_case_local(case, device="cuda"), "fp8 fused (Gluon GEMM phase) small")
+
+
+def test_fp8_ws_block64_forced(monkeypatch):
+    """The 64-row tile (``_math_partition_m64``: both math warpgroups on one block, the row maxima exchanged through
+    shared memory), which ``fused_config`` no longer picks by default (``FP8_WS_BLOCK64_MAX_EXPECTED``): forced, on the
+    last small case (2 ranks, masks, clamp, 2 calls)."""
+    _force_ws(monkeypatch)
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP8_WS_BLOCK64_MAX_EXPECTED", float("inf"))
+    case = WS_CASES[-1]
+    cfg = mf.fused_config(_layout(case), 100, case.num_ranks, torch.device("cuda"))
+    assert (cfg.kind, cfg.block_m) == ("fp8_ws", 64)
+    case.impl = "fused"
+    assert_reports(run_case_local(case, device="cuda"), "fp8 fused (Gluon GEMM phase, 64-row tile) small")
 
 
 @pytest.mark.parametrize("num_ranks,num_tokens", [(1, [8192]), (4, [4096, 0, 2048, 77])], ids=["r1-t8192", "r4-skew"])
