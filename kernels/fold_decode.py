@@ -5,8 +5,10 @@ Why: the FP8 x FP4 Gluon GEMM phase (``megamoe.kernels.gemm_fp4_ws``) decodes ev
 register-starved warps *per pool block*, so at T = 8192 (eight 128-row blocks an expert) each weight is decoded
 eight times, and the decode sets the phase's pace (``results/probes/ws_variants_probe_h200.jsonl``: 15720 us with
 the decode, 8124 without). Decoding each weight once per call into a scratch buffer costs one elementwise pass over
-the weights (read FP4 + scales, write e4m3: 1.5 bytes a value; 1877 us for one EP8 rank of V4-Pro on an H200, 2.6
-TB/s, ``megamoe.fold_decode.FOLD_DECODE_WARPS``), after which the phase streams FP8 like the FP8 x FP8 format.
+the weights (read FP4 + scales, write e4m3: 1.5 bytes a value; 1329 us for one EP8 rank of V4-Pro on an H200, 3.7
+TB/s, with ``WIDE`` steps of 512 K over 16 rows a program, 1856 us / 2.6 TB/s as first written: 32-byte pieces
+over 64 rows; ``megamoe.fold_decode.FOLD_DECODE_ROWS``), after which the phase streams FP8 like the FP8 x FP8
+format.
 
 The values are exactly what the decode partitions write (``megamoe.kernels.fused._decode_chunk``: one table lookup
 per value, ``megamoe.quant.fold_lut``): ``e4m3(m * 2^(s_g - s_row))`` with ``s_row`` the row's largest UE8M0
@@ -19,7 +21,8 @@ stores); compiled with no pointer attributes (no alignment known) it takes 142, 
 rows or a pipelined K loop (cp.async) did not run faster (the measurements at FOLD_DECODE_WARPS). The
 access-pattern variants of ``fold_decode_kernel`` (one contiguous load / store per row, K split over programs,
 chunked row maximum, streaming hints) write the same bytes (``tests/test_fold_decode.py``) and compile to 46-64
-registers, no spill (1 KB shared; 4 KB wide); they have not been timed yet.
+registers, no spill (1 KB shared; 4 KB wide); of them only ``WIDE`` (with the longer steps) ran faster on the GPU
+(the measurements at ``megamoe.fold_decode.FOLD_DECODE_ROWS``): the default.
 """
 import triton
 import triton.language as tl

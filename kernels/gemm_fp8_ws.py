@@ -25,8 +25,10 @@ plain grouped GEMM). What plain ``tl`` cannot say and this kernel does (DeepGEMM
 Tiles (one CTA per SM, static stride ``t = pid, pid + G, ...`` over the tile table the front launch wrote, see
 :func:`megamoe.kernels.fused.fused_mega_moe_kernel` with ``PHASE=1``): L1 tiles, then L2 tiles. A tile is one pool block
 of ``BM`` rows x 256 weight rows. ``BM`` = 128: each math warpgroup takes 64 of the rows and all 256 weight rows;
-``BM`` = 64 (:func:`_math_partition_m64`, at <= 64 expected tokens per expert, where a 128-row block would be
-half padding): both take the same 64 rows, each its 128 of the weight rows, and exchange the L1 requant's row
+a warpgroup whose 64 rows are all padding (the last block of an expert often has fewer than 64) issues no MMA and
+passes the ring's stages through. ``BM`` = 64 (:func:`_math_partition_m64`, up to
+``megamoe.fused.FP8_WS_BLOCK64_MAX_EXPECTED`` expected tokens per expert; by default never since session 11's
+faster epilogues): both take the same 64 rows, each its 128 of the weight rows, and exchange the L1 requant's row
 maxima through shared memory. The pool is sized for blocks of 128 (``block_m`` 128), DeepGEMM's rule of sizing
 for the largest block a call may pick:
 
@@ -36,7 +38,8 @@ for the largest block a call may pick:
   weight scales are per 128x128 block of the *untransformed* rows: gate block row ``nt``, up block row
   ``I/128 + nt``, chosen per column by a select in the promotion.
   Epilogue: bf16 round, clamp, SwiGLU, top-k weight, the per-128 requant (``scale = max(amax, 1e-4) / 448``) into the
-  L2 pool; then ``fence.proxy.async`` (generic-proxy stores that TMA will read) and the warpgroup's bit ``2*nt + wg``
+  L2 pool (the hardware's conversions, :func:`_to_e4m3` / :func:`_round_bf16`, and 16-byte stores after a layout
+  change, :data:`STORE_E4M3`); then ``fence.proxy.async`` (generic-proxy stores that TMA will read) and the warpgroup's bit ``2*nt + wg``
   OR-ed into ``l2_arrival_mask[b]`` (release).
 * L2: W2 rows ``[nt*256, nt*256+256)`` = hidden columns, weight scale rows ``2nt`` / ``2nt+1`` (one per half). The
   loader waits **per K block** ``kb`` for the two bits of L1 tile ``kb`` of the block (acquire, then
@@ -56,6 +59,14 @@ and writes, in pure torch: :mod:`megamoe.gemm_phase` (CPU ranks run the three-la
 Measured on an H200 (``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``, the pull included): 987 (64-row
 tiles; 1012 with 128) / 2193 / 7308 us at T = 512 / 2048 / 8192 tokens of one EP8 rank of V4-Pro, ~890 TFLOP/s at
 T = 8192 (without the pull, ``fused_fp8_ws_profile_h200.jsonl``: 1029 / 2227 / 7502).
+
+Where the time went (``results/probes/fp8_ws_probe_h200.jsonl``, whole call, text-patched copies of this kernel,
+session 11): without the epilogues' stores the call took 20-24 % less at T = 512 / 2048 / 8192 (2674 -> 2036 us at
+T = 2048), as much as without any MMA (2083) or without the weight loads (2075): the two math warpgroups run
+their epilogues at the same time, so the tensor cores idle for the whole epilogue. Its integer rounding (~25
+operations a value into e4m3, ``numerics.f32_to_e4m3_bits``) was most of it: with the hardware's conversions and
+16-byte stores the call took 2231 us against 2522 for the old epilogue in the same run (conversions alone 2272,
+stores alone 2481), 7229 against 7858 at T = 8192, 924 against 1021 at T = 512 with 128-row tiles.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
