@@ -17,6 +17,8 @@ with its L2 flush, as the bench).
     expected bytes shrink with it): how much each operand's bytes cost.
 
   At T = 512 also with 128-row tiles (``FP8_WS_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
+* ``fp4 [T1,..]``: the FP8 x FP4 Gluon phase ("fp4_ws", which imports this kernel's epilogues) with the epilogues
+  as they are and as before (``old_epilogue``), whole ``fp8_fp4_mega_moe`` call; ``as_is`` twice (first and last).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
@@ -208,6 +210,43 @@ def probe_phase(tokens=(512, 2048, 8192)):
     mf.FP8_WS_STAGES.update(saved[1])
 
 
+def fp4_kernel_module(variant: str):
+    """``megamoe.kernels.gemm_fp4_ws`` loaded afresh against ``variant``'s ``gemm_fp8_ws`` (whose epilogues it
+    imports), installed in place of both."""
+    use_kernel(kernel_module(variant))
+    import megamoe.kernels.gemm_fp4_ws as k4
+
+    spec = importlib.util.spec_from_file_location(f"gemm_fp4_ws_{variant}", k4.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
+    mk.gemm_fp4_ws = mod
+
+
+def probe_fp4(tokens=(32, 128, 512)):
+    """The FP8 x FP4 Gluon phase ("fp4_ws", "hopper" numerics, the host's pool block) with the epilogues as they are
+    and as before (``old_epilogue``): whole ``fp8_fp4_mega_moe`` call, output compared bitwise."""
+    from megamoe.ops import fp8_fp4_mega_moe
+
+    for T in _tokens(tokens):
+        want = None
+        for variant in ("as_is", "old_epilogue", "as_is"):
+            fp4_kernel_module(variant)
+            case = MoECase(num_tokens=T, format="fp8_fp4", **SHAPE)
+            sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
+                                  block_m=case.block_m, device="cuda")[0]
+            y, l1, l2, _ = prepare_rank(sb, case.problem(device="cuda"), 0)
+            call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+            y.zero_()
+            call()
+            torch.cuda.synchronize()
+            want = y.clone() if want is None else want
+            emit(probe="fp4", T=T, kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3,
+                 bitwise_equal_to_as_is=bool(torch.equal(y, want)))
+            sb.destroy()
+
+
 def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
     saved = mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS
     for T in _tokens(tokens):
@@ -230,4 +269,4 @@ if __name__ == "__main__":
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which,
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
-        {"phase": probe_phase, "combine": probe_combine}[name]()
+        {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4}[name]()
