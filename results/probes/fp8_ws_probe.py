@@ -223,6 +223,12 @@ def fp4_kernel_module(variant: str):
     mk.gemm_fp4_ws = mod
 
 
+#: ``fp4``'s variants (env ``FP4_VARIANTS``, comma-separated) and the buffer's token capacity (env
+#: ``FP4_MAX_TOKENS``: the layer bench sizes one buffer for its largest T, 8192).
+FP4_VARIANTS = tuple(os.environ.get("FP4_VARIANTS", "as_is,old_epilogue,as_is").split(","))
+FP4_MAX_TOKENS = int(os.environ.get("FP4_MAX_TOKENS", 0))
+
+
 def probe_fp4(tokens=(32, 128, 512)):
     """The FP8 x FP4 Gluon phase ("fp4_ws", "hopper" numerics, the host's pool block) with the epilogues as they are
     and as before (``old_epilogue``): whole ``fp8_fp4_mega_moe`` call, output compared bitwise."""
@@ -230,10 +236,11 @@ def probe_fp4(tokens=(32, 128, 512)):
 
     for T in _tokens(tokens):
         want = None
-        for variant in ("as_is", "old_epilogue", "as_is"):
+        for variant in FP4_VARIANTS:
             fp4_kernel_module(variant)
             case = MoECase(num_tokens=T, format="fp8_fp4", **SHAPE)
-            sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
+            sb = SymmBuffer.local(1, case.num_experts, max(T, FP4_MAX_TOKENS), case.num_topk, case.hidden,
+                                  case.intermediate,
                                   block_m=case.block_m, device="cuda")[0]
             y, l1, l2, _ = prepare_rank(sb, case.problem(device="cuda"), 0)
             call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa
@@ -242,7 +249,7 @@ def probe_fp4(tokens=(32, 128, 512)):
             call()
             torch.cuda.synchronize()
             want = y.clone() if want is None else want
-            emit(probe="fp4", T=T, kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3,
+            emit(probe="fp4", T=T, max_tokens=max(T, FP4_MAX_TOKENS), kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3,
                  bitwise_equal_to_as_is=bool(torch.equal(y, want)))
             sb.destroy()
 
