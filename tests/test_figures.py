@@ -223,7 +223,8 @@ def test_probe_jsonl_is_read_as_rows_and_plotted(dirs, capsys):
     rows = [{"probe": "start"}] + [{"probe": "fp4", "T": t, "variant": v, "us": us}
                                    for t in (512, 2048) for v, us in (("as_is", 2 * t), ("nodecode", t))]
     rows += [{"probe": "block", "T": t, "block_m": b, "us": t + b} for t in (32, 128) for b in (64, 128)]
-    (res / "probes" / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (res / "probes" / "p.jsonl").write_text("# made by a probe at some commit\n"  # a comment line: skipped
+                                            + "\n".join(json.dumps(r) for r in rows) + "\n")
     data = figures.load_results("probes/p")
     assert data == {"rows": rows}
     assert "read results/probes/p.jsonl sha256:" in capsys.readouterr().out
