@@ -19,10 +19,13 @@ with its L2 flush, as the bench).
   At T = 512 also with 128-row tiles (``FP8_WS_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
 * ``fp4 [T1,..]``: the FP8 x FP4 Gluon phase ("fp4_ws", which imports this kernel's epilogues) with the epilogues
   as they are and as before (``old_epilogue``), whole ``fp8_fp4_mega_moe`` call; ``as_is`` twice (first and last).
+* ``threshold [T1,..]``: the host's choice (the one-launch swap-AB kernel up to ``FP8_SWAP_MAX_EXPECTED``) against
+  "fp8_ws" forced at pool blocks 64 and 128, error of each against the reference (not yet run).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
-    python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+    python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..] | combine [T1,..]] \\
+        >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -254,6 +257,33 @@ def probe_fp4(tokens=(32, 128, 512)):
             sb.destroy()
 
 
+def probe_threshold(tokens=(32, 128, 256)):
+    """Where the Gluon phase should take over from the one-launch swap-AB kernel (``FP8_WS_MIN_EXPECTED``): at each T
+    the host's choice, then "fp8_ws" forced at pool block 64 and 128; error of each against the FP8 reference."""
+    from megamoe.testing import moe_error_stats
+
+    saved = mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED
+    for T in _tokens(tokens):
+        for label, ws_min, swap_max, b64 in (("host", *saved), ("fp8_ws 64", -1, -1, float("inf")),
+                                            ("fp8_ws 128", -1, -1, -1)):
+            mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = ws_min, swap_max, b64
+            case = MoECase(num_tokens=T, format="fp8", **SHAPE)
+            sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
+                                  block_m=case.block_m, device="cuda", format="fp8")[0]
+            problem = case.problem(device="cuda")
+            y, l1, l2, _ = prepare_rank(sb, problem, 0)
+            call = lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # noqa: E731
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, problem.reference()[0])
+            emit(probe="threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, us=_median_ms(call) * 1e3,
+                 rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+            sb.destroy()
+    mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved
+
+
 def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
     saved = mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS
     for T in _tokens(tokens):
@@ -276,4 +306,4 @@ if __name__ == "__main__":
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which,
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
-        {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4}[name]()
+        {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold}[name]()
