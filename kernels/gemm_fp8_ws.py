@@ -39,8 +39,8 @@ for the largest block a call may pick:
   ``I/128 + nt``, chosen per column by a select in the promotion.
   Epilogue: bf16 round, clamp, SwiGLU, top-k weight, the per-128 requant (``scale = max(amax, 1e-4) / 448``) into the
   L2 pool (the hardware's conversions, :func:`_to_e4m3` / :func:`_round_bf16`, and 16-byte stores after a layout
-  change, :data:`STORE_E4M3`); then ``fence.proxy.async`` (generic-proxy stores that TMA will read) and the warpgroup's bit ``2*nt + wg``
-  OR-ed into ``l2_arrival_mask[b]`` (release).
+  change, :data:`STORE_E4M3`); then ``fence.proxy.async`` (generic-proxy stores that TMA will read) and the
+  warpgroup's bit ``2*nt + wg`` OR-ed into ``l2_arrival_mask[b]`` (release).
 * L2: W2 rows ``[nt*256, nt*256+256)`` = hidden columns, weight scale rows ``2nt`` / ``2nt+1`` (one per half). The
   loader waits **per K block** ``kb`` for the two bits of L1 tile ``kb`` of the block (acquire, then
   ``fence.proxy.async``): an L2 tile starts while later L1 tiles of its block are still running -- the seed's

@@ -43,9 +43,9 @@ FOLD_DECODE_STREAM = False
 def launch_keywords(N: int, K: int, prmt_decode: bool = True) -> dict:
     """``fold_decode_kernel``'s keywords (constexprs and ``num_warps``) for weights ``[El, N, K]`` under the module's
     ``FOLD_DECODE_*`` constants (the launch's grid: ``El * N / BN * K_SPLIT`` programs), the step halved and the
-    rows doubled (where N allows) while ``K`` is not a multiple of ``STEP_K x K_SPLIT`` (down to 128); the offline compile probe
-    (``results/probes/fold_decode_compile.py``) compiles exactly these. ``ValueError`` (naming ``weights``) when the
-    shape does not divide into the constants' steps."""
+    rows doubled (where N allows) while ``K`` is not a multiple of ``STEP_K x K_SPLIT`` (down to 128); the offline
+    compile probe (``results/probes/fold_decode_compile.py``) compiles exactly these. ``ValueError`` (naming
+    ``weights``) when the shape does not divide into the constants' steps."""
     step, rows, split, chunk = FOLD_DECODE_STEP_K, FOLD_DECODE_ROWS, FOLD_DECODE_K_SPLIT, FOLD_DECODE_RMAX_CHUNK
     while step % 256 == 0 and K % (step * split):
         step, rows = step // 2, rows * 2 if N % (2 * rows) == 0 else rows

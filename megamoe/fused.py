@@ -205,13 +205,13 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: with. At block 64 PREFETCH with a fourth stage beats it (SF_TMA's extra shared memory leaves no room for that).
 FP4_WS_SF_TMA = {128: True, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
-#: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64 expected) a 128-row
-#: block is mostly padding, and the second math warpgroup's registers go to a second decode partition (the decode
-#: bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Measured on an H200 (same file,
-#: ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329 / 2051
-#: at T = 256; at T = 512 (64 expected, where about half of the experts take two 64-row blocks and decode their
-#: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before
-#: its own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
+#: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
+#: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
+#: partition (the decode bounds the 128-row tile: ``results/probes/ws_variants_probe_h200.jsonl``). Measured on an H200
+#: (same file, ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329
+#: / 2051 at T = 256; at T = 512 (64 expected, where about half of the experts take two 64-row blocks and decode their
+#: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before its
+#: own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
 FP4_BLOCK64_MAX_EXPECTED = 64
 #: "fp4_ws": from this many expected tokens per local expert, decode the weights once per call into folded e4m3
 #: (``megamoe.fold_decode``: one elementwise pass, 1.5 bytes a weight of HBM traffic) and let the Gluon phase

@@ -43,7 +43,8 @@ def test_fp8_ws_probe_patches_apply_once_and_parse():
         ast.parse(src)
 def test_fold_decode_variants_fit_the_real_shapes():
     """Every variant of the probe's ``fold_decode`` list names known knobs and divides both V4-Pro weights (L1: N =
-    6144, K = 7168; L2: N = 7168, K = 3072), so none fails at launch on the GPU; the module's default is one of them (the GPU run measured it)."""
+    6144, K = 7168; L2: N = 7168, K = 3072), so none fails at launch on the GPU; the module's default is one of them
+    (the GPU run measured it)."""
     import megamoe.fold_decode as fd
 
     probe = _load("ws_variants_probe")

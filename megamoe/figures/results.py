@@ -49,7 +49,8 @@ def read_results(path: Path) -> dict:
     """A results file as a dict; prints ``read results/<name> sha256:<16 hex>`` (``<name>`` relative to the results
     folder: ``probes/x.json`` for a probe's output) so that outputs made from it can be checked for freshness later.
     The one reader of ``results/*.json`` and of the probes' ``*.jsonl`` (one JSON row a line, read as
-    ``{"rows": [...]}``; lines starting with ``#`` are comments: which commit and command made the rows below) for figures and notebooks."""
+    ``{"rows": [...]}``; lines starting with ``#`` are comments: which commit and command made the rows below) for
+    figures and notebooks."""
     path = Path(path)
     print(f"read results/{results_name(path)} sha256:{results_sha(path)}")
     with open(path) as f:
