@@ -24,8 +24,8 @@ with its L2 flush, as the bench).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
-    python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..] | combine [T1,..]] \\
-        >> fp8_ws_probe_h200.jsonl
+    python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
+                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -42,6 +42,7 @@ import megamoe.fused as mf
 import megamoe.kernels as mk
 from megamoe.bench import _median_ms
 from megamoe.cases import MoECase, prepare_rank
+from megamoe.ops import fp8_fp4_mega_moe
 from megamoe.ops_fp8 import fp8_mega_moe
 from megamoe.symm import SymmBuffer
 
@@ -66,8 +67,8 @@ NOPROMOTE128 = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).permu
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             mbarrier.arrive(empty.index(s), count=1)
 """
-NOPROMOTE64 = """            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), acc,
-                                is_async=True)
+NOPROMOTE64 = """            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)),
+                                acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(s), count=1)
 """
@@ -105,7 +106,8 @@ W_LOADS = (_tma("w2_desc", "[w_row, kb * BK]", "w_bufs.index(s)"),
            _tma("w1_desc", "[w_row, kb * BK]", "w_bufs.index(s)"))
 SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
           "from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16\n"),
-         ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n", "    return f32_to_e4m3_bits(x).to(gl.uint8)\n"),
+         ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n",
+          "    return f32_to_e4m3_bits(x).to(gl.uint8)\n"),
          ("    return x.to(gl.bfloat16).to(gl.int16, bitcast=True)\n", "    return f32_to_bf16_bits(x).to(gl.int16)\n"),
          ("    return x.to(gl.bfloat16).to(gl.float32)\n", "    return round_to_bf16(x)\n")]
 UNCOALESCED = [("HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
@@ -142,16 +144,22 @@ def patched_source(variant: str) -> str:
     return src
 
 
+def _import_file(name: str, path) -> object:
+    """The Python file at ``path`` imported afresh as module ``name`` (not entered in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_module(variant: str):
+    """``megamoe.kernels.gemm_fp8_ws`` as it is, or ``variant``'s text-patched copy (imported from a temporary file)."""
     if variant == "as_is":
         return AS_IS
     path = pathlib.Path(tempfile.mkdtemp(prefix="fp8_ws_probe_")) / f"gemm_fp8_ws_{variant}.py"
     path.write_text(patched_source(variant))
-    spec = importlib.util.spec_from_file_location(f"gemm_fp8_ws_{variant}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _import_file(f"gemm_fp8_ws_{variant}", path)
 
 
 def use_kernel(mod):
@@ -159,12 +167,18 @@ def use_kernel(mod):
     mk.gemm_fp8_ws = mod
 
 
-def rank(T: int):
-    case = MoECase(num_tokens=T, format="fp8", **SHAPE)
-    sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cuda", format="fp8")[0]
-    y, l1, l2, _ = prepare_rank(sb, case.problem(device="cuda"), 0)
-    return sb, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+def rank(T: int, fmt: str = "fp8", max_tokens: int = 0):
+    """A fresh one-rank buffer (for ``max(T, max_tokens)`` tokens: the launch keywords are cached on it) with case
+    ``T`` of format ``fmt`` placed in it: ``(buffer, problem, y, call)``, ``call`` the fused layer ("hopper"
+    numerics for ``fp8_fp4``)."""
+    case = MoECase(num_tokens=T, format=fmt, **SHAPE)
+    sb = SymmBuffer.local(1, case.num_experts, max(T, max_tokens), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cuda", format=fmt)[0]
+    problem = case.problem(device="cuda")
+    y, l1, l2, _ = prepare_rank(sb, problem, 0)
+    if fmt == "fp8":
+        return sb, problem, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+    return sb, problem, y, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)
 
 
 def _tokens(default):
@@ -191,7 +205,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
         want = None
         for variant in variants:
             use_kernel(kernel_module(variant))
-            sb, y, call = rank(T)  # a fresh buffer: the launch keywords are cached on it
+            sb, _, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
             try:
                 y.zero_()
@@ -219,9 +233,7 @@ def fp4_kernel_module(variant: str):
     use_kernel(kernel_module(variant))
     import megamoe.kernels.gemm_fp4_ws as k4
 
-    spec = importlib.util.spec_from_file_location(f"gemm_fp4_ws_{variant}", k4.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _import_file(f"gemm_fp4_ws_{variant}", k4.__file__)
     sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
     mk.gemm_fp4_ws = mod
 
@@ -235,25 +247,18 @@ FP4_MAX_TOKENS = int(os.environ.get("FP4_MAX_TOKENS", 0))
 def probe_fp4(tokens=(32, 128, 512)):
     """The FP8 x FP4 Gluon phase ("fp4_ws", "hopper" numerics, the host's pool block) with the epilogues as they are
     and as before (``old_epilogue``): whole ``fp8_fp4_mega_moe`` call, output compared bitwise."""
-    from megamoe.ops import fp8_fp4_mega_moe
-
     for T in _tokens(tokens):
         want = None
         for variant in FP4_VARIANTS:
             fp4_kernel_module(variant)
-            case = MoECase(num_tokens=T, format="fp8_fp4", **SHAPE)
-            sb = SymmBuffer.local(1, case.num_experts, max(T, FP4_MAX_TOKENS), case.num_topk, case.hidden,
-                                  case.intermediate,
-                                  block_m=case.block_m, device="cuda")[0]
-            y, l1, l2, _ = prepare_rank(sb, case.problem(device="cuda"), 0)
-            call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa
+            sb, _, y, call = rank(T, "fp8_fp4", FP4_MAX_TOKENS)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
             y.zero_()
             call()
             torch.cuda.synchronize()
             want = y.clone() if want is None else want
-            emit(probe="fp4", T=T, max_tokens=max(T, FP4_MAX_TOKENS), kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3,
-                 bitwise_equal_to_as_is=bool(torch.equal(y, want)))
+            emit(probe="fp4", T=T, max_tokens=max(T, FP4_MAX_TOKENS), kind=cfg.kind, block_m=cfg.block_m,
+                 variant=variant, us=_median_ms(call) * 1e3, bitwise_equal_to_as_is=bool(torch.equal(y, want)))
             sb.destroy()
 
 
@@ -267,12 +272,7 @@ def probe_threshold(tokens=(32, 128, 256)):
         for label, ws_min, swap_max, b64 in (("host", *saved), ("fp8_ws 64", -1, -1, float("inf")),
                                             ("fp8_ws 128", -1, -1, -1)):
             mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = ws_min, swap_max, b64
-            case = MoECase(num_tokens=T, format="fp8", **SHAPE)
-            sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
-                                  block_m=case.block_m, device="cuda", format="fp8")[0]
-            problem = case.problem(device="cuda")
-            y, l1, l2, _ = prepare_rank(sb, problem, 0)
-            call = lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # noqa: E731
+            sb, problem, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
             y.fill_(float("nan"))
             call()
@@ -290,7 +290,7 @@ def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
         want = None
         for ct, ch in variants:
             mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS = ct, ch
-            sb, y, call = rank(T)
+            sb, _, y, call = rank(T)
             y.zero_()
             call()
             torch.cuda.synchronize()
