@@ -373,23 +373,38 @@ def _slow_l1(mode: str, sb, seconds: float):
 def slow_rank_calls(rank: int, world_size: int, timeout_s: float, modes: list[str]) -> list[dict]:
     """For each mode (see :func:`_slow_l1`, plus "real": no change, rank 0's genuine GEMM work is timed) one call in
     which rank 0 spends 3 x ``timeout_s`` in its L1 step while rank 1 waits at barrier 2; each rank reports per
-    call whether it raised, how long it took and whether ``y`` is bit-exact."""
+    call whether it raised, how long it took, the barrier timeout it ran under and whether ``y`` is bit-exact.
+
+    "real" first times rank 0's genuine L1 step in an untimed call, then runs under a barrier timeout of half that
+    step (at most ``timeout_s``, agreed by both ranks), so the genuine work outlasts the timeout on any machine: a
+    fixed timeout did not on a faster CI machine (0.37 s of L1 work against 0.4 s)."""
     from megamoe import ops
 
     case = reliability_case(timeout_s)
     sb, y, l1, l2, ref = _moe_rank_setup(rank, case)
     real_l1, out = ops._l1, []
+
+    def timing(step_s, real=real_l1):
+        def timed(c):
+            t0 = time.monotonic()
+            real(c)
+            step_s.append(time.monotonic() - t0)
+        return timed
+
     try:
         for mode in modes:
+            sb.barrier_timeout_s = timeout_s
             if rank == 0 and mode != "real":
                 ops._l1 = _slow_l1(mode, sb, 3 * timeout_s)
             step_s = []
-            if rank == 0 and mode == "real":
-                def timed(c, real=real_l1):
-                    t0 = time.monotonic()
-                    real(c)
-                    step_s.append(time.monotonic() - t0)
-                ops._l1 = timed
+            if mode == "real":
+                if rank == 0:
+                    ops._l1 = timing(step_s)
+                dist.barrier()
+                _moe_call(sb, y, l1, l2, ref)  # the calibration call
+                agreed = torch.tensor([min(timeout_s, 0.5 * step_s[0]) if rank == 0 else 0.0], dtype=torch.float64)
+                dist.broadcast(agreed, 0)
+                sb.barrier_timeout_s, step_s[:] = float(agreed), []
             dist.barrier()
             t0 = time.monotonic()
             try:
@@ -398,7 +413,7 @@ def slow_rank_calls(rank: int, world_size: int, timeout_s: float, modes: list[st
                 ok, error = False, f"{type(e).__name__}: {e}"
             ops._l1 = real_l1
             out.append({"mode": mode, "bitwise_equal": ok, "error": error, "seconds": time.monotonic() - t0,
-                        "l1_seconds": step_s})
+                        "l1_seconds": step_s, "timeout_s": sb.barrier_timeout_s})
             dist.barrier()
     finally:
         ops._l1 = real_l1
