@@ -4,7 +4,9 @@ Every suite writes ``results/<suite>_<device>.json`` = ``{"kind", "provenance", 
 holds the GPU, torch/Triton/CUDA versions, the git commit and the command line; the notebooks plot them
 (``megamoe.figures.plot_results``), and ``make figures`` (``python -m megamoe.notebooks figures``) writes the
 figures. Timing: CUDA events, median of repeated runs after warm-up (``triton.testing.do_bench``, which also flushes
-L2 between runs); per-step times come from events recorded between the pipeline's launches.
+L2 between runs); per-step times come from events recorded between the pipeline's launches. The layer suites also
+time each fused and torch row as a CUDA-graph replay (``graph_us``, device time alone) and its host enqueue
+(``host_us``): an eager multi-launch call at small T can wait on the host, which ``us`` then includes.
 
 Suites:
   * ``ceilings``: FP8 ``torch._scaled_mm`` 8192^3 and a 1 GiB device copy, the roofline this GPU reaches.
@@ -40,6 +42,53 @@ def _median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+#: Eager calls whose host time (enqueue, no sync) ``_host_us`` takes the median of.
+HOST_TIMING_CALLS = 20
+
+
+def _host_us(fn, calls: int = HOST_TIMING_CALLS) -> float:
+    """Median host time (µs) of one ``fn()`` call from an idle stream: Python, argument checks and the launches'
+    enqueue, without waiting for the GPU. When it approaches the call's ``us`` (``_median_ms``: the GPU waits for
+    the host between the L2 flush and the first launch, or between launches) the row is host-bound: ``graph_us``
+    is then the device-side time."""
+    import time
+
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2] * 1e6
+
+
+def _graph_us(fn) -> float:
+    """``fn()`` (one call, already warmed up: compiled, its caches filled) captured once in a CUDA graph, replayed
+    under ``_median_ms`` (L2 flushed before each replay): the call's device time without the host's launch
+    overhead, as a CUDA-graph-captured decode step runs it. Raises what the capture raises."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return _median_ms(graph.replay) * 1e3
+    finally:
+        del graph
+
+
+def _timing_fields(fn, graph: bool) -> dict:
+    """``host_us`` (:func:`_host_us`) and, with ``graph``, ``graph_us`` (:func:`_graph_us`; ``graph_error`` instead
+    if the capture failed) of a row timed by ``_median_ms``."""
+    out = {"host_us": _host_us(fn)}
+    if graph:
+        try:
+            out["graph_us"] = _graph_us(fn)
+        except Exception as e:  # reported in the row, not raised: the eager time stands
+            torch.cuda.synchronize()
+            out["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
 
 
 def layer_flops(num_pairs: int, hidden: int, intermediate: int) -> float:
@@ -181,28 +230,37 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = No
                 if numerics not in refs:
                     refs[numerics] = problem.reference(numerics=numerics)[0]
                 err = moe_error_stats(y, refs[numerics])
-                ms = _median_ms(lambda: call(y, l1, l2, sb, impl, numerics, False))
+                def run(impl=impl, numerics=numerics):
+                    call(y, l1, l2, sb, impl, numerics, False)
+                ms = _median_ms(run)
+                timing = _timing_fields(run, graph=impl == "fused")  # (the staged path is not graph-tested)
                 if impl == "fused":  # which tile family and pool block megamoe.fused.fused_config chose for this call
                     cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
                     base_impl = {"tile_kind": cfg.kind, "tile_block_m": cfg.block_m, "tile_predecode": cfg.predecode}
                 else:
                     base_impl = {}
-                rows.append({**base, **base_impl, "impl": impl, "numerics": numerics, "us": ms * 1e3,
+                rows.append({**base, **base_impl, "impl": impl, "numerics": numerics, "us": ms * 1e3, **timing,
                              "tflops": flops / ms / 1e9,
                              "weight_gb_per_s": wbytes / ms / 1e6, "roofline_pct": 100 * roof_us / (ms * 1e3),
                              "rel_fro_vs_reference": err["rel_fro"], "max_row_rel_vs_reference": err["max_row_rel"]})
-            ms = _median_ms(torch_grouped_mm_peer(recv, case.hidden, case.intermediate))
-            rows.append({**base, "impl": "torch_grouped_mm", "us": ms * 1e3, "tflops": flops / ms / 1e9,
+            peer = torch_grouped_mm_peer(recv, case.hidden, case.intermediate)
+            ms = _median_ms(peer)
+            rows.append({**base, "impl": "torch_grouped_mm", "us": ms * 1e3, **_timing_fields(peer, graph=True),
+                         "tflops": flops / ms / 1e9,
                          "roofline_pct": 100 * roof_us / (ms * 1e3), "note": "FP8 weights, GEMMs only"})
             last = rows[-len(spec["impls"]) - 1:]
             print(f"  {fmt} {routing:<8} T={n:>5} pairs={pairs:>6} roof={roof_us:6.0f}us  "
                   + "  ".join(f"{r['impl']}{'/' + r['numerics'] if 'numerics' in r else ''}={r['us']:7.0f}us"
+                              f"[graph {r.get('graph_us', float('nan')):.0f} host {r['host_us']:.0f}]"
                               f"({r.get('rel_fro_vs_reference', 0):.0e})" for r in last), flush=True)
     sb.destroy()
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "format": fmt, "hidden": 7168,
                        "intermediate": 3072, "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
                        "backend": "local", "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
-                       "timing": "median of triton.testing.do_bench (L2 flushed), one call per sample"},
+                       "timing": "us: median of triton.testing.do_bench (L2 flushed), one eager call per sample; "
+                                 "graph_us: the same over replays of one call captured in a CUDA graph (fused and "
+                                 "torch rows; device time without the host's launch overhead); host_us: median "
+                                 "host time of one eager call from an idle stream (no sync)"},
             "rows": rows}
 
 
@@ -313,6 +371,7 @@ def merge_peer_rows(layer_json: Path, peer_json: Path, impl: str = "deepgemm_sm9
     ours = {(r["num_tokens_per_rank"], r.get("routing")): r for r in layer["rows"] if r["impl"] == "staged"}
     for r in peer["rows"]:
         row = {"impl": impl, "num_tokens_per_rank": r["T"], "routing": routing, "us": r["us"],
+               "kernel_us": r.get("kernel_us"),  # the kit's torch.profiler time of the kernel alone
                "num_pairs": r.get("pairs"), "tflops": r.get("tflops"), "rel_fro_vs_reference": r.get("rel_err"),
                "note": ("FP8 e4m3 weights with 128x128 block scales (DeepGEMM's Hopper format): the same format, "
                         "bytes and roofline as this file's rows" if layer.get("config", {}).get("format") == "fp8" else
