@@ -20,12 +20,15 @@ with its L2 flush, as the bench).
 * ``fp4 [T1,..]``: the FP8 x FP4 Gluon phase ("fp4_ws", which imports this kernel's epilogues) with the epilogues
   as they are and as before (``old_epilogue``), whole ``fp8_fp4_mega_moe`` call; ``as_is`` twice (first and last).
 * ``threshold [T1,..]``: the host's choice (the one-launch swap-AB kernel up to ``FP8_SWAP_MAX_EXPECTED``) against
-  "fp8_ws" forced at pool blocks 64 and 128, error of each against the reference (not yet run).
+  "fp8_ws" forced at pool blocks 64 and 128, error of each against the reference, ``graph_us`` / ``host_us`` as the
+  bench (not yet run).
+* ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
+  64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
-                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | fp4_threshold [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -278,10 +281,49 @@ def probe_threshold(tokens=(32, 128, 256)):
             call()
             torch.cuda.synchronize()
             err = moe_error_stats(y, problem.reference()[0])
-            emit(probe="threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, us=_median_ms(call) * 1e3,
+            emit(probe="threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, **_timed(call),
                  rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
             sb.destroy()
     mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved
+
+
+def _timed(call) -> dict:
+    """``us`` (eager, as the bench), ``graph_us`` (CUDA-graph replay) and ``host_us`` of a warmed-up call."""
+    from megamoe.bench import _graph_us, _host_us
+
+    return dict(us=_median_ms(call) * 1e3, graph_us=_graph_us(call), host_us=_host_us(call))
+
+
+def probe_fp4_threshold(tokens=(8, 32)):
+    """Where the FP8 x FP4 Gluon phase ("fp4_ws") should take over from the one-launch "hopper" kernel
+    (``FP4_WS_MIN_EXPECTED``, set in session 8 when "fp4_ws" took 1304 us at T = 8, block 128): at each T the host's
+    choice, then "fp4_ws" forced at pool blocks 64 and 128; and at T >= 2048 per-block decode against the predecoded
+    weights (``FP4_PREDECODE_MIN_EXPECTED``, set with a 1867 us decode pass that now takes 1329). Error of each
+    against the "hopper" reference; ``us``, ``graph_us`` and ``host_us`` as the bench."""
+    from megamoe.testing import moe_error_stats
+
+    names = ("FP4_WS_MIN_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED", "FP4_PREDECODE_MIN_EXPECTED")
+    saved = tuple(getattr(mf, n) for n in names)
+    for T in _tokens(tokens):
+        choices = [("host", *saved)]
+        if T < 2048:
+            choices += [("fp4_ws 64", -1, float("inf"), saved[2]), ("fp4_ws 128", -1, -1, saved[2])]
+        else:
+            choices += [("per-block decode", saved[0], saved[1], float("inf")), ("predecoded", saved[0], saved[1], 0)]
+        for label, *values in choices:
+            for n, v in zip(names, values):
+                setattr(mf, n, v)
+            sb, problem, y, call = rank(T, "fp8_fp4", FP4_MAX_TOKENS)
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
+            emit(probe="fp4_threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m,
+                 predecode=cfg.predecode, **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+            sb.destroy()
+    for n, v in zip(names, saved):
+        setattr(mf, n, v)
 
 
 def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
@@ -306,4 +348,5 @@ if __name__ == "__main__":
     emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which=which,
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
-        {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold}[name]()
+        {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
+         "fp4_threshold": probe_fp4_threshold}[name]()
