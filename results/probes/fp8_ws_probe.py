@@ -24,11 +24,14 @@ with its L2 flush, as the bench).
   bench (not yet run).
 * ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
+* ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
+  function calls, own and cumulative µs per call).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
-                                           | fp4_threshold [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | fp4_threshold [T1,..] | host [T1,..]
+                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -326,6 +329,42 @@ def probe_fp4_threshold(tokens=(8, 32)):
         setattr(mf, n, v)
 
 
+def probe_host(tokens=(128, 512)):
+    """Where the host's enqueue time of one eager call goes (session 7's wall-gap probe: 0.66-1.35 ms a call, about
+    the GPU time of an FP8 x FP4 call at T <= 128): per T and format, ``host_us`` and the 25 functions of largest
+    cumulative time under cProfile over ``HOST_PROFILE_CALLS`` calls (µs per call; each call from an idle stream)."""
+    import cProfile
+    import pstats
+
+    from megamoe.bench import _host_us
+
+    for T in _tokens(tokens):
+        for fmt in ("fp8", "fp8_fp4"):
+            sb, _, _, call = rank(T, fmt)
+            call()
+            torch.cuda.synchronize()
+            host_us = _host_us(call)
+            prof = cProfile.Profile()
+            for _ in range(HOST_PROFILE_CALLS):
+                torch.cuda.synchronize()
+                prof.enable()
+                call()
+                prof.disable()
+            torch.cuda.synchronize()
+            stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, tottime, cumtime, callers)}
+            top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:25]
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
+            emit(probe="host", T=T, format=fmt, kind=cfg.kind, host_us=host_us, top=[
+                [f"{pathlib.Path(f).name}:{line}({name})", n // HOST_PROFILE_CALLS,
+                 round(tot / HOST_PROFILE_CALLS * 1e6, 1), round(cum / HOST_PROFILE_CALLS * 1e6, 1)]
+                for (f, line, name), (n, _, tot, cum, _) in top])
+            sb.destroy()
+
+
+#: Eager calls ``host`` profiles per row.
+HOST_PROFILE_CALLS = 50
+
+
 def probe_combine(tokens=(8192,), variants=((8, 256), (16, 512), (8, 1024))):
     saved = mf.COMBINE_TOKENS, mf.COMBINE_COLUMNS
     for T in _tokens(tokens):
@@ -349,4 +388,4 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host}[name]()
