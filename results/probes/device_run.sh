@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU work of one `device` call, as named steps, run from the repository root on the device machine:
+#
+#     bash results/probes/device_run.sh STEP [STEP ...]        (each step's log and files under $OUT)
+#
+# Steps (seconds measured on the H200 where known; a call has 600 s, a session 1800 s of device time):
+#   install        megamoe into the machine's python3 (no network: --no-deps --no-build-isolation), papermill
+#                  from .whl when carried; prints the versions (~20 s)
+#   probes         fp8_ws_probe.py threshold / fp4_threshold / host: which tile kind each T should take and where
+#                  the host's enqueue time goes (-> $OUT/probes.jsonl; ~200 s, not yet timed)
+#   gputests       tests/gpu (the whole suite: not yet timed in one call; failures in the output's tail)
+#   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
+#   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
+#                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
+#   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
+# At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
+#   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
+#
+# Carry: [".peers", ".whl"] -- .peers/deepgemm_sm90 a copy of ../shared/peers/deepgemm_sm90 (the kit), .whl the
+# papermill wheels (`notebooks`). Both are ignored by git (.gitignore); copy them in before the call.
+set -u
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MEGAMOE_GIT_COMMIT="${MEGAMOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+OUT="${OUT:-/tmp/megamoe-out}"
+mkdir -p "$OUT"
+PY=python3
+status=0
+
+step_install() {
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH=/tmp/site
+    fi
+    $PY -m pip install -q --no-deps --no-build-isolation -e . || return 1
+    $PY -c "import megamoe, torch, triton; print('megamoe', megamoe.describe_environment())"
+}
+
+step_probes() {
+    for mode in "threshold 32,128,256" "fp4_threshold 8,32,2048" "host 128,512"; do
+        # shellcheck disable=SC2086
+        $PY results/probes/fp8_ws_probe.py $mode >>"$OUT/probes.jsonl" || return 1
+    done
+}
+
+step_gputests() { $PY -m pytest tests/gpu -q -rfE; }
+
+step_gputests_quick() {
+    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
+}
+
+_layer() {  # suite, result file
+    $PY -m megamoe.bench --suite "$1" --out "$OUT" || return 1
+    if [ -f .peers/deepgemm_sm90/run.sh ]; then
+        bash .peers/deepgemm_sm90/run.sh --out "$OUT/dg_$1.json" >"/tmp/dg_$1.log" 2>&1
+        local rc=$?
+        grep -E "^\[dg\] T=|rror" "/tmp/dg_$1.log"
+        [ -f "$OUT/dg_$1.json" ] && $PY -m megamoe.bench --merge-peer "$OUT/$2" "$OUT/dg_$1.json"
+        return $rc
+    fi
+}
+step_layer_fp8() { _layer layer_fp8 layer_fp8_h200.json; }
+step_layer() { _layer layer layer_h200.json; }
+
+step_notebooks() { $PY -m megamoe.notebooks run 2>&1 | tail -20; return "${PIPESTATUS[0]}"; }
+
+for step in "$@"; do
+    echo "=== $step $(date -u +%T)"
+    t0=$SECONDS
+    if ! "step_$step"; then
+        echo "=== $step FAILED"
+        status=1
+        [ "$step" = install ] && exit 1
+    fi
+    echo "=== $step done in $((SECONDS - t0)) s"
+done
+exit $status
