@@ -9,10 +9,11 @@ imported before ``megamoe`` on such a machine, everything but the kernels still 
 sim, figures, ...); importing ``megamoe.kernels`` raises :func:`require_interpreted_triton`'s ImportError, which
 names the fix: import megamoe before triton, or set ``TRITON_INTERPRET=1`` in the environment.
 
-Under the interpreter, importing ``megamoe.kernels`` also makes one change to Triton's interpreter itself:
+Under the interpreter, importing ``megamoe.kernels`` also makes two changes to Triton's interpreter itself:
 :func:`patch_language_once_per_launch` (a device-function call no longer re-patches ``triton.language`` when the
-launch already did; a speed-up of ~30 %, nothing that a kernel computes changes). With the compiler nothing is
-changed.
+launch already did; a speed-up of ~30 %, nothing that a kernel computes changes) and
+:func:`exact_fp8_dots_under_interpreter` (a dot of two FP8 tiles is summed exactly and rounded once, so its bits no
+longer depend on the CPU's BLAS). With the compiler nothing is changed.
 """
 from __future__ import annotations
 
@@ -104,6 +105,46 @@ def patch_language_once_per_launch() -> bool:
     _patch_lang._megamoe_once = True
     _patch_lang.__wrapped__ = patch
     interpreter._patch_lang = _patch_lang
+    return True
+
+
+def exact_fp8_dots_under_interpreter() -> bool:
+    """Under the interpreter only: compute each ``tl.dot`` of two FP8 e4m3 tiles into float32 exactly, then round
+    it once to float32 (then add the accumulator, as before), instead of Triton's float16 ``np.matmul(...,
+    dtype=float32)``, which is OpenBLAS sgemm in an order that depends on the CPU.
+
+    Why: the bit-exact tests compare the interpreted kernels with ``megamoe.reference``, and a block dot whose
+    float32 sum rounds gives different last bits in different summation orders. Triton's sgemm order changed with
+    the OpenBLAS kernel family (seen 2026-12-02 on an AMD EPYC with ``OPENBLAS_CORETYPE=Haswell``: ``dot(a, w^T)``,
+    ``dot(w, a^T)^T`` and torch's matmul all differed on such blocks; with "SkylakeX" they agreed), so whether a
+    test passed depended on the machine. Exact is order-free: a product of two e4m3 values has at most 8 significant
+    bits and lies in [2^-18, 2^17.6]; a dot of K <= 2^20 such products spans fewer than 53 bits, so float64 holds
+    every partial sum exactly, and ``megamoe.reference.block_scaled_matmul`` sums its blocks the same way. Dots of
+    other operand types (none in megamoe's kernels) go through Triton's code unchanged. Installed by
+    ``megamoe.kernels`` on import with :func:`patch_language_once_per_launch`; returns whether it is installed."""
+    if not interpreting():
+        return False
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or not hasattr(interpreter, "_convert_float"):
+        return False
+    if getattr(original, "_megamoe_exact", False):
+        return True
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype != tl.float8e4nv or b.dtype != tl.float8e4nv or d.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a64, b64 = (interpreter._convert_float(t.data, tl.float8e4nv, tl.float16, None).view(np.float16)
+                    .astype(np.float64) for t in (a, b))
+        return interpreter.TensorHandle(np.matmul(a64, b64).astype(np.float32) + d.data, d.dtype.scalar)
+
+    create_dot._megamoe_exact = True
+    create_dot.__wrapped__ = original
+    builder.create_dot = create_dot
     return True
 
 

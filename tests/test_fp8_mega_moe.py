@@ -3,14 +3,20 @@
 
 The staged FP8 kernels reproduce the reference bit for bit here (same per-128 promotion order, IEEE float32 requant
 on the interpreter); the tests require it, and also the ``fp32`` tolerance profile (``megamoe.testing``). So do the
-fused kernel's swap-AB tiles (``"fp8_swap"``, few tokens per expert): every e4m3 x e4m3 product is exact in float32,
-and on the interpreter a 128-wide block dot is one float32 numpy matmul summed in K order whichever operand is
-transposed -- as the reference's torch matmul (``test_block_dot_orientations_sum_alike`` checks the premise, with
-data whose float32 sums round)."""
+fused kernel's swap-AB tiles (``"fp8_swap"``, few tokens per expert): on the interpreter a 128-wide dot of two e4m3
+tiles is summed exactly and rounded once whichever operand is transposed (``megamoe.env.
+exact_fp8_dots_under_interpreter``), as the reference's block dot (``test_block_dot_orientations_sum_alike`` checks
+the premise, with data whose float32 sums round)."""
 import pytest
 import torch
 
 import megamoe
+import megamoe.kernels  # noqa: F401  (switches the interpreter on where there is no CUDA, before triton)
+
+# isort: split
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import megamoe.fused
 from megamoe.cases import MoECase, prepare_rank, run_case_local, run_case_rank
 from megamoe.launch import launch
@@ -91,22 +97,43 @@ def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm):
     assert [(c.kind, c.block_m) for c in fused_configs] == [(kind, bm)] * 2
 
 
-def test_block_dot_orientations_sum_alike():
-    """The premise of the swap-AB tiles' bitwise tests: the interpreter's ``tl.dot`` (float8 operands widened to
-    float16, ``np.matmul(..., dtype=float32)``) gives the same float32 bits for ``dot(w, a^T)^T`` and ``dot(a, w^T)``
-    and the reference's torch matmul, on e4m3 data spread over 2^20 whose float32 block sums do round."""
-    import numpy as np
+@triton.jit
+def _block_dot_kernel(a_ptr, w_ptr, out_ptr, BM: tl.constexpr, SWAP: tl.constexpr):
+    """One 128-wide block dot of e4m3 tiles ``a [BM, 128]`` and ``w [128, 128]`` into float32 ``out [BM, 128]``:
+    ``dot(a, w^T)``, or with ``SWAP`` ``dot(w, a^T)^T`` (the swap-AB tiles' orientation)."""
+    m, k = tl.arange(0, BM), tl.arange(0, 128)
+    a = tl.load(a_ptr + m[:, None] * 128 + k[None, :])
+    w = tl.load(w_ptr + k[:, None] * 128 + k[None, :])
+    if SWAP:
+        out = tl.trans(tl.dot(w, tl.trans(a)))
+    else:
+        out = tl.dot(a, tl.trans(w))
+    tl.store(out_ptr + m[:, None] * 128 + k[None, :], out)
 
+
+def test_block_dot_orientations_sum_alike():
+    """The premise of the swap-AB tiles' bitwise tests: an interpreted ``tl.dot`` of two e4m3 tiles gives the same
+    float32 bits as ``dot(a, w^T)``, as ``dot(w, a^T)^T`` and as the reference's block dot
+    (``megamoe.reference.block_scaled_matmul`` at unit scales), on e4m3 data spread over 2^20 whose float32 block
+    sums do round -- on any CPU: both sum exactly and round once (``megamoe.env.exact_fp8_dots_under_interpreter``;
+    Triton's own float16 sgemm gave three different results on an AMD EPYC with OpenBLAS's Haswell kernels)."""
+    from megamoe.env import exact_fp8_dots_under_interpreter
+    from megamoe.reference import block_scaled_matmul
+
+    assert exact_fp8_dots_under_interpreter()  # installed (megamoe.kernels did it on import)
     g = torch.Generator().manual_seed(0)
     rounded = 0
     for bm in (16, 32):
         a, w = ((torch.randn(n, 128, generator=g) * torch.pow(2.0, torch.randint(-12, 8, (n, 128), generator=g)))
-                .clamp(-448, 448).to(torch.float8_e4m3fn).float() for n in (bm, 128))
-        a16, w16 = a.numpy().astype(np.float16), w.numpy().astype(np.float16)
-        swap = np.matmul(w16, a16.T, dtype=np.float32).T
-        assert np.array_equal(swap, np.matmul(a16, w16.T, dtype=np.float32))
-        assert np.array_equal(swap, (a @ w.T).numpy())
-        rounded += int((torch.from_numpy(swap).double() != a.double() @ w.double().T).sum())
+                .clamp(-448, 448).to(torch.float8_e4m3fn) for n in (bm, 128))
+        outs = []
+        for swap in (False, True):
+            out = torch.full((bm, 128), float("nan"))
+            _block_dot_kernel[(1,)](a, w, out, BM=bm, SWAP=swap)
+            outs.append(out)
+        ref = block_scaled_matmul(a.float(), torch.ones(bm, 1), w.float(), torch.ones(128, 1))
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], ref), bm
+        rounded += int((ref.double() != a.double() @ w.double().T).sum())
     assert rounded > 0  # the sums round: a different summation order could change bits
 
 
