@@ -583,6 +583,7 @@ def fused_mega_moe_kernel(
         OFF_SRC_IDX: tl.constexpr, OFF_META: tl.constexpr, OFF_X: tl.constexpr, OFF_X_SF: tl.constexpr,
         OFF_TOPK_IDX: tl.constexpr, OFF_TOPK_W: tl.constexpr, OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr,
         OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_COMBINE: tl.constexpr,
+        OFF_CALL: tl.constexpr,
         R: tl.constexpr, E: tl.constexpr, El: tl.constexpr, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
         I: tl.constexpr, SP: tl.constexpr, LAYOUT_BM: tl.constexpr, LAYOUT_SF_BM: tl.constexpr,
         BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -600,7 +601,12 @@ def fused_mega_moe_kernel(
     (:mod:`megamoe.kernels.gemm_fp8_ws`, :mod:`megamoe.kernels.gemm_fp4_ws`): 1 = the front (count, publish,
     barrier 1, pull tasks only -- placing the rows for the FP8 phase's own pull, copying and folding them with
     ``FOLDED`` -- and the tile table of the GEMM phase at ``tiles``), 2 = the back (barrier 2, combine, cleanup,
-    barrier 3)."""
+    barrier 3).
+
+    The kernel marks the call in each local rank's ``call_state`` (``OFF_CALL``: [calls begun, calls completed]; the
+    host's ``megamoe.ops.guarded_call`` does it for the staged pipeline): program 0 of the rank adds 1 to the first
+    word when the call starts (PHASE 0 / 1) and to the second after barrier 3 (PHASE 0 / 2), so a call whose launches
+    did not all run leaves them unequal. Two torch launches fewer a call than marking from the host."""
     pid = tl.program_id(0)
     lr = pid // G
     cta = pid % G
@@ -627,6 +633,10 @@ def fused_mega_moe_kernel(
     recv_sum = (buf + OFF_RECV_SUM).to(tl.pointer_type(tl.int64))
     arrival = (buf + OFF_ARRIVAL).to(tl.pointer_type(tl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(tl.pointer_type(tl.int64))
+    call_state = (buf + OFF_CALL).to(tl.pointer_type(tl.int32))
+    if PHASE != 2:
+        if cta == 0:
+            tl.atomic_add(call_state, 1, sem="relaxed", scope="gpu")  # calls begun
     epoch0 = tl.load(state, volatile=True)
     if PHASE == 2:  # the front launch's barrier 1 stored epoch0 + 1
         epoch0 -= 1
@@ -647,6 +657,8 @@ def fused_mega_moe_kernel(
               state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, timeout_ns, max_polls, OFF_TOPK_IDX,
               OFF_COMBINE, R, E, El, T, K, H, BM, BLOCK_R, BLOCK_E, COMBINE_T, COMBINE_H, HAS_STATS, TIMED, TIMELINE,
               MAX_EVENTS)
+        if cta == 0:  # after barrier 3 (program 0's last step)
+            tl.atomic_add(call_state + 1, 1, sem="relaxed", scope="gpu")  # calls completed
 
 
 @triton.jit

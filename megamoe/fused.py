@@ -316,7 +316,7 @@ def _offsets(L) -> dict[str, int]:
                  OFF_ARRIVAL="l1_arrival_count", OFF_L2_MASK="l2_arrival_mask", OFF_SRC_IDX="src_token_topk_idx",
                  OFF_META="token_src_metadata", OFF_X="x", OFF_X_SF="x_sf", OFF_TOPK_IDX="topk_idx",
                  OFF_TOPK_W="topk_weights", OFF_L1="l1_acts", OFF_L1_SF="l1_acts_sf", OFF_L1_W="l1_topk_weights",
-                 OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf", OFF_COMBINE="combine")
+                 OFF_L2="l2_acts", OFF_L2_SF="l2_acts_sf", OFF_COMBINE="combine", OFF_CALL="call_state")
     return {k: L.offset(v) for k, v in names.items()}
 
 

@@ -200,7 +200,7 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         return
     from megamoe.fused import run_fused
 
-    with guarded_call(calls):  # the kernel beats its own heartbeat (one launch: nothing to do between steps)
+    with guarded_call(calls, kernel_marks_calls=True):  # the kernel beats its heartbeat and counts call_state
         run_fused(calls, numerics=numerics)
         if check:
             for call in calls:
@@ -228,12 +228,14 @@ def run_steps(calls: list["_RankCall"], steps: list[tuple[str, Callable[["_RankC
 
 
 @contextlib.contextmanager
-def guarded_call(calls: list["_RankCall"]) -> Iterator[ProgressBeacon]:
+def guarded_call(calls: list["_RankCall"], kernel_marks_calls: bool = False) -> Iterator[ProgressBeacon]:
     """Bracket one call's kernels (any implementation) on the bound ``calls``; yields a
     :class:`~megamoe.kernels.symm.ProgressBeacon` (set ``active`` while computing, clear it while waiting).
 
     Marks every buffer before the first kernel (``SymmBuffer.fault``, and ``call_state[0] += 1`` in the workspace)
-    and clears the marks after the body completes (``call_state[1] += 1``). If anything escapes the body -- an
+    and clears the marks after the body completes (``call_state[1] += 1``); with ``kernel_marks_calls`` (the fused
+    kernel, ``megamoe.kernels.fused``) the kernel counts ``call_state`` itself, in its first and last launch, and
+    only ``fault`` is set here (two small torch launches fewer a call). If anything escapes the body -- an
     exception, a ``KeyboardInterrupt``, a ``BarrierTimeout`` -- the ``fault`` names it and the exception propagates;
     with the ``local`` backend (every rank in this process, nothing running concurrently) every rank's workspace is
     first zeroed (counters, barrier epochs/signals/state, call state) and the fault cleared, so the next call is
@@ -243,12 +245,14 @@ def guarded_call(calls: list["_RankCall"]) -> Iterator[ProgressBeacon]:
     for sb in sbs:
         sb.fault = "a call was started and never completed"
     try:
-        for sb in sbs:
-            sb.view("call_state")[0] += 1
+        if not kernel_marks_calls:
+            for sb in sbs:
+                sb.view("call_state")[0] += 1
         with ProgressBeacon(sbs, min(sb.barrier_timeout_s for sb in sbs)) as beacon:
             yield beacon
-        for sb in sbs:
-            sb.view("call_state")[1] += 1
+        if not kernel_marks_calls:
+            for sb in sbs:
+                sb.view("call_state")[1] += 1
     except BaseException as e:
         reason = f"the previous call was stopped by {type(e).__name__}" + (f" ({e})" if str(e) else "")
         for sb in sbs:

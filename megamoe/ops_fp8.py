@@ -79,7 +79,7 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
         return
     from megamoe.fused import run_fused
 
-    with ops.guarded_call(calls):
+    with ops.guarded_call(calls, kernel_marks_calls=True):
         run_fused(calls, numerics="exact")
         if check:
             for call in calls:

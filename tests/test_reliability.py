@@ -210,6 +210,37 @@ def test_unfinished_call_recorded_in_the_workspace_is_detected():
         r.destroy()
 
 
+def test_fused_kernel_counts_its_calls_and_an_unfinished_split_call_is_detected(monkeypatch):
+    """The fused kernel counts ``call_state`` itself (program 0 of each rank, in its first and last launch;
+    ``guarded_call(kernel_marks_calls=True)`` adds nothing): two one-launch calls leave [2, 2]. A three-launch call
+    ("fp4_ws" forced; on CPU its GEMM phase is the torch model between the two launches) stopped after its front
+    launch leaves [3, 2]; once the host object forgot (a crashed process, simulated by clearing ``fault``) the next
+    checked call is refused naming reset(), and after reset() a call is bit-exact again."""
+    import megamoe.fused as mf
+    import megamoe.gemm_phase as gp
+
+    r = Ranks(MoECase(num_ranks=1, num_tokens=4, hidden=256, intermediate=128, num_experts=2, num_topk=1,
+                      block_m=128, seed=3), process=True)
+    sb = r.sbs[0]
+    try:
+        assert r.call(impl="fused") and r.call(impl="fused")
+        assert sb.view("call_state").tolist() == [2, 2]
+        with monkeypatch.context() as m:
+            m.setattr(mf, "fused_config", lambda *a, **k: mf.FusedConfig(
+                block_m=128, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2, kind="fp4_ws"))
+            m.setattr(gp, "run_gemm_phase_fp4", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stopped")))
+            with pytest.raises(RuntimeError, match="stopped"):
+                r.call(impl="fused", numerics="hopper")
+        assert sb.view("call_state").tolist() == [3, 2] and sb.fault is not None
+        sb.fault = None
+        with pytest.raises(ops.WorkspaceStateError, match=r"3 calls begun but 2 completed.*reset\(\)"):
+            r.call(impl="fused")
+        sb.reset()
+        assert r.call(impl="fused") and sb.view("call_state").tolist() == [1, 1]
+    finally:
+        r.destroy()
+
+
 # ---------------------------------------------------------------------------------------------------- item 2
 @pytest.mark.slow
 @pytest.mark.alone  # bounds on elapsed time: `make test` runs it alone, after the parallel part (Makefile)

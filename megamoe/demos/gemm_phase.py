@@ -38,7 +38,7 @@ def fp8_ws_split_demo(block_m: int = 128, num_tokens: int = 300, hidden: int = 5
         y, l1, l2, stats = prepare_rank(sb, problem, 0)
         calls = bind_calls_fp8(y, l1, l2, sb, stats, SM90_RECIPE, "swiglu", None, True, "pull", True)
         cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
-        with guarded_call(calls):
+        with guarded_call(calls, kernel_marks_calls=True):
             run_fused(calls, numerics="exact", config=cfg)
         ref = problem.reference()[0].to(y.device)
         entries, num_l1, block_rows = tile_table(_tile_table(sb))
