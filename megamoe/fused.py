@@ -424,8 +424,9 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     table = _arg_table(calls, timelines, tiles)
     clamp = calls[0].clamp
     timeout_s = sb0.barrier_timeout_s
-    meta = kernel_meta(L, cfg, has_clamp=clamp is not None, has_stats=calls[0].stats is not None,
-                       timeline=timeline)
+    metas = _launch_metas(sb0, cfg, has_clamp=clamp is not None, has_stats=calls[0].stats is not None,
+                          timeline=timeline)
+    meta = metas[0][0]
     rank0 = 0 if sb0.backend == "local" else sb0.rank
     grid = (len(calls) * cfg.programs_per_rank,)
     c0 = calls[0]
@@ -440,13 +441,30 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
                 int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
 
     if cfg.kind in WS_KINDS:
-        _run_ws(calls, args_for, cfg.programs_per_rank, meta, tiles, rank0, L, dev, cfg.kind, cfg.predecode)
+        _run_ws(calls, args_for, cfg.programs_per_rank, metas, tiles, rank0, L, dev, cfg.kind, cfg.predecode)
         return None
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
-        _check_resident(args, grid, meta, dev)
+        _check_resident(args, grid, *metas[0], dev)
     kf.fused_mega_moe_kernel[grid](*args, **meta)
     return timelines if timeline else None
+
+
+def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeline: bool) -> dict:
+    """``kernel_meta`` for ``sb``'s layout and ``cfg`` as ``{PHASE: (constexpr keywords, their hashable key)}`` for
+    PHASE 0 (the one launch), 1 and 2 (the front and back launches of a Gluon kind), built once per configuration
+    and cached on the buffer: a repeated call builds no keyword dict (that was ~25 of the ~65 µs of Python a fused
+    call spends on a CPU machine, most of it in ``triton.next_power_of_2``; the key is what ``_check_resident``
+    remembers)."""
+    def build():
+        meta = kernel_meta(sb.layout, cfg, has_clamp=has_clamp, has_stats=has_stats, timeline=timeline)
+        out = {}
+        for phase in (0, 1, 2):
+            m = meta if phase == 0 else dict(meta, PHASE=phase)
+            out[phase] = (m, tuple(sorted(m.items())))
+        return out
+
+    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting()), build, limit=64)
 
 
 def _tile_table(sb) -> torch.Tensor:
@@ -561,7 +579,7 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
     return _buffer_cache(c.sb, "_ws_descs", key, build)
 
 
-def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp8_ws",
+def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
             predecode: bool = False) -> None:
     """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
     per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
@@ -571,8 +589,7 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     programs."""
     from megamoe.kernels import gemm_fp8_ws as kws
 
-    front = dict(meta, PHASE=1)
-    back = dict(meta, PHASE=2)
+    (meta, _), (front, front_key), (back, back_key) = metas[0], metas[1], metas[2]
     args, grid = args_for(G), (len(calls) * G,)
     if interpreting():  # CPU ranks: the GEMM phase's torch model between the two interpreted launches
         from megamoe.gemm_phase import run_gemm_phase, run_gemm_phase_fp4
@@ -594,8 +611,8 @@ def _run_ws(calls, args_for, G: int, meta, tiles, rank0, L, dev, kind: str = "fp
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g_back = max(1, WS_BACK_PROGRAMS_PER_SM * sms // len(calls))
     args_back, grid_back = args_for(g_back), (len(calls) * g_back,)
-    _check_resident(args, grid, front, dev)
-    _check_resident(args_back, grid_back, back, dev)
+    _check_resident(args, grid, front, front_key, dev)
+    _check_resident(args_back, grid_back, back, back_key, dev)
     kf.fused_mega_moe_kernel[grid](*args, **front)
     if kind == "fp4_ws":
         if predecode:  # stream order: the decode pass, then the Gluon phase that reads its output
@@ -701,11 +718,12 @@ def max_resident_programs(n_regs: int, shared_bytes: int, num_warps: int, props)
     return min(by_regs, by_smem, by_threads, 32)
 
 
-def _check_resident(args, grid, meta, device) -> None:
+def _check_resident(args, grid, meta, meta_key, device) -> None:
     """Refuse, before it launches, a fused grid whose programs cannot all be resident at once: they meet in grid
     syncs, so one program left waiting for an SM dead-locks the launch until the in-kernel timeout. Compiles (or
-    finds) the kernel without running it; checked once per (device, grid, constexprs)."""
-    key = (str(device), grid, tuple(sorted(meta.items())))
+    finds) the kernel without running it; checked once per (device, grid, constexprs); ``meta_key``: the constexprs
+    ``meta`` as a hashable key (``_launch_metas``)."""
+    key = (str(device), grid, meta_key)
     if key in _RESIDENT_OK:
         return
     kernel = kf.fused_mega_moe_kernel.warmup(*args, grid=grid, **meta)

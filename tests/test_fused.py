@@ -54,6 +54,42 @@ def test_fused_one_rank_bitwise(numerics):
     _assert_exact(run_case_local(case))
 
 
+def test_launch_keywords_are_built_once_per_configuration(monkeypatch):
+    """``run_fused`` builds the kernel's constexpr keywords (``kernel_meta``) once per buffer and configuration
+    (``_launch_metas``): three calls, two with a clamp, build them twice, and every launch gets exactly what
+    ``kernel_meta`` gives for its call; the output stays bit-exact."""
+    import megamoe.fused as mf
+    import megamoe.kernels.fused as kfm
+
+    built, launched = [], []
+    real_meta, real_kernel = mf.kernel_meta, kfm.fused_mega_moe_kernel
+    monkeypatch.setattr(mf, "kernel_meta", lambda *a, **k: built.append((a, k)) or real_meta(*a, **k))
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch_(*args, **meta):
+                launched.append(meta)
+                return real_kernel[grid](*args, **meta)
+            return launch_
+    monkeypatch.setattr(mf.kf, "fused_mega_moe_kernel", Spy())
+    case = MoECase(num_ranks=1, num_tokens=5, hidden=128, intermediate=128, num_experts=2, num_topk=1, block_m=16,
+                   impl="fused", seed=2)
+    sb = SymmBuffer.local(1, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m)[0]
+    try:
+        problem = case.problem()
+        y, l1, l2, _ = prepare_rank(sb, problem, 0)
+        for clamp in (None, 0.5, 0.5):
+            fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", activation_clamp=clamp)
+            assert torch.equal(y.view(torch.int16), problem.reference(activation_clamp=clamp)[0].view(torch.int16))
+        assert [k["has_clamp"] for _, k in built] == [False, True]
+        cfg = fused_config(sb.layout, 5, 1, torch.device("cpu"))
+        for meta, clamp in zip(launched, (False, True, True)):
+            assert meta == real_meta(sb.layout, cfg, has_clamp=clamp, has_stats=False, timeline=False)
+    finally:
+        sb.destroy()
+
+
 @pytest.mark.parametrize("numerics", ["exact", "hopper"])
 def test_fused_worst_case_pool_bitwise(numerics):
     case = MoECase(num_ranks=1, num_tokens=40, num_topk=2, num_experts=4, routing="one_expert", block_m=64,
