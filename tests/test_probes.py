@@ -57,3 +57,49 @@ def test_fold_decode_variants_fit_the_real_shapes():
                 fd.launch_keywords(N, K)
     assert defaults in seen
     assert {key: getattr(fd, name) for key, name in probe.FOLD_DECODE_KNOBS.items()} == defaults  # restored
+
+
+@pytest.mark.slow
+def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
+    """The probe's ``threshold``, ``fp4_threshold`` and ``host`` modes end to end on a CPU rank at a small shape (the
+    fused kernel under the interpreter, the Gluon kinds' GEMM phase as its torch model; no CUDA graph, timings
+    meaningless): every choice runs the tile kind it names, the result matches the reference within the FP8 MMA
+    tolerance of the bench, the constants it overrides are restored, and each row carries the bench's timing
+    fields -- so a bug in them costs no device call."""
+    import json
+
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=128, num_experts=4, num_topk=2,
+                                             block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [16])
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(probe, "HOST_PROFILE_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    saved = {n: getattr(mf, n) for n in ("FP8_WS_MIN_EXPECTED", "FP8_SWAP_MAX_EXPECTED", "FP4_WS_MIN_EXPECTED",
+                                         "FP4_BLOCK64_MAX_EXPECTED", "FP4_PREDECODE_MIN_EXPECTED")}
+    probe.probe_threshold()
+    probe.probe_fp4_threshold()
+    monkeypatch.setattr(probe, "PREDECODE_FROM_T", 16)  # its predecode branch, at the same small T
+    probe.probe_fp4_threshold()
+    probe.probe_host()
+    assert {n: getattr(mf, n) for n in saved} == saved
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {(r["probe"], r.get("choice", r.get("format"))): r for r in rows}
+    assert [by["threshold", c]["kind"] for c in ("fp8_ws 64", "fp8_ws 128")] == ["fp8_ws", "fp8_ws"]
+    assert [by["threshold", c]["block_m"] for c in ("fp8_ws 64", "fp8_ws 128")] == [64, 128]
+    assert [(by["fp4_threshold", c]["kind"], by["fp4_threshold", c]["block_m"]) for c in ("fp4_ws 64", "fp4_ws 128")] \
+        == [("fp4_ws", 64), ("fp4_ws", 128)]
+    assert [by["fp4_threshold", c]["predecode"] for c in ("per-block decode", "predecoded")] == [False, True]
+    for r in rows:
+        if r["probe"] in ("threshold", "fp4_threshold"):
+            assert r["rel_fro"] < 2e-2 and {"us", "graph_us", "host_us"} <= set(r), r
+    hosts = [r for r in rows if r["probe"] == "host"]
+    assert [r["format"] for r in hosts] == ["fp8", "fp8_fp4"] and all(r["host_us"] > 0 and r["top"] for r in hosts)

@@ -176,11 +176,15 @@ def use_kernel(mod):
 def rank(T: int, fmt: str = "fp8", max_tokens: int = 0):
     """A fresh one-rank buffer (for ``max(T, max_tokens)`` tokens: the launch keywords are cached on it) with case
     ``T`` of format ``fmt`` placed in it: ``(buffer, problem, y, call)``, ``call`` the fused layer ("hopper"
-    numerics for ``fp8_fp4``)."""
+    numerics for ``fp8_fp4``). Without CUDA (``tests/test_probes.py``'s dry run of the modes) a one-process CPU
+    rank, where the fused kernel runs under the interpreter."""
     case = MoECase(num_tokens=T, format=fmt, **SHAPE)
-    sb = SymmBuffer.local(1, case.num_experts, max(T, max_tokens), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cuda", format=fmt)[0]
-    problem = case.problem(device="cuda")
+    shape = (case.num_experts, max(T, max_tokens), case.num_topk, case.hidden, case.intermediate)
+    if torch.cuda.is_available():
+        sb = SymmBuffer.local(1, *shape, block_m=case.block_m, device="cuda", format=fmt)[0]
+    else:
+        sb = SymmBuffer(None, *shape, block_m=case.block_m, backend="cpu", format=fmt)
+    problem = case.problem(device=sb.buffer.device)
     y, l1, l2, _ = prepare_rank(sb, problem, 0)
     if fmt == "fp8":
         return sb, problem, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
@@ -297,6 +301,10 @@ def _timed(call) -> dict:
     return dict(us=_median_ms(call) * 1e3, graph_us=_graph_us(call), host_us=_host_us(call))
 
 
+#: ``fp4_threshold``: from this T on, per-block decode against predecoded weights instead of the tile kinds.
+PREDECODE_FROM_T = 2048
+
+
 def probe_fp4_threshold(tokens=(8, 32)):
     """Where the FP8 x FP4 Gluon phase ("fp4_ws") should take over from the one-launch "hopper" kernel
     (``FP4_WS_MIN_EXPECTED``, set in session 8 when "fp4_ws" took 1304 us at T = 8, block 128): at each T the host's
@@ -309,7 +317,7 @@ def probe_fp4_threshold(tokens=(8, 32)):
     saved = tuple(getattr(mf, n) for n in names)
     for T in _tokens(tokens):
         choices = [("host", *saved)]
-        if T < 2048:
+        if T < PREDECODE_FROM_T:
             choices += [("fp4_ws 64", -1, float("inf"), saved[2]), ("fp4_ws 128", -1, -1, saved[2])]
         else:
             choices += [("per-block decode", saved[0], saved[1], float("inf")), ("predecoded", saved[0], saved[1], 0)]
