@@ -117,9 +117,10 @@ def exact_fp8_dots_under_interpreter() -> bool:
     float32 sum rounds gives different last bits in different summation orders. Triton's sgemm order changed with
     the OpenBLAS kernel family (seen 2026-12-02 on an AMD EPYC with ``OPENBLAS_CORETYPE=Haswell``: ``dot(a, w^T)``,
     ``dot(w, a^T)^T`` and torch's matmul all differed on such blocks; with "SkylakeX" they agreed), so whether a
-    test passed depended on the machine. Exact is order-free: a product of two e4m3 values has at most 8 significant
-    bits and lies in [2^-18, 2^17.6]; a dot of K <= 2^20 such products spans fewer than 53 bits, so float64 holds
-    every partial sum exactly, and ``megamoe.reference.block_scaled_matmul`` sums its blocks the same way. Dots of
+    test passed depended on the machine. Exact is order-free: a product of two e4m3 values is a multiple of 2^-18
+    (the smallest e4m3 step is 2^-9) of magnitude below 448^2 < 2^17.7, so every partial sum of a dot of K <= 2^17
+    of them is a multiple of 2^-18 below 2^35 -- at most 53 significant bits, exact in float64 in any order -- and
+    ``megamoe.reference.block_scaled_matmul`` sums its blocks the same way (megamoe's dots have K <= 128). Dots of
     other operand types (none in megamoe's kernels) go through Triton's code unchanged. Installed by
     ``megamoe.kernels`` on import with :func:`patch_language_once_per_launch`; returns whether it is installed."""
     if not interpreting():

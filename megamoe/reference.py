@@ -366,8 +366,8 @@ def block_scaled_matmul(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: 
     ``a`` float32 ``[m, K]`` (FP8 values), ``sa`` float32 ``[m, K/128]``; ``w`` float32 ``[n, K]`` (FP8 values),
     ``sw`` float32 ``[n, K/128]`` (each row's block scale per K block). For each K block ``b`` of 128 in order:
     ``acc += (sa[:, b] * sw[:, b]) * (a[:, b] @ w[:, b].T)``, the block dot summed exactly and rounded once to
-    float32 (its products have two 4-bit significands: float64 holds every partial sum of a block, so the order
-    does not matter) and the promotion in float32 -- ``final_accum += scale_a * sb * accum`` of
+    float32 (its products are multiples of 2^-18 below 2^17.7: float64 holds every partial sum of a block exactly,
+    so the order does not matter) and the promotion in float32 -- ``final_accum += scale_a * sb * accum`` of
     ``sm90_fp8_mega_moe.cuh``. The interpreted kernels sum their FP8 dots the same way
     (``megamoe.env.exact_fp8_dots_under_interpreter``: bit for bit); a GPU's tensor cores sum a block in float32 in
     their own order (within the MMA tolerance of ``megamoe.testing``)."""
