@@ -7,7 +7,8 @@
 #   install        megamoe into the machine's python3 (no network: --no-deps --no-build-isolation), papermill
 #                  from .whl when carried; prints the versions (~20 s)
 #   probes         fp8_ws_probe.py threshold / fp4_threshold / host: which tile kind each T should take and where
-#                  the host's enqueue time goes (-> $OUT/probes.jsonl; ~200 s, not yet timed)
+#                  the host's enqueue time goes (-> $OUT/probes.jsonl, appended row by row; 22 buffers of V4-Pro
+#                  size and the kernels' first compiles: estimated 5-8 min, not yet timed -- run it in its own call)
 #   gputests       tests/gpu (the whole suite: not yet timed in one call; failures in the output's tail)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
