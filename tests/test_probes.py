@@ -103,3 +103,19 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
             assert r["rel_fro"] < 2e-2 and {"us", "graph_us", "host_us"} <= set(r), r
     hosts = [r for r in rows if r["probe"] == "host"]
     assert [r["format"] for r in hosts] == ["fp8", "fp8_fp4"] and all(r["host_us"] > 0 and r["top"] for r in hosts)
+
+
+def test_device_run_script_parses_and_defines_every_step_it_lists():
+    """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
+    lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""
+    import re
+    import subprocess
+
+    path = PROBES / "device_run.sh"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    header = text.split("set -u", 1)[0]
+    listed = re.findall(r"^#   (\w+)\s{2,}", header, flags=re.M)
+    defined = set(re.findall(r"^step_(\w+)\(\)", text, flags=re.M))
+    assert {"install", "probes", "gputests", "layer_fp8", "layer"} <= set(listed)
+    assert set(listed) == defined, (listed, defined)
