@@ -204,6 +204,11 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: (block 64) / +1.5 KB (128) a stage. Measured (same file, T = 2048, block 128, 3 stages): 4713 us without, 4129
 #: with. At block 64 PREFETCH with a fourth stage beats it (SF_TMA's extra shared memory leaves no room for that).
 FP4_WS_SF_TMA = {128: True, 64: False}
+#: Whether the decode partitions compute the fold table's words for shifts up to ``FOLD_ARITH_MAX_SHIFT``
+#: (``ARITH_FOLD`` of ``megamoe.kernels.gemm_fp4_ws._fold_table``: one multiply-subtract instead of an 8-byte gather
+#: on the decode's dependency chain; the same words, ``tests/test_quant.py``), by pool block. Off until timed on a
+#: GPU (``results/probes/fp8_ws_probe.py fp4_arith``); compiled offline for sm_90a at both blocks.
+FP4_WS_ARITH_FOLD = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -656,9 +661,9 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
-    ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams ``_predecode``'s e4m3 weights, so
-    no weight scale words are prefetched (``PREFETCH`` off)."""
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_ARITH_FOLD`` at ``bm``, ``num_warps`` and ``maxnreg``. What a
+    launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
+    ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -667,7 +672,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], num_warps=4, maxnreg=maxnreg)
+        SF_TMA=FP4_WS_SF_TMA[bm], ARITH_FOLD=FP4_WS_ARITH_FOLD[bm], num_warps=4, maxnreg=maxnreg)
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
