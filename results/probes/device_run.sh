@@ -47,7 +47,7 @@ step_probes() {
 step_gputests() { $PY -m pytest tests/gpu -q -rfE; }
 
 step_gputests_quick() {
-    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
+    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64 or arith"
 }
 
 _layer() {  # suite, result file
