@@ -207,7 +207,9 @@ FP4_WS_SF_TMA = {128: True, 64: False}
 #: Whether the decode partitions compute the fold table's words for shifts up to ``FOLD_ARITH_MAX_SHIFT``
 #: (``ARITH_FOLD`` of ``megamoe.kernels.gemm_fp4_ws._fold_table``: one multiply-subtract instead of an 8-byte gather
 #: on the decode's dependency chain; the same words, ``tests/test_quant.py``), by pool block. Off until timed on a
-#: GPU (``results/probes/fp8_ws_probe.py fp4_arith``); compiled offline for sm_90a at both blocks.
+#: GPU (``results/probes/fp8_ws_probe.py fp4_arith``; bitwise against off: ``tests/gpu/test_fp4_ws_gpu.py``, not yet
+#: run); compiled offline for sm_90a at both blocks (same registers and spills; block 64's decode K loop 376 -> 439
+#: instructions).
 FP4_WS_ARITH_FOLD = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
