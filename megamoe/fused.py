@@ -211,6 +211,11 @@ FP4_WS_SF_TMA = {128: True, 64: False}
 #: run); compiled offline for sm_90a at both blocks (same registers and spills; block 64's decode K loop 376 -> 439
 #: instructions).
 FP4_WS_ARITH_FOLD = {128: False, 64: False}
+#: The same for the one-launch kernel's "hopper" tiles (``megamoe.kernels.fused._fold_tables``; the kind that runs
+#: below ``FP4_WS_MIN_EXPECTED``): bit-exact on CPU ranks either way (``tests/test_fused.py``). Off: an offline sm_90a
+#: compile (V4-Pro, one EP8 rank, this kind's programs per SM and register cap) grows the stack 520 -> 656 B and the
+#: spill traffic (STL 112 -> 170, LDL 170 -> 237 in the binary) at the same 128 registers; not timed.
+HOPPER_ARITH_FOLD = False
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -352,7 +357,7 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
         BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,
-        FP8_SWAP=kind == "fp8_swap",
+        FP8_SWAP=kind == "fp8_swap", ARITH_FOLD=kind == "hopper" and HOPPER_ARITH_FOLD,
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
