@@ -387,7 +387,8 @@ class DirectLaunch:
             if hit is None:
                 kernel = self.jit.warmup(*args, grid=grid, **kwargs)
                 values = {**self.defaults, **kwargs}
-                hit = self.compiled[key] = (kernel[tuple(grid)], [values[n] for n in self.names[len(args):]])
+                grid3 = tuple(grid) + (1,) * (3 - len(grid))  # (CompiledKernel's runner reads three dimensions)
+                hit = self.compiled[key] = (kernel[grid3], [values[n] for n in self.names[len(args):]])
             runner, rest = hit
             runner(*args, *rest)
         return launch
