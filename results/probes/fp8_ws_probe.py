@@ -274,33 +274,47 @@ def probe_fp4(tokens=(32, 128, 512)):
             sb.destroy()
 
 
+def _timed(call) -> dict:
+    """``us`` (eager, as the bench) and the bench's ``host_us`` / ``graph_us`` (``megamoe.bench._timing_fields``) of a
+    warmed-up call."""
+    from megamoe.bench import _timing_fields
+
+    return dict(us=_median_ms(call) * 1e3, **_timing_fields(call, graph=True))
+
+
+def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict) -> None:
+    """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
+    put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
+    the format's reference ("hopper" numerics for ``fp8_fp4``) and its timings."""
+    from megamoe.testing import moe_error_stats
+
+    saved = {n: getattr(mf, n) for n in overrides}
+    for n, v in overrides.items():
+        setattr(mf, n, v)
+    try:
+        numerics = "hopper" if fmt == "fp8_fp4" else "exact"
+        sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0)
+        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, numerics)
+        y.fill_(float("nan"))
+        call()
+        torch.cuda.synchronize()
+        err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
+        emit(probe=probe, T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
+             **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+        sb.destroy()
+    finally:
+        for n, v in saved.items():
+            setattr(mf, n, v)
+
+
 def probe_threshold(tokens=(32, 128, 256)):
     """Where the Gluon phase should take over from the one-launch swap-AB kernel (``FP8_WS_MIN_EXPECTED``): at each T
     the host's choice, then "fp8_ws" forced at pool block 64 and 128; error of each against the FP8 reference."""
-    from megamoe.testing import moe_error_stats
-
-    saved = mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED
+    forced = dict(FP8_WS_MIN_EXPECTED=-1, FP8_SWAP_MAX_EXPECTED=-1)
     for T in _tokens(tokens):
-        for label, ws_min, swap_max, b64 in (("host", *saved), ("fp8_ws 64", -1, -1, float("inf")),
-                                            ("fp8_ws 128", -1, -1, -1)):
-            mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = ws_min, swap_max, b64
-            sb, problem, y, call = rank(T)
-            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
-            y.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            err = moe_error_stats(y, problem.reference()[0])
-            emit(probe="threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, **_timed(call),
-                 rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
-            sb.destroy()
-    mf.FP8_WS_MIN_EXPECTED, mf.FP8_SWAP_MAX_EXPECTED, mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved
-
-
-def _timed(call) -> dict:
-    """``us`` (eager, as the bench), ``graph_us`` (CUDA-graph replay) and ``host_us`` of a warmed-up call."""
-    from megamoe.bench import _graph_us, _host_us
-
-    return dict(us=_median_ms(call) * 1e3, graph_us=_graph_us(call), host_us=_host_us(call))
+        for label, overrides in (("host", {}), ("fp8_ws 64", dict(forced, FP8_WS_BLOCK64_MAX_EXPECTED=float("inf"))),
+                                 ("fp8_ws 128", dict(forced, FP8_WS_BLOCK64_MAX_EXPECTED=-1))):
+            _choice_row("threshold", T, label, "fp8", overrides)
 
 
 #: ``fp4_threshold``: from this T on, per-block decode against predecoded weights instead of the tile kinds.
@@ -313,30 +327,15 @@ def probe_fp4_threshold(tokens=(8, 32)):
     choice, then "fp4_ws" forced at pool blocks 64 and 128; and at T >= 2048 per-block decode against the predecoded
     weights (``FP4_PREDECODE_MIN_EXPECTED``, set with a 1867 us decode pass that now takes 1329). Error of each
     against the "hopper" reference; ``us``, ``graph_us`` and ``host_us`` as the bench."""
-    from megamoe.testing import moe_error_stats
-
-    names = ("FP4_WS_MIN_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED", "FP4_PREDECODE_MIN_EXPECTED")
-    saved = tuple(getattr(mf, n) for n in names)
     for T in _tokens(tokens):
-        choices = [("host", *saved)]
         if T < PREDECODE_FROM_T:
-            choices += [("fp4_ws 64", -1, float("inf"), saved[2]), ("fp4_ws 128", -1, -1, saved[2])]
+            choices = (("fp4_ws 64", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=float("inf"))),
+                       ("fp4_ws 128", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=-1)))
         else:
-            choices += [("per-block decode", saved[0], saved[1], float("inf")), ("predecoded", saved[0], saved[1], 0)]
-        for label, *values in choices:
-            for n, v in zip(names, values):
-                setattr(mf, n, v)
-            sb, problem, y, call = rank(T, "fp8_fp4", FP4_MAX_TOKENS)
-            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
-            y.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
-            emit(probe="fp4_threshold", T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m,
-                 predecode=cfg.predecode, **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
-            sb.destroy()
-    for n, v in zip(names, saved):
-        setattr(mf, n, v)
+            choices = (("per-block decode", dict(FP4_PREDECODE_MIN_EXPECTED=float("inf"))),
+                       ("predecoded", dict(FP4_PREDECODE_MIN_EXPECTED=0)))
+        for label, overrides in (("host", {}), *choices):
+            _choice_row("fp4_threshold", T, label, "fp8_fp4", overrides)
 
 
 def probe_fp4_arith(tokens=(32, 128, 512, 2048)):
