@@ -81,11 +81,14 @@ WARPS_STAGES = {"exact": (4, 2), "hopper": (4, 2), "fp8": (8, 3), "fp8_swap": (4
 #: "fp8": largest expected tokens per local expert that still takes block 64 (block 128 above; see WARPS_STAGES).
 FP8_BLOCK64_MAX_EXPECTED = 64
 #: The SM90 FP8 format takes its swap-AB tiles ("fp8_swap": 128 weight rows on the MMA's M, block_m tokens on N,
-#: ``megamoe.kernels.gemm_fp8.l1_tile_fp8_swap``) up to this many expected tokens per local expert. Above, the
-#: staged tile (tokens on M, where wgmma pads a block to 64 rows). At T tokens per rank of one EP8 rank of V4-Pro
-#: (384 experts, top-6) the expectation is T / 8: T <= 256 runs "fp8_swap". At T = 512 (64 expected) the swap tile
-#: of block 32 ran 1402 us against 1338 us for "fp8" of block 64 (``results/probes/fused_fp8_sched_probe_h200.jsonl``).
-FP8_SWAP_MAX_EXPECTED = 32
+#: ``megamoe.kernels.gemm_fp8.l1_tile_fp8_swap``) up to this many expected tokens per local expert; above, the Gluon
+#: GEMM phase "fp8_ws" (FP8_WS_MIN_EXPECTED) where it can run, else the staged tile (tokens on M). At T tokens per
+#: rank of one EP8 rank of V4-Pro (384 experts, top-6) the expectation is T / 8. Measured on an H200, whole call
+#: (``results/probes/fp8_ws_probe_h200.jsonl``, ``threshold`` rows at 5bcfb3e, session 13): swap-AB / "fp8_ws"
+#: block 64 / block 128 at T = 32 822 / 814 / 840 us, T = 128 844 / 838 / 861, T = 256 966 / 864 / 887; T = 8 runs
+#: swap-AB at 513 us (``results/layer_fp8_h200.json``), where DeepGEMM takes 550. Until session 13 this was 32 (swap
+#: up to T = 256), set when "fp8_ws" had no 64-row tile.
+FP8_SWAP_MAX_EXPECTED = 2
 #: Pool block (MMA N) of the "fp8_swap" tiles, whatever the expectation: a block is read against all of its expert's
 #: weights, so an expert whose tokens overflow one block streams its weights twice. On an H200 (same probe file, a
 #: kernel with an atomic task counter, c186048 / 6e7f8ff), block 32 against 16: T = 8 506 / 501 us, T = 128 (16
@@ -139,14 +142,14 @@ FP8_KINDS = ("fp8", "fp8_swap", "fp8_ws")
 #: is sized for 128). On an H200 at T = 512 (64 expected, ``results/probes/fused_fp8_ws_profile_1add9b3_h200.jsonl``):
 #: front + back launches 59 us + GEMM phase 987 us (1012 us with 128-row tiles), against 1325 us for the one-launch
 #: "fp8" kernel of block 64 (``fused_fp8_ws_profile_h200.jsonl``).
-FP8_WS_MIN_EXPECTED = 32
+#: Since session 13 the same bound as FP8_SWAP_MAX_EXPECTED (the numbers there): "fp8_ws" from 3 expected tokens.
+FP8_WS_MIN_EXPECTED = FP8_SWAP_MAX_EXPECTED
 #: "fp8_ws": largest expected tokens per local expert that takes the 64-row tile (both math warpgroups on one block,
-#: ``_math_partition_m64``; 128 above). Measured on an H200 (``results/probes/fp8_ws_probe_h200.jsonl``, whole call,
-#: T = 512 = 64 expected, where about half of the experts need a second 64-row block): with the epilogues' hardware
+#: ``_math_partition_m64``; 128 above). Measured on an H200 (``results/probes/fp8_ws_probe_h200.jsonl``, whole call):
+#: T = 512 = 64 expected, where about half of the experts need a second 64-row block: with the epilogues' hardware
 #: conversions and 16-byte stores (251c94c) 128-row tiles 924 us, 64-row 951; before them (beb53e5) 1066 / 1091, and
-#: with the L1 tiles' padding warpgroup still issuing its MMAs 1117 / 1096. Below 64 expected not measured since; the
-#: Gluon phase starts above FP8_WS_MIN_EXPECTED, so by default every "fp8_ws" call takes 128-row tiles (the 64-row
-#: tile is forced in its GPU tests).
+#: with the L1 tiles' padding warpgroup still issuing its MMAs 1117 / 1096. At 4 / 16 / 32 expected (T = 32 / 128 /
+#: 256, ``threshold`` rows at 5bcfb3e) 64-row tiles 814 / 838 / 864 us, 128-row 840 / 861 / 887.
 FP8_WS_BLOCK64_MAX_EXPECTED = 32
 #: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
@@ -173,10 +176,13 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: it off. FP4_WS_MIN_EXPECTED: measured on an H200 (``results/probes/ws_variants_probe_h200.jsonl``, 48 experts of
 #: V4-Pro), the one-launch kernel against "fp4_ws" forced (block 128): 950 / 1304 us at 1 expected token per expert
 #: (T = 8), 1516 / 1998 at 4 (T = 32), 2098 / 2013 at 16 (T = 128), 4851 / 2109 at 64 (T = 512); "fp4_ws" at block
-#: 64 (``block`` rows, another device call): 1277 us at 4 (T = 32), 1298 at 16. So above 2 expected tokens; at 1 (T
-#: = 8) the one-launch kernel stays (block 64 there not measured).
+#: 64 (``block`` rows, another device call): 1277 us at 4 (T = 32), 1298 at 16. Since then "fp4_ws" gained its
+#: prefetch, scale TMA and leaner decode; at 1 expected (T = 8, ``fp4_threshold`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e, session 13) the one-launch kernel took 930 us, "fp4_ws"
+#: block 64 577, block 128 862. So "fp4_ws" at every expectation it can run (the one-launch kernel stays for pools of
+#: block_m < 64, other GPUs and the timeline view).
 FP4_WS_ENABLED = True
-FP4_WS_MIN_EXPECTED = 2
+FP4_WS_MIN_EXPECTED = 0
 #: Ring stages and the register split (math warpgroups / loader warp / decode warps, the kernel's maxnreg) by pool
 #: block; offline sm_90a compiles (Triton 3.6, H = 7168, I = 3072, ``results/probes/gemm_fp4_ws_compile.py``, env
 #: ``BM``). Block 128: A 16 KB + packed W 16 KB + decoded W 32 KB a stage; two math warpgroups and one 4-warp decode
@@ -233,7 +239,9 @@ FP4_BLOCK64_MAX_EXPECTED = 64
 #: ``predecode`` rows at eca4bf7, whole call, 3 stages, per block / predecoded): T = 512 (64 expected) 1617 /
 #: 3090 us, T = 2048 (256) 4117 / 4635, T = 8192 (1024) 13485 / 10988; the pass alone 1867 us (2.6 TB/s). The
 #: difference is about linear in T (the per-block decode repeats once per 128-row block): even near 390 expected
-#: (T ~ 3100), so from 512 (T = 4096; not measured between 256 and 1024).
+#: (T ~ 3100), so from 512 (T = 4096; not measured between 256 and 1024). With today's pass (1329 us) and
+#: kernels, T = 2048 per block / predecoded: 3341 / 3389 us (``fp4_threshold`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e): still per block there.
 FP4_PREDECODE_MIN_EXPECTED = 512
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:

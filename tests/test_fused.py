@@ -138,13 +138,13 @@ def test_fused_config_from_shapes():
     assert fused_config(L, 8, 1, cpu).programs_per_rank == 1        # the interpreter: one program per rank
     assert fused_config(L, 8, 1, cpu, "hopper").kind == "hopper" and fused_config(L, 8, 1, cpu).kind == "exact"
     # SM90 FP8 (one EP8 rank of V4-Pro: T / 8 expected tokens per expert): swap-AB (block FP8_SWAP_BLOCK_M) up to
-    # FP8_SWAP_MAX_EXPECTED
+    # FP8_SWAP_MAX_EXPECTED; above, on this CPU device (no Gluon phase), the one-launch staged tile
     F = Layout(8, 384, 8192, 6, 7168, 3072, 128, "fp8")
-    assert FP8_SWAP_MAX_EXPECTED == FP8_SWAP_BLOCK_M == 32
+    assert FP8_SWAP_BLOCK_M == 32 and FP8_SWAP_MAX_EXPECTED == 2
     kinds = {t: (fused_config(F, t, 1, cpu).kind, fused_config(F, t, 1, cpu).block_m)
-             for t in (8, 32, 128, 136, 256, 264, 512, 2048)}
-    assert kinds == {8: ("fp8_swap", 32), 32: ("fp8_swap", 32), 128: ("fp8_swap", 32), 136: ("fp8_swap", 32),
-                     256: ("fp8_swap", 32), 264: ("fp8", 64), 512: ("fp8", 64), 2048: ("fp8", 128)}
+             for t in (8, 16, 24, 128, 512, 520, 2048)}
+    assert kinds == {8: ("fp8_swap", 32), 16: ("fp8_swap", 32), 24: ("fp8", 64), 128: ("fp8", 64), 512: ("fp8", 64),
+                     520: ("fp8", 128), 2048: ("fp8", 128)}
     for t, kind in ((8, "fp8_swap"), (512, "fp8")):
         cfg = fused_config(F, t, 1, cpu)
         assert (cfg.num_warps, cfg.num_stages) == WARPS_STAGES[kind]
@@ -390,11 +390,18 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", mf.FP8_WS_MIN_EXPECTED + 1,
                         cuda) == "fp8_ws"  # (the FP8 format's own threshold; FP4_WS_MIN_EXPECTED + 1 is swap-AB there)
     # one EP8 rank's share of V4-Pro (48 experts, top-6): T / 8 expected tokens per expert
-    assert mf.FP4_WS_MIN_EXPECTED == 2 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
+    assert mf.FP4_WS_MIN_EXPECTED == 0 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
     picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m)
              for t in (8, 16, 24, 128, 512, 520, 2048, 8192)}
-    assert picks == {8: ("hopper", 16), 16: ("hopper", 16), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
+    assert picks == {8: ("fp4_ws", 64), 16: ("fp4_ws", 64), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
                      512: ("fp4_ws", 64), 520: ("fp4_ws", 128), 2048: ("fp4_ws", 128), 8192: ("fp4_ws", 128)}
+    # the FP8 format on the same device: swap-AB up to FP8_SWAP_MAX_EXPECTED, then the Gluon phase (64-row tiles up
+    # to FP8_WS_BLOCK64_MAX_EXPECTED)
+    F = Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8")
+    fp8 = {t: (mf.fused_config(F, t, 1, cuda).kind, mf.fused_config(F, t, 1, cuda).block_m)
+           for t in (8, 16, 24, 256, 264, 2048)}
+    assert fp8 == {8: ("fp8_swap", 32), 16: ("fp8_swap", 32), 24: ("fp8_ws", 64), 256: ("fp8_ws", 64),
+                   264: ("fp8_ws", 128), 2048: ("fp8_ws", 128)}
     assert mf.fused_config(L, 512, 1, cuda, "hopper").programs_per_rank == 132  # one front program an SM
     for cfg in (FusedConfig(32, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws"),
                 FusedConfig(64, 1, kind="fp4_ws")):

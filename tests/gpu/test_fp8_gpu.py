@@ -25,15 +25,20 @@ def test_fp8_small_cases(case, impl):
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} small")
 
 
-@pytest.mark.parametrize("num_tokens", [1024, 4096], ids=["t1024-swap16", "t4096-ws"])
+@pytest.mark.parametrize("num_tokens", [128, 1024, 4096], ids=["t128-swap", "t1024-ws64", "t4096-ws128"])
 @pytest.mark.parametrize("impl", ["staged", "fused"])
 def test_fp8_real_size_one_rank(impl, num_tokens):
-    """One rank of 384 experts, top-6: 16 / 64 expected tokens per expert, so the fused path runs its swap-AB tiles
-    at block 16 / the Gluon GEMM phase (``megamoe.fused.fused_config``); the small cases above cover the swap-AB tiles
+    """One rank of 384 experts, top-6: 2 / 16 / 64 expected tokens per expert, so the fused path runs its swap-AB
+    tiles / the Gluon GEMM phase's 64-row / 128-row tiles (``megamoe.fused.fused_config``; the kind is asserted);
+    the small cases above cover the swap-AB tiles
     at block 32 (r1, r2-h384) and the one-launch staged-tile kernel at block 16 / 32 (r4, r2k6: pools of block_m
     < 128, where the Gluon phase cannot run)."""
+    import megamoe.fused as mf
+
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
+    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"))
+    assert (cfg.kind, cfg.block_m) == {128: ("fp8_swap", 32), 1024: ("fp8_ws", 64), 4096: ("fp8_ws", 128)}[num_tokens]
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} real r1")
 
 
