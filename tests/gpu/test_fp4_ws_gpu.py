@@ -1,7 +1,6 @@
 """The FP8 x FP4 format's Gluon GEMM phase (tile kind ``"fp4_ws"``, ``megamoe.kernels.gemm_fp4_ws``, "hopper"
 numerics) on a GPU: front launch, the warp-specialised phase, back launch, against ``problem.reference(numerics=
-"hopper")`` within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind forced (below
-``FP4_WS_MIN_EXPECTED`` the host would pick the one-launch kernel), spread scales so that the folds round, the real
+"hopper")`` within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind and block forced, spread scales so that the folds round, the real
 size, and a CUDA-graph capture -- each at pool block 128 (two math warpgroups, one decode partition) and 64 (one
 math warpgroup, two decode partitions; forced through ``FP4_BLOCK64_MAX_EXPECTED`` where the size would pick 128)."""
 import pytest
@@ -93,11 +92,11 @@ def test_fp4_ws_real_size(num_ranks, num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks}")
 
 
-@pytest.mark.parametrize("num_tokens", [512, 128])
+@pytest.mark.parametrize("num_tokens", [512, 128, 8])
 def test_fp4_ws_block64_one_ep8_rank(num_tokens, monkeypatch):
-    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at T = 512 / 128: 64 / 16 expected tokens
-    per expert, where the host picks pool block 64 itself (one math warpgroup, two decode partitions); at T = 512
-    about half of the experts take two blocks. Masked rows, two calls."""
+    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at T = 512 / 128 / 8: 64 / 16 / 1 expected
+    tokens per expert, where the host picks pool block 64 itself (one math warpgroup, two decode partitions); at
+    T = 512 about half of the experts take two blocks, at T = 8 most experts get no token. Masked rows, two calls."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
@@ -192,7 +191,8 @@ def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
 
 
 def test_fp4_ws_is_the_default_above_its_threshold():
-    """On this GPU a "hopper" call at the real size takes the Gluon phase, and a small one the one-launch kernel."""
+    """On this GPU a "hopper" call takes the Gluon phase at any size (``FP4_WS_MIN_EXPECTED``): block 128 at the real
+    size, 64 at few tokens per expert."""
     import megamoe.fused as mf
     from megamoe.layout import Layout
 
@@ -200,8 +200,7 @@ def test_fp4_ws_is_the_default_above_its_threshold():
     assert mf.FP4_WS_ENABLED is True
     assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").kind == "fp4_ws"
     assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").block_m == 128
-    assert mf.fused_config(L, 8, 1, torch.device("cuda"), "hopper").kind == "hopper"
     L48 = Layout(1, 48, 8192, 6, 7168, 3072, 128)  # one EP8 rank's share: T / 8 expected tokens per expert
-    for t, block in ((128, 64), (512, 64), (1024, 128)):
+    for t, block in ((8, 64), (128, 64), (512, 64), (1024, 128)):
         cfg = mf.fused_config(L48, t, 1, torch.device("cuda"), "hopper")
         assert (cfg.kind, cfg.block_m) == ("fp4_ws", block), t
