@@ -55,6 +55,7 @@ waits, the swap-AB FP4 tiles, the timeline); the tiles it shares with the staged
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import (
     AMAX_FLOOR,
@@ -608,7 +609,8 @@ def fused_mega_moe_kernel(
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
-        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, ARITH_FOLD: tl.constexpr = False):
+        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, ARITH_FOLD: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
@@ -622,7 +624,15 @@ def fused_mega_moe_kernel(
     The kernel marks the call in each local rank's ``call_state`` (``OFF_CALL``: [calls begun, calls completed]; the
     host's ``megamoe.ops.guarded_call`` does it for the staged pipeline): program 0 of the rank adds 1 to the first
     word when the call starts (PHASE 0 / 1) and to the second after barrier 3 (PHASE 0 / 2), so a call whose launches
-    did not all run leaves them unequal. Two torch launches fewer a call than marking from the host."""
+    did not all run leaves them unequal. Two torch launches fewer a call than marking from the host.
+
+    ``PDL`` (GPU only; ``megamoe.fused.WS_PDL``): the front lets the GEMM phase's grid launch early and the back,
+    launched as a programmatic dependent, waits at its first instruction for the GEMM phase to complete."""
+    if PDL:  # a Gluon kind's launches chained by programmatic dependent launch (megamoe.fused.WS_PDL)
+        if PHASE == 1:  # the front: the GEMM phase's grid may be scheduled as this one's programs exit
+            gdc_launch_dependents()
+        if PHASE == 2:  # the back, launched as a dependent of the GEMM phase: nothing is read before it finished
+            gdc_wait()
     pid = tl.program_id(0)
     lr = pid // G
     cta = pid % G

@@ -139,6 +139,7 @@ a 64-row block of one math warpgroup then keeps up). A folding pull partition (t
 overlap the GEMMs again).
 """
 from triton.experimental import gluon
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -571,7 +572,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
-                          ARITH_FOLD: gl.constexpr = False):
+                          ARITH_FOLD: gl.constexpr = False, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, split nibble order), box [256, 64];
@@ -580,6 +581,9 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
     ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;
     ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
+    if PDL:  # launched as a programmatic dependent of the front launch (megamoe.fused.WS_PDL): wait for it to finish
+        gdc_wait()  # (and its writes to be visible) before reading anything it wrote; let the back launch be
+        gdc_launch_dependents()  # scheduled as this grid's programs exit (it waits likewise)
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
     progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)

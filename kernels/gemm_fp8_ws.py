@@ -69,6 +69,7 @@ operations a value into e4m3, ``numerics.f32_to_e4m3_bits``) was most of it: wit
 stores alone 2481), 7229 against 7858 at T = 8192, 924 against 1021 at T = 512 with 128-row tiles.
 """
 from triton.experimental import gluon
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -572,12 +573,15 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr):
+                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
     int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
+    if PDL:  # launched as a programmatic dependent of the front launch (megamoe.fused.WS_PDL): wait for it to finish
+        gdc_wait()  # (and its writes to be visible) before reading anything it wrote; let the back launch be
+        gdc_launch_dependents()  # scheduled as this grid's programs exit (it waits likewise)
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
     arrival = (buf + OFF_ARRIVAL).to(gl.pointer_type(gl.int32))

@@ -163,6 +163,13 @@ FP8_WS_PULL_CHUNK = 1024
 COMBINE_TOKENS, COMBINE_COLUMNS = 8, 256
 #: The tile kinds whose GEMMs run in a separate Gluon launch between a front and a back launch (``_run_ws``).
 WS_KINDS = ("fp8_ws", "fp4_ws")
+#: Programmatic dependent launch (sm_90's PDL) between a Gluon kind's three launches: the front lets the GEMM
+#: phase's grid be scheduled as its programs exit (``griddepcontrol.launch_dependents`` at its start), the GEMM phase
+#: and the back launch are launched as programmatic dependents and wait (``griddepcontrol.wait``) at their first
+#: instruction for the launch before them to complete, so no data dependence changes: what it can take off is the
+#: launch latency and ramp between the three grids (a T = 128 FP8 call: front + back 35 us, GEMM phase 762, the
+#: whole call 810 -- ``results/probes/fused_fp8_ws_profile_h200.jsonl``). Off where the interpreter runs.
+WS_PDL = True
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
@@ -476,15 +483,26 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
     and cached on the buffer: a repeated call builds no keyword dict (that was ~25 of the ~65 µs of Python a fused
     call spends on a CPU machine, most of it in ``triton.next_power_of_2``; the key is what ``_check_resident``
     remembers)."""
+    pdl = _ws_pdl()
+
     def build():
         meta = kernel_meta(sb.layout, cfg, has_clamp=has_clamp, has_stats=has_stats, timeline=timeline)
         out = {}
         for phase in (0, 1, 2):
             m = meta if phase == 0 else dict(meta, PHASE=phase)
+            if pdl and phase:  # the front triggers, the back is a programmatic dependent (WS_PDL)
+                m.update(PDL=True, **({"launch_pdl": True} if phase == 2 else {}))
             out[phase] = (m, tuple(sorted(m.items())))
         return out
 
-    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting()), build, limit=64)
+    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl), build,
+                         limit=64)
+
+
+def _ws_pdl() -> bool:
+    """Whether a Gluon kind's launches are chained by programmatic dependent launch (``WS_PDL``; never under the
+    interpreter, which runs no ``griddepcontrol``)."""
+    return WS_PDL and not interpreting()
 
 
 def _tile_table(sb) -> torch.Tensor:
@@ -669,7 +687,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode, WS_PDL),
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
 
@@ -687,7 +705,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], ARITH_FOLD=FP4_WS_ARITH_FOLD[bm], num_warps=4, maxnreg=maxnreg)
+        SF_TMA=FP4_WS_SF_TMA[bm], ARITH_FOLD=FP4_WS_ARITH_FOLD[bm], PDL=_ws_pdl(), num_warps=4,
+        maxnreg=maxnreg, launch_pdl=_ws_pdl())
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
@@ -704,7 +723,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, WS_PDL),
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -717,7 +736,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        num_warps=4, maxnreg=maxnreg)
+        PDL=_ws_pdl(), num_warps=4, maxnreg=maxnreg, launch_pdl=_ws_pdl())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

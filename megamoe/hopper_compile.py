@@ -129,7 +129,7 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     if unknown:
         raise ValueError(f"overrides: {sorted(unknown)} are not keywords of the {kind} launch ({sorted(kw)})")
     kw.update(overrides or {})
-    options = {"num_warps": kw.pop("num_warps"), "maxnreg": kw.pop("maxnreg")}
+    options = {k: kw.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl") if k in kw}
     sig = _signature(kind, block_m, predecode)
     sig.update({k: "constexpr" for k in kw})
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in _ALIGNED[kind]}

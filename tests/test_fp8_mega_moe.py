@@ -85,11 +85,13 @@ def fused_configs(monkeypatch):
 @pytest.mark.parametrize("tokens,block_m,kind,bm", [(19, 16, "fp8_swap", 16),
                                                     pytest.param(50, 32, "fp8_swap", 32, marks=pytest.mark.slow),
                                                     (70, 16, "fp8", 16)])
-def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm):
+def test_fused_one_rank_bitwise(fused_configs, tokens, block_m, kind, bm, monkeypatch):
     """The fused persistent kernel with this format's tiles (one program under the interpreter): H = 384 and I = 256
     (several K blocks, two L1 tiles and their L2 arrival-mask bits), masks, clamp, two calls. 19 / 50 tokens x top-3
     over 6 experts expect 9.5 / 25 tokens per expert: the swap-AB tiles (at the pool's block 16 / 32, below their
-    own 32); 70 (35 expected) the staged tile. The spy checks which tile ran."""
+    own 32; taken up to 32 expected here, ``FP8_SWAP_MAX_EXPECTED`` -- on an H200 the Gluon phase takes over above 2,
+    which the interpreter cannot run); 70 (35 expected) the staged tile. The spy checks which tile ran."""
+    monkeypatch.setattr(megamoe.fused, "FP8_SWAP_MAX_EXPECTED", 32)
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=tokens, hidden=384, intermediate=256, num_topk=3, num_experts=6,
                    masked_ratio=0.2, activation_clamp=0.5, num_calls=2, block_m=block_m, impl="fused", seed=13)
@@ -138,12 +140,13 @@ def test_block_dot_orientations_sum_alike():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tokens,kinds", [([14, 0], ("fp8_swap", "fp8_swap")), ([40, 0], ("fp8", "fp8_swap"))])
+@pytest.mark.parametrize("tokens,kinds", [([2, 0], ("fp8_swap", "fp8_swap")), ([40, 0], ("fp8", "fp8_swap"))])
 def test_fused_two_processes_bitwise(tokens, kinds):
     """Two CPU processes: the fused kernel's in-kernel barriers, remote pulls of float32 scale words and the
     write-back into the source rank's combine buffer, with an empty rank and skew. Each rank picks its tiles from
     its own token count: with 40 tokens (40 expected per expert) rank 0 runs the staged tile while the empty rank 1
-    runs the swap-AB tiles on what it receives."""
+    runs the swap-AB tiles on what it receives (each process takes ``FP8_SWAP_MAX_EXPECTED`` as it is: swap-AB up
+    to 2 expected tokens)."""
     case = MoECase(format="fp8",
                    num_ranks=2, num_tokens=tokens, num_topk=2, num_experts=4, routing="skewed", block_m=16,
                    impl="fused", seed=17)
@@ -316,7 +319,7 @@ def test_gluon_phase_keywords_match_its_constexprs(block_m):
     sb = SymmBuffer.local(1, 6, 300, 3, 512, 384, block_m=128, format="fp8")[0]
     try:
         kw = mf._ws_constexprs(sb, block_m, True)
-        assert set(kw) - {"num_warps", "maxnreg"} == {p.name for p in kws.fp8_gemm_phase_kernel.params
+        assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in kws.fp8_gemm_phase_kernel.params
                                                       if p.is_constexpr}
         assert kw["OFF_L1"] == sb.layout.offset("l1_acts") and kw["STAGES"] == mf.FP8_WS_STAGES[block_m]
         assert kw["HAS_CLAMP"] and mf._ws_constexprs(sb, block_m, True) is kw  # cached

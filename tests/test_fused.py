@@ -424,7 +424,7 @@ def test_fp4_gluon_phase_keywords_match_its_constexprs(block_m):
     sb = SymmBuffer.local(1, 6, 300, 3, 512, 384, block_m=128)[0]
     try:
         kw = mf._fp4_ws_constexprs(sb, block_m, False, False)
-        assert set(kw) - {"num_warps", "maxnreg"} == {p.name for p in k4.fp4_gemm_phase_kernel.params
+        assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in k4.fp4_gemm_phase_kernel.params
                                                       if p.is_constexpr}
         assert kw["OFF_L2"] == sb.layout.offset("l2_acts") and kw["STAGES"] == mf.FP4_WS_STAGES[block_m]
         assert kw["KW1_PAD"] == 4 and kw["KW2_PAD"] == 4  # next powers of two of H / 128 = 4, I / 128 = 3

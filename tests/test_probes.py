@@ -61,7 +61,7 @@ def test_fold_decode_variants_fit_the_real_shapes():
 
 @pytest.mark.slow
 def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
-    """The probe's ``threshold``, ``fp4_threshold``, ``fp4_arith`` and ``host`` modes end to end on a CPU rank at a
+    """The probe's ``threshold``, ``fp4_threshold``, ``fp4_arith``, ``host`` and ``pdl`` modes end to end on a CPU rank at a
     small shape (the fused kernel under the interpreter, the Gluon kinds' GEMM phase as its torch model; no CUDA
     graph, timings meaningless): every choice runs the tile kind it names, the result matches the reference within
     the FP8 MMA tolerance of the bench, the constants it overrides are restored, and each row carries the bench's
@@ -91,8 +91,14 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     probe.probe_fp4_threshold()
     probe.probe_fp4_arith()
     probe.probe_host()
+    pdl = mf.WS_PDL
+    probe.probe_pdl()
     assert {n: getattr(mf, n) for n in saved} == saved and not any(mf.FP4_WS_ARITH_FOLD.values())
+    assert mf.WS_PDL == pdl
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    pdl_rows = [r for r in rows if r["probe"] == "pdl"]
+    assert sorted((r["T"], r["kind"], r["choice"]) for r in pdl_rows) == sorted(
+        (T, kind, c) for T, kind in ((16, "fp8_ws"), (16, "fp4_ws"), (8, "fp4_ws")) for c in ("pdl off", "pdl on"))
     by = {(r["probe"], r.get("choice", r.get("format"))): r for r in rows}
     assert [by["threshold", c]["kind"] for c in ("fp8_ws 64", "fp8_ws 128")] == ["fp8_ws", "fp8_ws"]
     assert [by["threshold", c]["block_m"] for c in ("fp8_ws 64", "fp8_ws 128")] == [64, 128]

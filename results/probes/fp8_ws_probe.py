@@ -359,6 +359,16 @@ def probe_fp4_arith(tokens=(32, 128, 512, 2048)):
     mf.FP4_WS_ARITH_FOLD.update(saved)
 
 
+def probe_pdl(tokens=(32, 128)):
+    """Programmatic dependent launch between a Gluon kind's three launches (``WS_PDL``) off and on, whole call at
+    the host's tile choice, both formats at each T (the FP8 x FP4 one also at T = 8); ``us``, ``graph_us`` and
+    ``host_us`` as the bench, error against the reference (the bits are compared in ``tests/gpu/test_ws_pdl_gpu.py``)."""
+    rows = [(fmt, T) for T in _tokens(tokens) for fmt in ("fp8", "fp8_fp4")]
+    for fmt, T in rows + ([("fp8_fp4", 8)] if ("fp8_fp4", 8) not in rows else []):
+        for pdl in (False, True):
+            _choice_row("pdl", T, f"pdl {'on' if pdl else 'off'}", fmt, {"WS_PDL": pdl})
+
+
 class DirectLaunch:
     """A Triton / Gluon JIT kernel launched through the ``CompiledKernel`` of its first launch per (grid, PHASE):
     ``JITFunction.run``'s per-launch work (binding ~90 arguments, the specialisation key, the globals check) skipped.
@@ -483,4 +493,5 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "fp4_arith": probe_fp4_arith}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "fp4_arith": probe_fp4_arith,
+         "pdl": probe_pdl}[name]()

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch between a Gluon kind's three launches (``megamoe.fused.WS_PDL``) on a GPU: with it
+on and off, the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
+one front and one back launch), both formats, and within the format's tolerance of the reference. (Its CUDA-graph
+capture runs in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the default on.)"""
+import pytest
+import torch
+
+from megamoe.cases import MoECase, gluon_phase_cases, prepare_rank
+
+pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phases are sm_90 only")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_fp4"])
+def test_pdl_on_and_off_give_the_same_bits(fmt, monkeypatch):
+    import megamoe.fused as mf
+    from megamoe.symm import SymmBuffer
+    from megamoe.testing import assert_moe_close, default_accumulation
+
+    monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)  # the Gluon kinds whatever the size
+    monkeypatch.setattr(mf, "FP8_SWAP_MAX_EXPECTED", -1)
+    monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    numerics = "exact" if fmt == "fp8" else "hopper"
+    common = dict(format=fmt, block_m=128, impl="fused") if fmt == "fp8" else dict(block_m=128, impl="fused",
+                                                                                    numerics="hopper")
+    case: MoECase = gluon_phase_cases(**common)[2]  # four ranks, a clamp, an empty rank
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(mf, "WS_PDL", pdl)
+        sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
+                               case.intermediate, block_m=case.block_m, device="cuda", format=case.format)
+        problem = case.problem(device="cuda")
+        prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
+        ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
+        kind = mf.fused_config(sbs[0].layout, max(case.max_tokens(), 1), case.num_ranks, sbs[0].buffer.device,
+                               numerics).kind
+        assert kind == ("fp8_ws" if fmt == "fp8" else "fp4_ws")
+        for _ in range(2):  # twice: the second call runs after a back launch of its own kind
+            case.run(ys, l1s, l2s, sbs, stats)
+        torch.cuda.synchronize()
+        outs.append([y.clone() for y in ys])
+        for sb in sbs:
+            sb.destroy()
+    refs = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)
+    for r, (off, on) in enumerate(zip(*outs)):
+        assert torch.equal(off.view(torch.int16), on.view(torch.int16)), f"rank {r}: PDL changed the output"
+        if on.numel():
+            assert_moe_close(on, refs[r], name=f"y[rank {r}]", accumulation=default_accumulation(on.device))
