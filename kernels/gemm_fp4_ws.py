@@ -98,7 +98,8 @@ sufficed (~1.5x the decoded stages), so there it can lose; at 16 expected (T = 1
 128. Measured on an H200 (``block`` rows of the probe file): block 64 / 128 take 1277 / 2005 us at T = 32,
 1298 / 2022 at T = 128, 1329 / 2051 at T = 256 -- 1.55x, more than the 12 % fewer instructions, so the one decode
 warp a scheduler was latency-bound -- and at T = 512 2058 against 2108-2118 us (block 128 from earlier calls):
-there the second decode of half the experts' weights eats most of the gain. Hence FP4_BLOCK64_MAX_EXPECTED = 64.
+there the second decode of half the experts' weights eats most of the gain. After the prefetch, scale-TMA and
+decode changes block 128 wins at T = 512 (1347 against 1379 us, session 13): FP4_BLOCK64_MAX_EXPECTED = 32.
 
 Open questions (for the GPU session): the decode partition does not keep up with the two math warpgroups at BM 128
 (the probe above). Per K block the math needs ~1.1 us of wgmma at ~1000 TFLOP/s (2 x 2 x 64 x 128 x 128 x 2 flop at

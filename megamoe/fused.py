@@ -168,8 +168,12 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: and the back launch are launched as programmatic dependents and wait (``griddepcontrol.wait``) at their first
 #: instruction for the launch before them to complete, so no data dependence changes: what it can take off is the
 #: launch latency and ramp between the three grids (a T = 128 FP8 call: front + back 35 us, GEMM phase 762, the
-#: whole call 810 -- ``results/probes/fused_fp8_ws_profile_h200.jsonl``). Off where the interpreter runs.
-WS_PDL = True
+#: whole call 810 -- ``results/probes/fused_fp8_ws_profile_h200.jsonl``). Never under the interpreter. Off: measured
+#: on an H200 (``pdl`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, 8411cb3, whole call, off / on) FP8 T = 128
+#: 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds one program of
+#: each launch (a dependent grid's programs cannot start before the previous grid's leave their SM). Output bits the
+#: same either way and CUDA-graph capture works with it on (``tests/gpu/test_ws_pdl_gpu.py``, the graph tests).
+WS_PDL = False
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
@@ -236,8 +240,10 @@ HOPPER_ARITH_FOLD = False
 #: (same file, ``block`` rows, one device call, block 64 / 128): 1277 / 2005 us at T = 32, 1298 / 2022 at T = 128, 1329
 #: / 2051 at T = 256; at T = 512 (64 expected, where about half of the experts take two 64-row blocks and decode their
 #: weights twice) block 64 took 2058 us, block 128 2108-2118 in two earlier calls (the probe ran out of time before its
-#: own block-128 row). Above 64 block 128 (not measured between 64 and 128 expected).
-FP4_BLOCK64_MAX_EXPECTED = 64
+#: own block-128 row). With today's kernels (prefetch, scale TMA, leaner decode; ``fp4_threshold`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl``, session 13, whole call): block 64 / 128 at T = 8 577 / 862 us, T = 32
+#: 862 / 1299, T = 512 1379 / 1347. So block 64 up to 32 expected (T = 256; not measured between 32 and 64).
+FP4_BLOCK64_MAX_EXPECTED = 32
 #: "fp4_ws": from this many expected tokens per local expert, decode the weights once per call into folded e4m3
 #: (``megamoe.fold_decode``: one elementwise pass, 1.5 bytes a weight of HBM traffic) and let the Gluon phase
 #: stream those (its decode partitions then only fold the L2 A stage), instead of decoding each weight stage once

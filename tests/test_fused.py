@@ -390,11 +390,12 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.tile_kind(Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8"), "exact", mf.FP8_WS_MIN_EXPECTED + 1,
                         cuda) == "fp8_ws"  # (the FP8 format's own threshold; FP4_WS_MIN_EXPECTED + 1 is swap-AB there)
     # one EP8 rank's share of V4-Pro (48 experts, top-6): T / 8 expected tokens per expert
-    assert mf.FP4_WS_MIN_EXPECTED == 0 and mf.FP4_BLOCK64_MAX_EXPECTED == 64
+    assert mf.FP4_WS_MIN_EXPECTED == 0 and mf.FP4_BLOCK64_MAX_EXPECTED == 32
     picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m)
-             for t in (8, 16, 24, 128, 512, 520, 2048, 8192)}
+             for t in (8, 16, 24, 128, 256, 264, 512, 2048, 8192)}
     assert picks == {8: ("fp4_ws", 64), 16: ("fp4_ws", 64), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
-                     512: ("fp4_ws", 64), 520: ("fp4_ws", 128), 2048: ("fp4_ws", 128), 8192: ("fp4_ws", 128)}
+                     256: ("fp4_ws", 64), 264: ("fp4_ws", 128), 512: ("fp4_ws", 128), 2048: ("fp4_ws", 128),
+                     8192: ("fp4_ws", 128)}
     # the FP8 format on the same device: swap-AB up to FP8_SWAP_MAX_EXPECTED, then the Gluon phase (64-row tiles up
     # to FP8_WS_BLOCK64_MAX_EXPECTED)
     F = Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8")
