@@ -168,11 +168,12 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: and the back launch are launched as programmatic dependents and wait (``griddepcontrol.wait``) at their first
 #: instruction for the launch before them to complete, so no data dependence changes: what it can take off is the
 #: launch latency and ramp between the three grids (a T = 128 FP8 call: front + back 35 us, GEMM phase 762, the
-#: whole call 810 -- ``results/probes/fused_fp8_ws_profile_h200.jsonl``). Never under the interpreter. Off: measured
-#: on an H200 (``pdl`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, 8411cb3, whole call, off / on) FP8 T = 128
-#: 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds one program of
-#: each launch (a dependent grid's programs cannot start before the previous grid's leave their SM). Output bits the
-#: same either way and CUDA-graph capture works with it on (``tests/gpu/test_ws_pdl_gpu.py``, the graph tests).
+#: whole call 810 -- ``results/probes/fused_fp8_ws_profile_181923a_h200.jsonl``). Never under the interpreter.
+#: Off: measured on an H200 (``pdl`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, 8411cb3, whole call, off /
+#: on) FP8 T = 128 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds
+#: one program of each launch (a dependent grid's programs cannot start before the previous grid's leave their SM).
+#: Output bits the same either way and CUDA-graph capture works with it on (``tests/gpu/test_ws_pdl_gpu.py``, the
+#: graph tests).
 WS_PDL = False
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
