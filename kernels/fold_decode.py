@@ -68,10 +68,10 @@ def _decode_wide(w_e, sf_e, rmax, rows, k0, N: tl.constexpr, K: tl.constexpr, lu
     packed = tl.reshape(packed, [BN, S, 2, 32])     # (a [BN, S, 2, 32] pointer tile would load 32 bytes a row a warp)
     words = tl.load(sf_e + (k0 // 128 + tl.arange(0, S))[None, :] * N + rows[:, None])      # [BN, S]
     r = rmax[:, None]
-    ta0, ta1 = _fold_tables(lut, words, r, 0, False)                                                # [BN, 1, S] each
-    tc0, tc1 = _fold_tables(lut, words, r, 2, False)
-    tb0, tb1 = _fold_tables(lut, words, r, 1, False)
-    td0, td1 = _fold_tables(lut, words, r, 3, False)
+    ta0, ta1 = _fold_tables(lut, words, r, 0)                                                # [BN, 1, S] each
+    tc0, tc1 = _fold_tables(lut, words, r, 2)
+    tb0, tb1 = _fold_tables(lut, words, r, 1)
+    td0, td1 = _fold_tables(lut, words, r, 3)
     la0 = tl.reshape(tl.join(ta0, tc0), [BN, S, 2, 1])      # low nibbles: group 2c of step s
     la1 = tl.reshape(tl.join(ta1, tc1), [BN, S, 2, 1])
     lb0 = tl.reshape(tl.join(tb0, td0), [BN, S, 2, 1])      # high nibbles: group 2c + 1
@@ -136,10 +136,10 @@ def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.conste
         for kk in tl.range(0, KC, 128, num_stages=LOOP_STAGES):
             k0 = k_lo + kk
             word = tl.load(sf_e + (k0 // 128) * N + rows)
-            b0, b1 = _decode_chunk(w_e, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE, False)
+            b0, b1 = _decode_chunk(w_e, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE)
             _store(o + k0, b0, STREAM)
             _store(o + k0 + 32, b1, STREAM)
-            b2, b3 = _decode_chunk(w_e, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE, False)
+            b2, b3 = _decode_chunk(w_e, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE)
             _store(o + k0 + 64, b2, STREAM)
             _store(o + k0 + 96, b3, STREAM)
     if K_SPLIT == 1:

@@ -20,11 +20,6 @@ L1_INTERLEAVE = tl.constexpr(quant.L1_INTERLEAVE_ROWS)
 assert quant.SF_GRAN_K == 32 and quant.SF_PACK == 4, "the GEMM tiles assume 32-wide scale groups, 4 per int32 word"
 #: Largest fold shift held by the fused kernel's weight-decode table (``megamoe.quant.fold_lut``).
 FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
-#: Shifts whose decode table words are computed, not gathered (``megamoe.quant.FOLD_ARITH_MAX_SHIFT``): the words
-#: are ``FOLD_BASE_LO/HI - d * FOLD_STEP_LO/HI``.
-FOLD_ARITH_MAX_SHIFT = tl.constexpr(quant.FOLD_ARITH_MAX_SHIFT)
-FOLD_BASE_LO, FOLD_BASE_HI = (tl.constexpr(w) for w in quant.FOLD_BASE_WORDS)
-FOLD_STEP_LO, FOLD_STEP_HI = (tl.constexpr(w) for w in quant.FOLD_STEP_WORDS)
 #: The tile table the fused FP8 path's front launch writes for its Gluon GEMM phase (``megamoe.kernels.fused``
 #: ``_write_tile_table``, read by ``megamoe.kernels.gemm_fp8_ws``): int32 words before the entries ``(L1 tiles, L2
 #: tiles, pool blocks, word offset of the block table)`` and per entry ``(pool block, n-tile, local expert, valid

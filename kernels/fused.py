@@ -59,12 +59,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import (
     AMAX_FLOOR,
-    FOLD_ARITH_MAX_SHIFT,
-    FOLD_BASE_HI,
-    FOLD_BASE_LO,
     FOLD_LUT_MAX_SHIFT,
-    FOLD_STEP_HI,
-    FOLD_STEP_LO,
     FP8_MAX,
     L1_INTERLEAVE,
     SF_GRAN_K,
@@ -271,24 +266,15 @@ def _row_exponent_max(w_sf, rows, N: tl.constexpr, KW: tl.constexpr, BLOCK_KW: t
 
 
 @triton.jit
-def _fold_tables(lut, w_sf_word, rmax, g: tl.constexpr, ARITH: tl.constexpr):
+def _fold_tables(lut, w_sf_word, rmax, g: tl.constexpr):
     """The decode table words ``(lut0, lut1)`` ``[BN, 1]`` of per-32 group ``g`` (0..3) of a 128-wide K step:
-    ``lut`` = ``megamoe.quant.fold_lut`` indexed by the fold shift ``s_row - s_g`` (clamped to the table).
-    ``ARITH``: shifts up to ``FOLD_ARITH_MAX_SHIFT`` computed (``megamoe.quant.FOLD_BASE_WORDS``), only the others
-    gathered -- the same words (``megamoe.kernels.gemm_fp4_ws._fold_table``'s option, bit-exact here on CPU too)."""
+    ``lut`` = ``megamoe.quant.fold_lut`` indexed by the fold shift ``s_row - s_g`` (clamped to the table)."""
     d = tl.minimum(rmax - ((w_sf_word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
-    if ARITH:
-        near = d <= FOLD_ARITH_MAX_SHIFT
-        far = d > FOLD_ARITH_MAX_SHIFT
-        lo = tl.where(near, FOLD_BASE_LO - d * FOLD_STEP_LO, tl.load(lut + 2 * d, mask=far, other=0))
-        hi = tl.where(near, FOLD_BASE_HI - d * FOLD_STEP_HI, tl.load(lut + 2 * d + 1, mask=far, other=0))
-        return lo[:, None], hi[:, None]
     return tl.load(lut + 2 * d)[:, None], tl.load(lut + 2 * d + 1)[:, None]
 
 
 @triton.jit
-def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr, lut, PRMT_DECODE: tl.constexpr,
-                  ARITH: tl.constexpr):
+def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr, lut, PRMT_DECODE: tl.constexpr):
     """Folded FP8 weights of 64-chunk ``c`` (0/1) of the 128-wide K step at ``k0``: two ``[BN, 32]`` tiles
     (elements ``k0+64c .. +31`` and ``k0+64c+32 .. +63``, see ``transform_weights_for_mega_moe``).
 
@@ -297,8 +283,8 @@ def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr
     two registers per row and group), measured 4.3x faster than decoding then folding through fp16 conversions on
     an H200 (same bits; L1 shape, 48 experts, 1-256 tokens per expert)."""
     packed = tl.load(w + rows[:, None].to(tl.int64) * (K // 2) + (k0 + 64 * c) // 2 + tl.arange(0, 32)[None, :])
-    la0, la1 = _fold_tables(lut, w_sf_word, rmax, 2 * c, ARITH)
-    lb0, lb1 = _fold_tables(lut, w_sf_word, rmax, 2 * c + 1, ARITH)
+    la0, la1 = _fold_tables(lut, w_sf_word, rmax, 2 * c)
+    lb0, lb1 = _fold_tables(lut, w_sf_word, rmax, 2 * c + 1)
     if PRMT_DECODE:
         z = tl.zeros(packed.shape, tl.int32)
         return e2m1x2_lut_prmt(packed, la0 + z, la1 + z, lb0 + z, lb1 + z)
@@ -319,13 +305,13 @@ def _load_a4(acts, rows, mask_m, k0, K: tl.constexpr):
 
 @triton.jit
 def _mma_step(acc, w, w_sf, rmax, rows, a0, a1, a2, a3, k0, K: tl.constexpr, N: tl.constexpr, lut,
-              PRMT_DECODE: tl.constexpr, ARITH: tl.constexpr):
+              PRMT_DECODE: tl.constexpr):
     """acc [BN, BM] += W'[rows, k0:k0+128] . A[:, k0:k0+128]^T as four chained K=32 FP8 MMAs (no promotion)."""
     word = tl.load(w_sf + (k0 // 128) * N + rows)
-    b0, b1 = _decode_chunk(w, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE, ARITH)
+    b0, b1 = _decode_chunk(w, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE)
     acc = tl.dot(b0, tl.trans(a0), acc)
     acc = tl.dot(b1, tl.trans(a1), acc)
-    b2, b3 = _decode_chunk(w, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE, ARITH)
+    b2, b3 = _decode_chunk(w, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE)
     acc = tl.dot(b2, tl.trans(a2), acc)
     acc = tl.dot(b3, tl.trans(a3), acc)
     return acc
@@ -415,7 +401,7 @@ def _l1_tile_hopper(buf, w1, w1_sf, lut, clamp, expert, rows, sf_rows, mask_m, n
                     OFF_L1: tl.constexpr, OFF_L1_SF: tl.constexpr, OFF_L1_W: tl.constexpr, OFF_L2: tl.constexpr,
                     OFF_L2_SF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr,
-                    HW_CVT: tl.constexpr, KW1_PAD: tl.constexpr, F64_EXP: tl.constexpr, ARITH: tl.constexpr):
+                    HW_CVT: tl.constexpr, KW1_PAD: tl.constexpr, F64_EXP: tl.constexpr):
     """Hopper-numerics L1 tile (swap-AB): pool ``rows`` of ``expert`` x 128 intermediate columns (256 interleaved
     gate/up weight rows); SwiGLU, top-k weight, per-128 FP8 requant into the L2 pool."""
     acts = (buf + OFF_L1).to(tl.pointer_type(tl.float8e4nv))
@@ -432,10 +418,8 @@ def _l1_tile_hopper(buf, w1, w1_sf, lut, clamp, expert, rows, sf_rows, mask_m, n
     part_u = tl.zeros([128, BM], dtype=tl.float32)
     for k0 in range(0, H, 128):
         a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, H)
-        part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE,
-                           ARITH)
-        part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE,
-                           ARITH)
+        part_g = _mma_step(part_g, w, w_sf, rmax_g, gate_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE)
+        part_u = _mma_step(part_u, w, w_sf, rmax_u, up_rows, a0, a1, a2, a3, k0, H, 2 * I, lut, PRMT_DECODE)
         if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:  # bound the in-MMA accumulation chain
             acc_g += part_g
             acc_u += part_u
@@ -468,7 +452,7 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, lut, expert, rows, sf_rows,
                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
                     T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
-                    KW2_PAD: tl.constexpr, ARITH: tl.constexpr):
+                    KW2_PAD: tl.constexpr):
     """Hopper-numerics L2 tile (swap-AB): pool ``rows`` x 128 hidden columns; the per-128 activation scales folded
     per token like the L1 input; bf16 rows into the source rank's ``combine[slot][token]``."""
     acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
@@ -491,7 +475,7 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, lut, expert, rows, sf_rows,
         a1 = _fold_e4m3(a1, sa, HW_CVT)
         a2 = _fold_e4m3(a2, sa, HW_CVT)
         a3 = _fold_e4m3(a3, sa, HW_CVT)
-        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, lut, PRMT_DECODE, ARITH)
+        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, lut, PRMT_DECODE)
         if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:
             acc += part
             part = tl.zeros([128, BM], dtype=tl.float32)
@@ -609,8 +593,7 @@ def fused_mega_moe_kernel(
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
-        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, ARITH_FOLD: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
@@ -674,7 +657,7 @@ def fused_mega_moe_kernel(
                       OFF_TOPK_IDX, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_COMBINE, R, E, El,
                       T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
                       COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
-                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, ARITH_FOLD)
+                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
         tl.store(task_ctr, 0)
@@ -700,7 +683,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
            HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
            TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr,
            KW2_PAD: tl.constexpr, FOLDED: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr,
-           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr, ARITH_FOLD: tl.constexpr):
+           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr):
     """The call up to the end of the task loop (count, publish, barrier 1, tasks); returns the timeline count."""
     N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
     N2: tl.constexpr = H // BN2
@@ -793,7 +776,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
                 elif FOLDED:
                     _l1_tile_hopper(buf, w1, w1_sf, fold_lut, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1,
                                     OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, H, I, SP, BM, HAS_CLAMP, PROMOTE_EVERY,
-                                    PRMT_DECODE, HW_CVT, KW1_PAD, F64_EXP, ARITH_FOLD)
+                                    PRMT_DECODE, HW_CVT, KW1_PAD, F64_EXP)
                 else:
                     l1_tile(buf, w1, w1_sf, clamp, expert, rows, sf_rows, mask_m, nt, OFF_L1, OFF_L1_SF, OFF_L1_W,
                             OFF_L2, OFF_L2_SF, H, I, SP, BM, BN1, HAS_CLAMP, False, tl.float32, PRMT_DECODE, F64_EXP)
@@ -816,7 +799,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
                 elif FOLDED:
                     _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, fold_lut, expert, rows, sf_rows, mask_m, nt,
                                     OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY,
-                                    PRMT_DECODE, HW_CVT, KW2_PAD, ARITH_FOLD)
+                                    PRMT_DECODE, HW_CVT, KW2_PAD)
                 else:
                     l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
                             OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)

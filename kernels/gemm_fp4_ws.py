@@ -150,14 +150,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megamoe.kernels.formats import (
-    FOLD_ARITH_MAX_SHIFT,
-    FOLD_BASE_HI,
-    FOLD_BASE_LO,
-    FOLD_LUT_MAX_SHIFT,
-    FOLD_STEP_HI,
-    FOLD_STEP_LO,
-)
+from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -281,21 +274,12 @@ def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.conste
 
 
 @gluon.jit
-def _fold_table(lut, word, rmax, g: gl.constexpr, ARITH: gl.constexpr):
+def _fold_table(lut, word, rmax, g: gl.constexpr):
     """The decode table words (codes 0-3, codes 4-7) of per-32 group ``g`` of each row: ``fold_lut`` at the fold
     shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``). The pair is one
     8-byte gather (``lut`` as int64: entry ``d`` = words ``2d`` (low, little-endian) and ``2d + 1``): half the loads
-    and address arithmetic of two 4-byte gathers (``fold_lut`` is a fresh, 8-byte aligned allocation). ``ARITH``:
-    shifts up to ``FOLD_ARITH_MAX_SHIFT`` (nearly all of them: a row's per-32 scales rarely spread further) get their
-    words by one multiply-subtract each (``megamoe.quant.FOLD_BASE_WORDS``), and only the rest gather (a masked
-    load): the gather's latency leaves the decode's dependency chain (word -> shift -> table -> PRMT) for most
-    groups. The same words either way."""
+    and address arithmetic of two 4-byte gathers (``fold_lut`` is a fresh, 8-byte aligned allocation)."""
     d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
-    if ARITH:
-        near = d <= FOLD_ARITH_MAX_SHIFT
-        pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d, mask=d > FOLD_ARITH_MAX_SHIFT, other=0)
-        return (gl.where(near, FOLD_BASE_LO - d * FOLD_STEP_LO, pair.to(gl.int32)),
-                gl.where(near, FOLD_BASE_HI - d * FOLD_STEP_HI, (pair >> 32).to(gl.int32)))
     pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)
     return pair.to(gl.int32), (pair >> 32).to(gl.int32)
 
@@ -355,40 +339,38 @@ def _fold_a_stage(a_buf, smax, sf, valid, A0: gl.constexpr, NA: gl.constexpr):
 
 
 @gluon.jit
-def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr, ARITH: gl.constexpr):
+def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
     """Rows ``[r0, r0 + ROWS)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``: packed bytes
     ``[0, 32)`` hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32, 64)`` K ``[64, 96)``
     and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K block's scale word of each of the rows
     (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four bytes); ``rmax``: the 256 rows' largest
-    exponents (shared memory; this partition's rows written by it). ``ROWS`` 64: one row a thread; 128: two.
-    ``ARITH``: :func:`_fold_table`'s."""
+    exponents (shared memory; this partition's rows written by it). ``ROWS`` 64: one row a thread; 128: two."""
     rm = rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT))
     p = wp.slice(r0, ROWS)
-    t00, t01 = _fold_table(lut, word, rm, 0, ARITH)
-    t10, t11 = _fold_table(lut, word, rm, 1, ARITH)
+    t00, t01 = _fold_table(lut, word, rm, 0)
+    t10, t11 = _fold_table(lut, word, rm, 1)
     g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(D_LAYOUT), t00, t01, t10, t11)
-    t20, t21 = _fold_table(lut, word, rm, 2, ARITH)
-    t30, t31 = _fold_table(lut, word, rm, 3, ARITH)
+    t20, t21 = _fold_table(lut, word, rm, 2)
+    t30, t31 = _fold_table(lut, word, rm, 3)
     g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(D_LAYOUT), t20, t21, t30, t31)
     wd.slice(r0, ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
 
 
 @gluon.jit
-def _decode_stage(wp, wd, rmax, w_sf, lut, R0: gl.constexpr, NR: gl.constexpr, ARITH: gl.constexpr):
+def _decode_stage(wp, wd, rmax, w_sf, lut, R0: gl.constexpr, NR: gl.constexpr):
     """Rows ``[R0, R0 + NR)`` of a stage (``_decode_rows``), 64 at a time, each chunk's scale words loaded here
     (``w_sf``: this K block's scale words of the tile's 256 rows, one per row)."""
     rows = gl.arange(0, DEC_ROWS, layout=gl.SliceLayout(1, D_LAYOUT))
     for r0 in gl.static_range(R0, R0 + NR, DEC_ROWS):
-        _decode_rows(wp, wd, rmax, gl.load(w_sf + r0 + rows), lut, r0, DEC_ROWS, ARITH)
+        _decode_rows(wp, wd, rmax, gl.load(w_sf + r0 + rows), lut, r0, DEC_ROWS)
 
 
 @gluon.jit
-def _decode_stage_smem(wp, wd, rmax, wsf, R0: gl.constexpr, NR: gl.constexpr, lut, ARITH: gl.constexpr):
+def _decode_stage_smem(wp, wd, rmax, wsf, R0: gl.constexpr, NR: gl.constexpr, lut):
     """``_decode_stage`` with the stage's scale words in shared memory (``wsf``: int32 ``[256]``, TMA'd with the
     stage, ``SF_TMA``)."""
     for r0 in gl.static_range(R0, R0 + NR, DEC_ROWS):
-        _decode_rows(wp, wd, rmax, wsf.slice(r0, DEC_ROWS).load(gl.SliceLayout(1, D_LAYOUT)), lut, r0, DEC_ROWS,
-                     ARITH)
+        _decode_rows(wp, wd, rmax, wsf.slice(r0, DEC_ROWS).load(gl.SliceLayout(1, D_LAYOUT)), lut, r0, DEC_ROWS)
 
 
 @gluon.jit
@@ -410,7 +392,7 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
-                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, ARITH_FOLD: gl.constexpr):
+                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
     256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
     half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
@@ -469,7 +451,7 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                 if is_l2:  # fold the A stage per row (_fold_a_rows), this K block's exponents already loaded
                     _fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(
                         gl.SliceLayout(1, A_LAYOUT)), a_word)
-                _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR, ARITH_FOLD)
+                _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
             else:  # this K block's words: with the stage (SF_TMA) or loaded here
@@ -481,10 +463,10 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
-                                           R0, NR, lut, ARITH_FOLD)
+                                           R0, NR, lut)
                     else:
                         _decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N, lut, R0,
-                                      NR, ARITH_FOLD)
+                                      NR)
             fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them
             gl.thread_barrier()  # every warp has stored and fenced before the one arrive
             mbarrier.arrive(decoded.index(s), count=1)
@@ -573,7 +555,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
-                          ARITH_FOLD: gl.constexpr = False, PDL: gl.constexpr = False):
+                          PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, split nibble order), box [256, 64];
@@ -641,12 +623,12 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                                  decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
-                                 PREDECODED, ARITH_FOLD)),
+                                 PREDECODED)),
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
                                  decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH, SF_TMA, PREDECODED, ARITH_FOLD)),
+                                 PREFETCH, SF_TMA, PREDECODED)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
@@ -662,5 +644,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded,
                              rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF,
                              H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, ARITH_FOLD)),
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

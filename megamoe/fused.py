@@ -221,19 +221,10 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: memory, no global load left in its K loop), by pool block. Exclusive with FP4_WS_PREFETCH. Shared memory +1.25 KB
 #: (block 64) / +1.5 KB (128) a stage. Measured (same file, T = 2048, block 128, 3 stages): 4713 us without, 4129
 #: with. At block 64 PREFETCH with a fourth stage beats it (SF_TMA's extra shared memory leaves no room for that).
+#: Also tried for the decode and removed: its fold-table words computed (a multiply-subtract a word, shifts <= 5),
+#: not gathered from ``fold_lut``: same bits, whole call 8-17 % slower on an H200 (issue bound; fp4_ws at 5bcfb3e,
+#: gathered / computed: T = 32 862 / 1001 us, 512 1377 / 1615 (block 64), 2048 3343 / 3597 (block 128)).
 FP4_WS_SF_TMA = {128: True, 64: False}
-#: Whether the decode partitions compute the fold table's words for shifts up to ``FOLD_ARITH_MAX_SHIFT``
-#: (``ARITH_FOLD`` of ``megamoe.kernels.gemm_fp4_ws._fold_table``: one multiply-subtract instead of an 8-byte gather
-#: on the decode's dependency chain; the same words, ``tests/test_quant.py``), by pool block. Off until timed on a
-#: GPU (``results/probes/fp8_ws_probe.py fp4_arith``; bitwise against off: ``tests/gpu/test_fp4_ws_gpu.py``, not yet
-#: run); compiled offline for sm_90a at both blocks (same registers and spills; block 64's decode K loop 376 -> 439
-#: instructions).
-FP4_WS_ARITH_FOLD = {128: False, 64: False}
-#: The same for the one-launch kernel's "hopper" tiles (``megamoe.kernels.fused._fold_tables``; the kind that runs
-#: below ``FP4_WS_MIN_EXPECTED``): bit-exact on CPU ranks either way (``tests/test_fused.py``). Off: an offline sm_90a
-#: compile (V4-Pro, one EP8 rank, this kind's programs per SM and register cap) grows the stack 520 -> 656 B and the
-#: spill traffic (STL 112 -> 170, LDL 170 -> 237 in the binary) at the same 128 registers; not timed.
-HOPPER_ARITH_FOLD = False
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -379,7 +370,7 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
         TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
         BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,
-        FP8_SWAP=kind == "fp8_swap", ARITH_FOLD=kind == "hopper" and HOPPER_ARITH_FOLD,
+        FP8_SWAP=kind == "fp8_swap",
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
@@ -701,9 +692,9 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_ARITH_FOLD`` at ``bm``, ``num_warps`` and ``maxnreg``. What a
-    launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
-    ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off)."""
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
+    ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams ``_predecode``'s e4m3 weights, so
+    no weight scale words are prefetched (``PREFETCH`` off)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -712,7 +703,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], ARITH_FOLD=FP4_WS_ARITH_FOLD[bm], PDL=_ws_pdl(), num_warps=4,
+        SF_TMA=FP4_WS_SF_TMA[bm], PDL=_ws_pdl(), num_warps=4,
         maxnreg=maxnreg, launch_pdl=_ws_pdl())
 
 

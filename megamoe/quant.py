@@ -292,15 +292,6 @@ FOLD_LUT_MAX_SHIFT = 15
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-#: The decode table's words at fold shift ``d <= FOLD_ARITH_MAX_SHIFT``, by arithmetic: ``FOLD_BASE_WORDS[i] -
-#: d * FOLD_STEP_WORDS[i]`` equals ``fold_lut()[2d + i]`` (every nonzero magnitude stays a normal e4m3 value, so the
-#: fold only lowers each byte's exponent field by ``d``; code 0 stays 0). From shift 6 on, 0.5 * 2^-d is subnormal
-#: and the table is needed. ``tests/test_quant.py`` checks both against :func:`fold_lut`.
-FOLD_ARITH_MAX_SHIFT = 5
-FOLD_BASE_WORDS = (0x3C383000, 0x4C484440)  # e4m3 bytes of (0, .5, 1, 1.5) and (2, 3, 4, 6), little-endian
-FOLD_STEP_WORDS = (0x08080800, 0x08080808)  # one exponent step in every byte of a nonzero magnitude
-
-
 def fold_lut(device=None) -> torch.Tensor:
     """The fused Hopper kernel's weight-decode table: int32 ``[2 * (FOLD_LUT_MAX_SHIFT + 1)]``.
 

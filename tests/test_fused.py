@@ -250,21 +250,6 @@ def test_hopper_model_is_close_to_exact_and_not_identical():
     assert any(not torch.equal(a, b) for a, b in zip(exact, hopper))
 
 
-def test_hopper_tiles_arith_fold_words_bitwise(monkeypatch):
-    """``HOPPER_ARITH_FOLD``: the one-launch kernel's "hopper" tiles with the fold table's words computed up to
-    ``FOLD_ARITH_MAX_SHIFT`` and gathered above (scales spread by 2^10: both kinds of words are used) reproduce the
-    "hopper" reference bit for bit, as the table alone does; the launches did take the option."""
-    import megamoe.fused as mf
-
-    monkeypatch.setattr(mf, "HOPPER_ARITH_FOLD", True)
-    metas, real = [], mf.kernel_meta
-    monkeypatch.setattr(mf, "kernel_meta", lambda *a, **k: metas.append(real(*a, **k)) or metas[-1])
-    case = SpreadScalesCase(num_ranks=1, num_tokens=9, hidden=256, intermediate=256, num_experts=4, num_topk=2,
-                            masked_ratio=0.1, impl="fused", numerics="hopper", seed=5)
-    _assert_exact(run_case_local(case))
-    assert metas and all(m["ARITH_FOLD"] for m in metas)
-
-
 # ---------------------------------------------------------------------------------------------------- "fp4_ws"
 def _fp4_ws_config(block_m=128):
     return FusedConfig(block_m=block_m, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2,

@@ -61,7 +61,7 @@ def test_fold_decode_variants_fit_the_real_shapes():
 
 @pytest.mark.slow
 def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
-    """The probe's ``threshold``, ``fp4_threshold``, ``fp4_arith``, ``host`` and ``pdl`` modes end to end on a CPU rank at a
+    """The probe's ``threshold``, ``fp4_threshold``, ``host`` and ``pdl`` modes end to end on a CPU rank at a
     small shape (the fused kernel under the interpreter, the Gluon kinds' GEMM phase as its torch model; no CUDA
     graph, timings meaningless): every choice runs the tile kind it names, the result matches the reference within
     the FP8 MMA tolerance of the bench, the constants it overrides are restored, and each row carries the bench's
@@ -89,11 +89,10 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     probe.probe_fp4_threshold()
     monkeypatch.setattr(probe, "PREDECODE_FROM_T", 16)  # its predecode branch, at the same small T
     probe.probe_fp4_threshold()
-    probe.probe_fp4_arith()
     probe.probe_host()
     pdl = mf.WS_PDL
     probe.probe_pdl()
-    assert {n: getattr(mf, n) for n in saved} == saved and not any(mf.FP4_WS_ARITH_FOLD.values())
+    assert {n: getattr(mf, n) for n in saved} == saved
     assert mf.WS_PDL == pdl
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     pdl_rows = [r for r in rows if r["probe"] == "pdl"]
@@ -108,9 +107,6 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     for r in rows:
         if r["probe"] in ("threshold", "fp4_threshold"):
             assert r["rel_fro"] < 2e-2 and {"us", "graph_us", "host_us"} <= set(r), r
-    arith = [r for r in rows if r["probe"] == "fp4_arith"]
-    assert [r["arith_fold"] for r in arith] == [False, True, False] and all(r["bitwise_equal_to_first"] for r in arith)
-    assert all(r["kind"] == "fp4_ws" for r in arith)
     hosts = [r for r in rows if r["probe"] == "host"]
     assert [r["format"] for r in hosts] == ["fp8", "fp8_fp4"] and all(r["host_us"] > 0 and r["top"] for r in hosts)
 

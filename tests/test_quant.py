@@ -337,19 +337,3 @@ def test_transform_validation():
         transform_weights_for_mega_moe(l1, (l2[0][:1], l2[1][:1]))
     with pytest.raises(ValueError, match="l2_weights"):
         transform_weights_for_mega_moe(l1, (l2[0][:, :128], l2[1][:, :128]))
-
-
-def test_fold_table_words_by_arithmetic_up_to_their_shift():
-    """``FOLD_BASE_WORDS - d * FOLD_STEP_WORDS`` (the FP4 Gluon phase's ``ARITH_FOLD``) are the decode table's words
-    for every shift up to ``FOLD_ARITH_MAX_SHIFT``, and not one shift further (0.5 * 2^-6 is subnormal: the bound is
-    tight, so the kernel must gather above it)."""
-    from megamoe import quant
-
-    lut = [w & 0xFFFFFFFF for w in quant.fold_lut().tolist()]
-
-    def arith(d):
-        return [(b - d * s) & 0xFFFFFFFF for b, s in zip(quant.FOLD_BASE_WORDS, quant.FOLD_STEP_WORDS)]
-    for d in range(quant.FOLD_ARITH_MAX_SHIFT + 1):
-        assert arith(d) == lut[2 * d:2 * d + 2], d
-    d = quant.FOLD_ARITH_MAX_SHIFT + 1
-    assert arith(d) != lut[2 * d:2 * d + 2]

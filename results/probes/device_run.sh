@@ -6,9 +6,8 @@
 # Steps (seconds measured on the H200 where known; a call has 600 s, a session 1800 s of device time):
 #   install        megamoe into the machine's python3 (no network: --no-deps --no-build-isolation), papermill
 #                  from .whl when carried; prints the versions (~20 s)
-#   probes         fp8_ws_probe.py threshold / fp4_threshold / fp4_arith / host: which tile kind each T should take,
-#                  whether the FP4 decode should compute its fold words (FP4_WS_ARITH_FOLD), where the host's enqueue
-#                  time goes (-> $OUT/probes.jsonl, appended row by row; 22 buffers of V4-Pro
+#   probes         fp8_ws_probe.py threshold / fp4_threshold / host: which tile kind each T should take and where
+#                  the host's enqueue time goes (-> $OUT/probes.jsonl, appended row by row; 22 buffers of V4-Pro
 #                  size and the kernels' first compiles: estimated 5-8 min, not yet timed -- run it in its own call)
 #   gputests       tests/gpu (the whole suite: not yet timed in one call; failures in the output's tail)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
@@ -38,7 +37,7 @@ step_install() {
 }
 
 step_probes() {
-    for mode in "threshold 32,128,256" "fp4_threshold 8,32,2048" "fp4_arith 32,512,2048" "host 128,512"; do
+    for mode in "threshold 32,128,256" "fp4_threshold 8,32,2048" "host 128,512"; do
         # shellcheck disable=SC2086
         $PY results/probes/fp8_ws_probe.py $mode >>"$OUT/probes.jsonl" || return 1
     done
@@ -47,7 +46,7 @@ step_probes() {
 step_gputests() { $PY -m pytest tests/gpu -q -rfE; }
 
 step_gputests_quick() {
-    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64 or arith"
+    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
 }
 
 _layer() {  # suite, result file

@@ -24,15 +24,13 @@ with its L2 flush, as the bench).
   bench (not yet run).
 * ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
-* ``fp4_arith [T1,..]``: the FP8 x FP4 phase's decode with the fold table's words gathered and computed
-  (``FP4_WS_ARITH_FOLD``), as is / on / as is, ``y`` compared bitwise.
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
-                                           | fp4_threshold [T1,..] | fp4_arith [T1,..] | host [T1,..]
+                                           | fp4_threshold [T1,..] | host [T1,..]
                                            | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
@@ -338,27 +336,6 @@ def probe_fp4_threshold(tokens=(8, 32)):
             _choice_row("fp4_threshold", T, label, "fp8_fp4", overrides)
 
 
-def probe_fp4_arith(tokens=(32, 128, 512, 2048)):
-    """The FP8 x FP4 Gluon phase's decode with the fold table's words gathered (as is) and computed for shifts up to
-    ``FOLD_ARITH_MAX_SHIFT`` (``FP4_WS_ARITH_FOLD`` on at both blocks), whole ``fp8_fp4_mega_moe`` call at the host's
-    tile choice, ``y`` compared bitwise (the words are the same, so must be the results)."""
-    saved = dict(mf.FP4_WS_ARITH_FOLD)
-    for T in _tokens(tokens):
-        want = None
-        for arith in (False, True, False):
-            mf.FP4_WS_ARITH_FOLD.update({64: arith, 128: arith})
-            sb, _, y, call = rank(T, "fp8_fp4", FP4_MAX_TOKENS)
-            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
-            y.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            want = y.clone() if want is None else want
-            emit(probe="fp4_arith", T=T, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
-                 arith_fold=arith, **_timed(call), bitwise_equal_to_first=bool(torch.equal(y, want)))
-            sb.destroy()
-    mf.FP4_WS_ARITH_FOLD.update(saved)
-
-
 def probe_pdl(tokens=(32, 128)):
     """Programmatic dependent launch between a Gluon kind's three launches (``WS_PDL``) off and on, whole call at
     the host's tile choice, both formats at each T (the FP8 x FP4 one also at T = 8); ``us``, ``graph_us`` and
@@ -493,5 +470,4 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "fp4_arith": probe_fp4_arith,
-         "pdl": probe_pdl}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl}[name]()

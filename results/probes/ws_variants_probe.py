@@ -69,13 +69,13 @@ _FOLD_SMEM = "_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.i
 DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
                 "\n" + " " * 16 + "_decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0,"
-                " NR, ARITH_FOLD)\n",
+                " NR)\n",
                 "\n" + " " * 24 + _FOLD_SMEM,
                 "\n" + " " * 24 + _FOLD,
                 "\n" + " " * 24 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
-                " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut, ARITH_FOLD)\n",
+                " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
                 "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
-                " lut, R0,\n" + " " * 38 + "NR, ARITH_FOLD)\n")
+                " lut, R0,\n" + " " * 38 + "NR)\n")
 DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n") + (
     "\n                        s = s + 0\n",) * 4
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}

@@ -53,33 +53,6 @@ def test_fp4_ws_small_cases(case, block_m, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) small, block {block_m}")
 
 
-@pytest.mark.parametrize("block_m", [128, 64])
-def test_fp4_ws_arith_fold_gives_the_tables_bits(block_m, monkeypatch):
-    """``ARITH_FOLD`` (the decode's fold words computed for shifts up to ``FOLD_ARITH_MAX_SHIFT``,
-    ``FP4_WS_ARITH_FOLD``) on against off, scales spread so that both the computed words (shifts 0-2) and the
-    gathered ones (shifts ~10) are used: ``y`` bitwise equal, and within the FP8-MMA tolerance of the reference."""
-    import megamoe.fused as mf
-    from megamoe.ops import fp8_fp4_mega_moe
-    from megamoe.symm import SymmBuffer
-    from megamoe.testing import assert_moe_close
-
-    _force_fp4_ws(monkeypatch, block_m)
-    case = SpreadScalesCase(num_ranks=1, num_topk=3, num_experts=6, num_tokens=300, hidden=512, intermediate=384,
-                            masked_ratio=0.1, seed=21, **WS)
-    ys = []
-    for arith in (False, True):
-        monkeypatch.setitem(mf.FP4_WS_ARITH_FOLD, block_m, arith)
-        sb = SymmBuffer.local(1, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
-                              block_m=case.block_m, device="cuda")[0]  # (a fresh buffer: keywords are cached on it)
-        problem = case.problem(device="cuda")
-        y, l1, l2, _ = prepare_rank(sb, problem, 0)
-        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper")
-        ys.append(y.clone())
-        sb.destroy()
-    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-    assert_moe_close(ys[1], problem.reference(numerics="hopper")[0], accumulation="fp8_mma")
-
-
 @pytest.mark.parametrize("num_ranks,num_tokens", [(1, [8192]), (4, [4096, 0, 2048, 77])], ids=["r1-t8192", "r4-skew"])
 def test_fp4_ws_real_size(num_ranks, num_tokens, monkeypatch):
     """Real size (V4-Pro, 384 experts, top-6): 128 / 64 expected tokens per expert on rank 0."""
