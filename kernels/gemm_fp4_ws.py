@@ -140,7 +140,6 @@ a 64-row block of one math warpgroup then keeps up). A folding pull partition (t
 overlap the GEMMs again).
 """
 from triton.experimental import gluon
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -149,6 +148,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT
 from megamoe.kernels.fused import _pow2_f32

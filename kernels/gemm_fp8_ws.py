@@ -69,7 +69,6 @@ operations a value into e4m3, ``numerics.f32_to_e4m3_bits``) was most of it: wit
 stores alone 2481), 7229 against 7858 at T = 8192, 924 against 1021 at T = 512 with 128-row tiles.
 """
 from triton.experimental import gluon
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -78,6 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.gemm import swiglu
