@@ -17,6 +17,9 @@
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
 #
+# Commit: pass MEGAMOE_GIT_COMMIT=<this checkout's short HEAD> in the call's command. The device copy's own git HEAD
+# was seen stale (session 13: it read 5bcfb3e while the working tree was 181923a), and the bench's provenance takes
+# this variable first.
 # Carry: [".peers", ".whl"] -- .peers/deepgemm_sm90 a copy of ../shared/peers/deepgemm_sm90 (the kit), .whl the
 # papermill wheels (`notebooks`). Both are ignored by git (.gitignore); copy them in before the call.
 set -u

@@ -1,5 +1,5 @@
 """The FP8 x FP4 format's Gluon GEMM phase (tile kind ``"fp4_ws"``, ``megamoe.kernels.gemm_fp4_ws``, "hopper" numerics)
-on a GPU: front launch, the warp-specialised phase, back launch, against ``problem.reference(numerics= "hopper")``
+on a GPU: front launch, the warp-specialised phase, back launch, against ``problem.reference(numerics="hopper")``
 within the FP8-MMA tolerance profile. Small cases on 1, 2 and 4 local ranks with the kind and block forced, spread
 scales so that the folds round, the real size, and a CUDA-graph capture -- each at pool block 128 (two math
 warpgroups, one decode partition) and 64 (one math warpgroup, two decode partitions; forced through
