@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from megamoe.walkthrough import markdown_table
+
 #: Row label, then the row's filter: ``impl`` and, where several rows share it, ``numerics``.
 FP8_FP4_ROWS = (("fused, exact (default)", "fused", "exact"),
                 ("fused, hopper numerics", "fused", "hopper"),
@@ -60,17 +62,20 @@ def speed_table(result: dict, routing: str = "uniform") -> str:
     fmt = _format(result)
     rows = [r for r in result["rows"] if r.get("routing") == routing]
     tokens = sorted({r["num_tokens_per_rank"] for r in rows})
-    lines = ["| tokens/rank | " + " | ".join(str(t) for t in tokens) + " |", "|---" * (len(tokens) + 1) + "|"]
+    table = []
+
+    def line(label: str, cells) -> None:
+        table.append({"tokens/rank": label, **{str(t): c for t, c in zip(tokens, cells)}})
+
     for label, impl, numerics in (FP8_FP4_ROWS if fmt == "fp8_fp4" else FP8_ROWS):
-        lines.append(f"| {label} | " + " | ".join(_us(_pick(rows, t, impl, numerics)) for t in tokens) + " |")
+        line(label, [_us(_pick(rows, t, impl, numerics)) for t in tokens])
         if (impl, numerics) == TILE_ROW[fmt]:
-            lines.append("| (its tiles: kind, pool block) | "
-                         + " | ".join(_tile(_pick(rows, t, impl, numerics)) for t in tokens) + " |")
+            line("(its tiles: kind, pool block)", [_tile(_pick(rows, t, impl, numerics)) for t in tokens])
     roof = [next((r["roofline_us"] for r in rows if r["num_tokens_per_rank"] == t and r.get("roofline_us")), None)
             for t in tokens]
-    lines.append("| roofline (weight bytes ÷ copy rate or FLOPs ÷ FP8 rate, this run) | "
-                 + " | ".join("–" if v is None else f"{v:.0f}" for v in roof) + " |")
-    return "\n".join(lines)
+    line("roofline (weight bytes ÷ copy rate or FLOPs ÷ FP8 rate, this run)",
+         ["–" if v is None else f"{v:.0f}" for v in roof])
+    return markdown_table(table, ["tokens/rank", *map(str, tokens)])
 
 
 def ratios(result: dict, routing: str = "uniform") -> dict:
