@@ -504,6 +504,12 @@ def _ws_pdl() -> bool:
     return WS_PDL and not interpreting()
 
 
+def _pdl_keywords() -> dict:
+    """A Gluon GEMM phase's ``PDL`` constexpr and ``launch_pdl`` launch option (both ``_ws_pdl()``)."""
+    pdl = _ws_pdl()
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
     words, ``TILE_WORDS`` per tile, one word per pool block), sized for the most pool blocks (of 64 rows); allocated
@@ -686,7 +692,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode, WS_PDL),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode, _ws_pdl()),
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
 
@@ -704,8 +710,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], PDL=_ws_pdl(), num_warps=4,
-        maxnreg=maxnreg, launch_pdl=_ws_pdl())
+        SF_TMA=FP4_WS_SF_TMA[bm], num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
@@ -722,7 +727,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, WS_PDL),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl()),
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -735,7 +740,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        PDL=_ws_pdl(), num_warps=4, maxnreg=maxnreg, launch_pdl=_ws_pdl())
+        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.
