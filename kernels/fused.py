@@ -703,8 +703,12 @@ def fused_mega_moe_kernel(
                       T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
                       COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
                       KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, PF_TILES, PF_BYTES)
-    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
-    if cta == 0:  # every program has drawn its last task (past the end) before the sync: reset for the next call
+    # task_ctr back to 0 for the next call once every program has drawn its last task (past the end): after a grid
+    # sync in the one launch; the back launch's program 0 at once (the front's programs have all exited); not in
+    # the front (a grid sync fewer in each of the two launches around the Gluon phase: nothing else needs one here)
+    if PHASE == 0:
+        _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    if (PHASE != 1) & (cta == 0):
         tl.store(task_ctr, 0)
     if PHASE != 1:
         _back(buf, buffer_ptrs, me, cta, G, num_tokens, y, stats, timeline, grid_ctr, progress, barrier_hold, signal,

@@ -183,7 +183,7 @@ WS_PDL = False
 #: weights in the 762 us phase, 4.2 TB/s) and HBM idles through the rest of the front and the launch gap.
 #: SMs x 256 rows x PF bytes must stay well inside the 50 MB L2 (132 x 256 x 1024 B = 35 MB). Not used with
 #: predecoded FP4 weights (the phase streams the decode pass's output) or under the interpreter.
-WS_L2_PREFETCH_BYTES = {"fp8_ws": 0, "fp4_ws": 0}
+WS_L2_PREFETCH_BYTES = {"fp8_ws": 1024, "fp4_ws": 1024}
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
