@@ -173,8 +173,8 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: Off: measured on an H200 (``pdl`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, 8411cb3, whole call, off /
 #: on) FP8 T = 128 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds
 #: one program of each launch (a dependent grid's programs cannot start before the previous grid's leave their SM).
-#: Output bits the same either way and CUDA-graph capture works with it on (``tests/gpu/test_ws_pdl_gpu.py``, the
-#: graph tests).
+#: Output bits the same either way and CUDA-graph capture works with it on
+#: (``tests/gpu/test_ws_launch_options_gpu.py``, the graph tests).
 WS_PDL = False
 #: Bytes of each weight row of the GEMM phase's first tiles that a Gluon kind's front launch prefetches into the L2
 #: cache once it has written the tile table (``PF_BYTES`` of ``fused_mega_moe_kernel``; one

@@ -341,7 +341,8 @@ def probe_fp4_threshold(tokens=(8, 32)):
 def probe_pdl(tokens=(32, 128)):
     """Programmatic dependent launch between a Gluon kind's three launches (``WS_PDL``) off and on, whole call at
     the host's tile choice, both formats at each T (the FP8 x FP4 one also at T = 8); ``us``, ``graph_us`` and
-    ``host_us`` as the bench, error against the reference (the bits are compared in ``tests/gpu/test_ws_pdl_gpu.py``)."""
+    ``host_us`` as the bench, error against the reference (the bits are compared in
+    ``tests/gpu/test_ws_launch_options_gpu.py``)."""
     rows = [(fmt, T) for T in _tokens(tokens) for fmt in ("fp8", "fp8_fp4")]
     for fmt, T in rows + ([("fp8_fp4", 8)] if ("fp8_fp4", 8) not in rows else []):
         for pdl in (False, True):
