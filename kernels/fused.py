@@ -506,74 +506,35 @@ def _tile_rows(tile, N_TILES: tl.constexpr, n, blocks, cum, BM: tl.constexpr, BL
 
 
 @triton.jit
-def _tile_fields(t, cum_t, count, blocks, cum, n, BM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Entries at indices ``t`` [C] (int32) of one GEMM's part of the tile table (``count`` [BLOCK_E]: its tiles
-    per expert, ``cum_t`` their inclusive sum), ordered as :func:`_tile_entries` says: ``(pool block, n-tile, local
-    expert, valid rows)``, [C] int32 each."""
-    ev = tl.arange(0, BLOCK_E)
-    e = tl.sum((cum_t[None, :] <= t[:, None]).to(tl.int32), axis=1)
-    sel = ev[None, :] == e[:, None]
-    start = tl.sum(tl.where(sel, (cum_t - count)[None, :], 0), axis=1)
-    nb = tl.maximum(tl.sum(tl.where(sel, blocks[None, :], 0), axis=1), 1)
-    first_block = tl.sum(tl.where(sel, (cum - blocks)[None, :], 0), axis=1)
-    n_e = tl.sum(tl.where(sel, n[None, :], 0), axis=1)
-    r = t - start
-    m = r % nb
-    return first_block + m, r // nb, e, tl.minimum(n_e - m * BM, BM)
-
-
-@triton.jit
 def _tile_entries(tiles, first, cta, G, n, blocks, cum, N_T: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     """Entries ``first ..`` of the tile table for one GEMM of ``N_T`` n-tiles per pool block, ordered expert, n-tile,
     then pool block of the expert (consecutive tiles share a weight tile, which the L2 cache then serves):
-    ``(pool block, n-tile, local expert, valid rows)`` int32 each (:func:`_tile_fields`). Strided over the rank's
-    programs; returns the number of tiles."""
+    ``(pool block, n-tile, local expert, valid rows)`` int32 each. Strided over the rank's programs; returns the
+    number of tiles."""
     CHUNK: tl.constexpr = 128
     count = blocks * N_T  # tiles per expert [BLOCK_E]
     cum_t = tl.cumsum(count, axis=0)
     total = tl.max(cum_t, axis=0)
+    ev = tl.arange(0, BLOCK_E)
     t0 = cta * CHUNK
     while t0 < total:
         t = t0 + tl.arange(0, CHUNK)
-        b, nt, e, valid = _tile_fields(t, cum_t, count, blocks, cum, n, BM, BLOCK_E)
+        e = tl.sum((cum_t[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        sel = ev[None, :] == e[:, None]
+        start = tl.sum(tl.where(sel, (cum_t - count)[None, :], 0), axis=1)
+        nb = tl.maximum(tl.sum(tl.where(sel, blocks[None, :], 0), axis=1), 1)
+        first_block = tl.sum(tl.where(sel, (cum - blocks)[None, :], 0), axis=1)
+        n_e = tl.sum(tl.where(sel, n[None, :], 0), axis=1)
+        r = t - start
+        m = r % nb
         p = tiles + TILE_HEADER + (first + t) * TILE_WORDS
         ok = t < total
-        tl.store(p, b, mask=ok)
-        tl.store(p + 1, nt, mask=ok)
+        tl.store(p, first_block + m, mask=ok)
+        tl.store(p + 1, r // nb, mask=ok)
         tl.store(p + 2, e, mask=ok)
-        tl.store(p + 3, valid, mask=ok)
+        tl.store(p + 3, tl.minimum(n_e - m * BM, BM), mask=ok)
         t0 += G * CHUNK
     return total
-
-
-@triton.jit
-def _prefetch_l2(addr, nbytes):
-    """``cp.async.bulk.prefetch.L2.global``: start bringing ``nbytes`` (int32, a multiple of 16) of global memory at
-    ``addr`` (int64, 16-byte aligned; any shape, one request an element) into the L2 cache. Nothing waits for it and
-    nothing changes if it is dropped: a hint (GPU only)."""
-    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                                     [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_first_tiles(w1, cta, G, n, blocks, cum, N1: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr,
-                          I: tl.constexpr, ROW_BYTES: tl.constexpr, PF_TILES: tl.constexpr, PF_BYTES: tl.constexpr):
-    """Start the GEMM phase's weight stream from the front launch: for the first ``PF_TILES`` L1 tiles of the tile
-    table (the first tile of each of the Gluon phase's CTAs, which take ``t = pid, pid + grid, ..``), an L2 prefetch
-    of the first ``PF_BYTES`` of each of the tile's 256 weight rows (``w1``: [El, 2I, ROW_BYTES] bytes, the K blocks
-    its loader asks for first). Strided over the rank's programs, one tile at a time (256 requests, a row each)."""
-    ROWS: tl.constexpr = 256  # weight rows of a tile (megamoe.kernels.formats.WS_TILE_N)
-    count = blocks * N1
-    cum_t = tl.cumsum(count, axis=0)
-    last = tl.minimum(tl.max(cum_t, axis=0), PF_TILES)
-    t = cta
-    while t < last:
-        b, nt, e, valid = _tile_fields(tl.zeros([1], tl.int32) + t, cum_t, count, blocks, cum, n, BM, BLOCK_E)
-        row0 = tl.sum(e * (2 * I) + nt * ROWS, axis=0)  # (a scalar: a [ROWS] request has one row a thread)
-        row = row0 + tl.arange(0, ROWS)
-        addr = w1.to(tl.int64, bitcast=True) + row.to(tl.int64) * ROW_BYTES
-        _prefetch_l2(addr, tl.full([ROWS], PF_BYTES, tl.int32))
-        t += G
 
 
 @triton.jit
@@ -632,8 +593,7 @@ def fused_mega_moe_kernel(
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
-        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False,
-        PF_TILES: tl.constexpr = 0, PF_BYTES: tl.constexpr = 0):
+        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
@@ -650,12 +610,7 @@ def fused_mega_moe_kernel(
     did not all run leaves them unequal. Two torch launches fewer a call than marking from the host.
 
     ``PDL`` (GPU only; ``megamoe.fused.WS_PDL``): the front lets the GEMM phase's grid launch early and the back,
-    launched as a programmatic dependent, waits at its first instruction for the GEMM phase to complete.
-
-    ``PF_TILES`` / ``PF_BYTES`` (PHASE 1, GPU only; ``megamoe.fused.WS_L2_PREFETCH_BYTES``): once the tile table is
-    written, the front starts the L2 prefetch of the first ``PF_BYTES`` of each weight row of the GEMM phase's first
-    ``PF_TILES`` L1 tiles (:func:`_prefetch_first_tiles`), so the weight stream overlaps the rest of the front and
-    the launch gap; 0: none."""
+    launched as a programmatic dependent, waits at its first instruction for the GEMM phase to complete."""
     if PDL:  # a Gluon kind's launches chained by programmatic dependent launch (megamoe.fused.WS_PDL)
         if PHASE == 1:  # the front: the GEMM phase's grid may be scheduled as this one's programs exit
             gdc_launch_dependents()
@@ -702,7 +657,7 @@ def fused_mega_moe_kernel(
                       OFF_TOPK_IDX, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_COMBINE, R, E, El,
                       T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
                       COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
-                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, PF_TILES, PF_BYTES)
+                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE)
     # task_ctr back to 0 for the next call once every program has drawn its last task (past the end): after a grid
     # sync in the one launch; the back launch's program 0 at once (the front's programs have all exited); not in
     # the front (a grid sync fewer in each of the two launches around the Gluon phase: nothing else needs one here)
@@ -732,8 +687,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
            HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
            TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr,
            KW2_PAD: tl.constexpr, FOLDED: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr,
-           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr, PF_TILES: tl.constexpr,
-           PF_BYTES: tl.constexpr):
+           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr):
     """The call up to the end of the task loop (count, publish, barrier 1, tasks); returns the timeline count."""
     N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
     N2: tl.constexpr = H // BN2
@@ -794,9 +748,6 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
         # the FP8 phase's pull partition copies raw rows itself, so for it they place rows (metadata, weights).
         if PHASE == 1:
             _write_tile_table(tiles, cta, G, n, blocks, cum, I // 128, H // 256, BM, BLOCK_E)
-            if PF_BYTES:  # megamoe.fused.WS_L2_PREFETCH_BYTES (0: none)
-                _prefetch_first_tiles(w1, cta, G, n, blocks, cum, I // 128, BM, BLOCK_E, I, H if FP8W else H // 2,
-                                      PF_TILES, PF_BYTES)
             num_l1 = 0
             num_l2 = 0
         # Tasks are handed out in index order by an atomic counter (a work queue), not statically as cta, cta + G,

@@ -174,16 +174,12 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: on) FP8 T = 128 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds
 #: one program of each launch (a dependent grid's programs cannot start before the previous grid's leave their SM).
 #: Output bits the same either way and CUDA-graph capture works with it on
-#: (``tests/gpu/test_ws_launch_options_gpu.py``, the graph tests).
+#: (``tests/gpu/test_ws_pdl_gpu.py``, the graph tests). Also tried to hide the launches: the front starting the GEMM
+#: phase's weight stream, an L2 prefetch (``cp.async.bulk.prefetch.L2``) of the first 512-1536 bytes of every weight
+#: row of each Gluon CTA's first tile once the tile table is written: same bits, whole call unchanged (``prefetch``
+#: rows of the same file, f56e1d4, off / 1024 B: FP8 T = 32 812 / 810 us, 128 835 / 833, 512 956 / 961; FP8 x FP4
+#: T = 512 1340 / 1340) -- removed.
 WS_PDL = False
-#: Bytes of each weight row of the GEMM phase's first tiles that a Gluon kind's front launch prefetches into the L2
-#: cache once it has written the tile table (``PF_BYTES`` of ``fused_mega_moe_kernel``; one
-#: ``cp.async.bulk.prefetch.L2`` per weight row of the first L1 tile of each of the phase's CTAs), by kind; 0 = none.
-#: What it can take off: the weight stream is the GEMM phase's bound at few tokens (T = 128 FP8: 3.17 GB of
-#: weights in the 762 us phase, 4.2 TB/s) and HBM idles through the rest of the front and the launch gap.
-#: SMs x 256 rows x PF bytes must stay well inside the 50 MB L2 (132 x 256 x 1024 B = 35 MB). Not used with
-#: predecoded FP4 weights (the phase streams the decode pass's output) or under the interpreter.
-WS_L2_PREFETCH_BYTES = {"fp8_ws": 1024, "fp4_ws": 1024}
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
 #: front launch (which here also copies and folds the rows) and the back launch. On by default: its GPU tests
@@ -491,7 +487,6 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
     call spends on a CPU machine, most of it in ``triton.next_power_of_2``; the key is what ``_check_resident``
     remembers)."""
     pdl = _ws_pdl()
-    prefetch = _ws_prefetch(sb, cfg)
 
     def build():
         meta = kernel_meta(sb.layout, cfg, has_clamp=has_clamp, has_stats=has_stats, timeline=timeline)
@@ -500,22 +495,11 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
             m = meta if phase == 0 else dict(meta, PHASE=phase)
             if pdl and phase:  # the front triggers, the back is a programmatic dependent (WS_PDL)
                 m.update(PDL=True, **({"launch_pdl": True} if phase == 2 else {}))
-            if phase == 1 and prefetch[1]:  # the front starts the first tiles' weight stream
-                m.update(PF_TILES=prefetch[0], PF_BYTES=prefetch[1])
             out[phase] = (m, tuple(sorted(m.items())))
         return out
 
-    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl, prefetch),
-                         build, limit=64)
-
-
-def _ws_prefetch(sb, cfg: FusedConfig) -> tuple[int, int]:
-    """``(PF_TILES, PF_BYTES)`` of a Gluon kind's front launch on ``sb`` (``WS_L2_PREFETCH_BYTES``): the GEMM phase's
-    CTAs (one per SM) and the bytes a weight row; ``(0, 0)`` for other kinds, predecoded weights, the interpreter."""
-    nbytes = WS_L2_PREFETCH_BYTES.get(cfg.kind, 0)
-    if not nbytes or cfg.predecode or interpreting() or sb.buffer.device.type != "cuda":
-        return 0, 0
-    return torch.cuda.get_device_properties(sb.buffer.device).multi_processor_count, nbytes
+    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl), build,
+                         limit=64)
 
 
 def _ws_pdl() -> bool:

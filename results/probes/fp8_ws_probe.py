@@ -26,14 +26,13 @@ with its L2 flush, as the bench).
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
-* ``prefetch [T1,..]``: the front launch's L2 prefetch of the GEMM phase's first tiles (``WS_L2_PREFETCH_BYTES``)
-  off and at several sizes, both formats (``PREFETCH_ROWS``), output bits compared with the first row's.
+* (``prefetch``, at f56e1d4 only: the front launch's L2 prefetch of the GEMM phase's first tiles, removed with it.)
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
                                            | fp4_threshold [T1,..] | host [T1,..]
-                                           | prefetch [T1,..] | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -342,43 +341,11 @@ def probe_pdl(tokens=(32, 128)):
     """Programmatic dependent launch between a Gluon kind's three launches (``WS_PDL``) off and on, whole call at
     the host's tile choice, both formats at each T (the FP8 x FP4 one also at T = 8); ``us``, ``graph_us`` and
     ``host_us`` as the bench, error against the reference (the bits are compared in
-    ``tests/gpu/test_ws_launch_options_gpu.py``)."""
+    ``tests/gpu/test_ws_pdl_gpu.py``)."""
     rows = [(fmt, T) for T in _tokens(tokens) for fmt in ("fp8", "fp8_fp4")]
     for fmt, T in rows + ([("fp8_fp4", 8)] if ("fp8_fp4", 8) not in rows else []):
         for pdl in (False, True):
             _choice_row("pdl", T, f"pdl {'on' if pdl else 'off'}", fmt, {"WS_PDL": pdl})
-
-
-#: ``prefetch``: the front's L2 prefetch sizes (``WS_L2_PREFETCH_BYTES``) each (format, T) runs, in this order on one
-#: buffer (0 first and again later: the drift of the run shows between them).
-PREFETCH_ROWS = {("fp8", 128): (0, 1024, 512, 1536, 0, 1024), ("fp8", 32): (0, 1024), ("fp8", 512): (0, 1024),
-                 ("fp8_fp4", 512): (0, 1024, 0, 1024)}
-
-
-def probe_prefetch(tokens=(128, 32, 512)):
-    """The front launch's L2 prefetch of the GEMM phase's first tiles (``megamoe.fused.WS_L2_PREFETCH_BYTES``) at
-    the sizes of PREFETCH_ROWS, whole call at the host's tile choice, one buffer per (format, T); ``us``,
-    ``graph_us``, ``host_us`` as the bench, and whether the output's bits equal those without prefetch (a hint
-    only: they must)."""
-    saved = dict(mf.WS_L2_PREFETCH_BYTES)
-    try:
-        for (fmt, T), sizes in PREFETCH_ROWS.items():
-            if T not in _tokens(tokens):
-                continue
-            sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0)
-            want = None
-            for nbytes in sizes:
-                mf.WS_L2_PREFETCH_BYTES.update(fp8_ws=nbytes, fp4_ws=nbytes)
-                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
-                y.fill_(float("nan"))
-                call()
-                torch.cuda.synchronize()
-                want = y.clone() if want is None else want
-                emit(probe="prefetch", fmt=fmt, T=T, kind=cfg.kind, block_m=cfg.block_m, pf_bytes=nbytes,
-                     **_timed(call), bitwise_equal_to_first=bool(torch.equal(y, want)))
-            sb.destroy()
-    finally:
-        mf.WS_L2_PREFETCH_BYTES.update(saved)
 
 
 class DirectLaunch:
@@ -505,5 +472,4 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "prefetch": probe_prefetch}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl}[name]()

@@ -2,9 +2,7 @@
 ``2``) around a Gluon GEMM phase, on a machine without a GPU: registers, spills and shared memory for the residency
 check (``megamoe.fused.PROGRAMS_PER_SM``, ``tests/test_fused.py::test_residency_limits_every_programs_per_sm_choice``).
 
-    python results/probes/fused_front_compile.py [KIND] [PHASE] [PF_BYTES]
-        (KIND fp4_ws | fp8_ws, default fp4_ws; PHASE 1; PF_BYTES the front's L2 prefetch, default 0: off; the PTX's
-        prefetch instructions are counted)
+    python results/probes/fused_front_compile.py [KIND] [PHASE]      (KIND fp4_ws | fp8_ws, default fp4_ws; PHASE 1)
 
 V4-Pro shapes of one EP8 rank (384 experts, top-6, H = 7168, I = 3072, T = 8192), the configuration
 ``fused_config`` gives the kind (8 warps, 2 stages, block 128).
@@ -26,15 +24,12 @@ from megamoe.layout import Layout  # noqa: E402
 
 KIND = sys.argv[1] if len(sys.argv) > 1 else "fp4_ws"
 PHASE = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-PF_BYTES = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 fmt = "fp8" if KIND == "fp8_ws" else "fp8_fp4"
 L = Layout(8, 384, 8192, 6, 7168, 3072, 128, fmt)
 warps, stages = WARPS_STAGES[KIND]
 cfg = FusedConfig(block_m=128, programs_per_rank=132, numerics="hopper" if KIND == "fp4_ws" else "exact",
                   num_warps=warps, num_stages=stages, kind=KIND)
 meta = dict(kernel_meta(L, cfg, has_clamp=False, has_stats=True, timeline=False), PHASE=PHASE)
-if PF_BYTES:
-    meta.update(PF_TILES=132, PF_BYTES=PF_BYTES)
 options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
 fn = kf.fused_mega_moe_kernel
 sig = dict(buf0="*u8", y0="*i16", w1_0="*u8", w1_sf0="*i32", w2_0="*u8", w2_sf0="*i32", stats0="*i32",
@@ -52,6 +47,3 @@ usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f"{d}/k.cub
                        text=True).stdout  # the cubin Triton built (its own ptxas options)
 print(KIND, "PHASE", PHASE, "warps", options["num_warps"], "shared", k.metadata.shared)
 print([line.strip() for line in usage.splitlines() if "REG" in line])
-print("cp.async.bulk.prefetch.L2 in the PTX:", k.asm["ptx"].count("cp.async.bulk.prefetch.L2"))
-if os.environ.get("PTX_OUT"):
-    open(os.environ["PTX_OUT"], "w").write(k.asm["ptx"])
