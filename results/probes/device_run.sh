@@ -9,7 +9,12 @@
 #   probes         fp8_ws_probe.py threshold / fp4_threshold / host: which tile kind each T should take and where
 #                  the host's enqueue time goes (-> $OUT/probes.jsonl, appended row by row; 22 buffers of V4-Pro
 #                  size and the kernels' first compiles: estimated 5-8 min, not yet timed -- run it in its own call)
-#   gputests       tests/gpu (the whole suite: not yet timed in one call; failures in the output's tail)
+#   gputests       tests/gpu (the whole suite; failures in the output's tail). Longer than one call: session 14 ran
+#                  83 tests in 570 s and the rest (26) in ~170 s, so run its two halves in two calls:
+#   gputests_1     tests/gpu: the CuPy primitives and the FP8 x FP4 / FP8 files (~72 tests; with 11 more they took
+#                  570 s in session 14)
+#   gputests_2     tests/gpu: everything else (fused one-launch, staged, reliability, symm, PDL; ~38 tests: 27 of them
+#                  took ~170 s in session 14)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
 #                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
@@ -47,6 +52,12 @@ step_probes() {
 }
 
 step_gputests() { $PY -m pytest tests/gpu -q -rfE; }
+
+GPUTESTS_1="tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp8_gpu.py"
+# shellcheck disable=SC2086
+step_gputests_1() { $PY -m pytest -q -rfE $GPUTESTS_1; }
+# shellcheck disable=SC2086
+step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $GPUTESTS_1); }
 
 step_gputests_quick() {
     $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
