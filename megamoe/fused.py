@@ -68,7 +68,9 @@ PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8
 #: H200, where the bytes at 3.5 TB/s take ~230; ``results/probes/fused_fp8_wall_gap_probe_h200.jsonl``). Measured
 #: at 1 / 2 / 4 (``results/probes/ws_variants_probe_h200.jsonl``, whole call, same output bits): FP8 T = 2048 2635 /
 #: 2619 / 2613 us, T = 8192 8285 / 8260 / 8266; FP8 x FP4 T = 8192 15552 / 15510 / 15471 -- under 1 %, inside the
-#: spread between machines, so the back launch keeps one program an SM (the front's grid).
+#: spread between machines, so the back launch keeps one program an SM (the front's grid). A fraction (e.g. 0.25)
+#: gives a fraction of the SMs one program each (``results/probes/fused_fp8_ws_profile.py``: fewer programs, cheaper
+#: grid syncs, where the combine is small; not measured yet).
 WS_BACK_PROGRAMS_PER_SM = 1
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
@@ -656,7 +658,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    g_back = max(1, WS_BACK_PROGRAMS_PER_SM * sms // len(calls))
+    g_back = max(1, int(WS_BACK_PROGRAMS_PER_SM * sms) // len(calls))
     args_back, grid_back = args_for(g_back), (len(calls) * g_back,)
     _check_resident(args, grid, front, front_key, dev)
     _check_resident(args_back, grid_back, back, back_key, dev)

@@ -1,36 +1,85 @@
-"""python results/probes/fused_fp8_ws_profile.py T[,T...] [FP8_WS_MIN_EXPECTED [FP8_BLOCK64_MAX_EXPECTED]]
+"""Per-launch GPU time of one fused call whose GEMMs run as a Gluon phase (front launch / Gluon GEMM phase / back
+launch), and the gaps between them, at V4-Pro (one EP8 rank's 48 experts, world size 1, uniform routing), from the
+torch profiler's kernel records of 5 calls after 3 warm-up calls (median per launch position):
 
-Per-launch GPU time of the fused FP8 call (front / Gluon GEMM phase / back) at V4-Pro, one EP8 rank's 48 experts."""
-import json, sys, os
+    python results/probes/fused_fp8_ws_profile.py T[,T...] [fp8 | fp8_fp4] >> fused_fp8_ws_profile_<commit>_h200.jsonl
+
+Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
+  FRONT_PROGRAMS           the front launch's programs (``FusedConfig.programs_per_rank``; default one an SM)
+  BACK_PROGRAMS_PER_SM     ``WS_BACK_PROGRAMS_PER_SM`` (a fraction gives that share of the SMs one program each)
+  FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED   the tile thresholds
+
+A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
+start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
+this probe (per kernel name, summed over a call)."""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 import megamoe.fused as mf
 from megamoe.cases import MoECase, prepare_rank
-from megamoe.symm import SymmBuffer
+from megamoe.ops import fp8_fp4_mega_moe
 from megamoe.ops_fp8 import fp8_mega_moe
-from torch.profiler import profile, ProfilerActivity
+from megamoe.symm import SymmBuffer
 
+CALLS, WARMUP = 5, 3
 tokens = [int(t) for t in sys.argv[1].split(",")]
-if len(sys.argv) > 2:
-    mf.FP8_WS_MIN_EXPECTED = int(sys.argv[2])
-if len(sys.argv) > 3 and hasattr(mf, "FP8_BLOCK64_MAX_EXPECTED"):  # e.g. 0: no 64-row tile
-    mf.FP8_BLOCK64_MAX_EXPECTED = int(sys.argv[3])
-case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format="fp8")
-sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cuda", format="fp8")[0]
+fmt = sys.argv[2] if len(sys.argv) > 2 else "fp8"
+overrides = {}
+for name in ("FP8_WS_MIN_EXPECTED", "FP8_WS_BLOCK64_MAX_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED"):
+    if name in os.environ:
+        overrides[name] = float(os.environ[name])
+if "BACK_PROGRAMS_PER_SM" in os.environ:
+    overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
+for name, value in overrides.items():
+    setattr(mf, name, value)
+front_programs = int(os.environ["FRONT_PROGRAMS"]) if "FRONT_PROGRAMS" in os.environ else None
+if front_programs is not None:
+    _config = mf.fused_config
+    mf.fused_config = lambda *a, **k: dataclasses.replace(_config(*a, **k), programs_per_rank=front_programs)
+numerics = "hopper" if fmt == "fp8_fp4" else "exact"
+
+case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
+sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cuda", format=fmt)[0]
 for n in tokens:
     case.num_tokens = n
     problem = case.problem(device="cuda")
     y, l1, l2, stats = prepare_rank(sb, problem, 0)
-    cfg = mf.fused_config(sb.layout, n, 1, sb.buffer.device)
-    kind = cfg.kind
-    for _ in range(3):
-        fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+
+    def call():
+        if fmt == "fp8":
+            fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+        else:
+            fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
+
+    cfg = mf.fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
+    for _ in range(WARMUP):
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+        for _ in range(CALLS):
+            call()
         torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA"), key=lambda k: k[0])
+    per_call = len(kernels) // CALLS
+    calls = [kernels[i * per_call:(i + 1) * per_call] for i in range(CALLS)]
+    launches = [(calls[0][j][2][:60], round(statistics.median(c[j][1] - c[j][0] for c in calls), 1))
+                for j in range(per_call)]
+    gaps = [round(statistics.median(c[j + 1][0] - c[j][1] for c in calls), 1) for j in range(per_call - 1)]
+    span = round(statistics.median(c[-1][1] - c[0][0] for c in calls), 1)
     agg = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            agg.setdefault(e.name[:60], []).append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-    print(json.dumps({"T": n, "kind": kind, "block_m": cfg.block_m, "kernels_us": {k: round(sum(v) / 5, 1) for k, v in agg.items()}}))
+    for _, _, name in kernels:
+        agg[name[:60]] = 0.0
+    for start, end, name in kernels:
+        agg[name[:60]] += (end - start) / CALLS
+    print(json.dumps({"T": n, "fmt": fmt, "kind": cfg.kind, "block_m": cfg.block_m,
+                      "front_programs": cfg.programs_per_rank, "overrides": overrides, "launches": launches,
+                      "gaps_us": gaps, "span_us": span, "kernels_us": {k: round(v, 1) for k, v in agg.items()},
+                      "commit": os.environ.get("MEGAMOE_GIT_COMMIT")}), flush=True)
+sb.destroy()
