@@ -21,6 +21,9 @@
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
+#   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
+#                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
+#                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
 #
 # Commit: pass MEGAMOE_GIT_COMMIT=<this checkout's short HEAD> in the call's command. The device copy's own git HEAD
 # was seen stale (session 13: it read 5bcfb3e while the working tree was 181923a), and the bench's provenance takes
@@ -75,6 +78,17 @@ _layer() {  # suite, result file
 }
 step_layer_fp8() { _layer layer_fp8 layer_fp8_h200.json; }
 step_layer() { _layer layer layer_h200.json; }
+
+step_profile() {
+    local fmt env
+    for fmt in fp8 fp8_fp4; do
+        for env in "" "FRONT_PROGRAMS=32" "BACK_PROGRAMS_PER_SM=0.25" "FRONT_PROGRAMS=32 BACK_PROGRAMS_PER_SM=0.25"; do
+            # shellcheck disable=SC2086
+            env $env $PY results/probes/fused_fp8_ws_profile.py 32,128,512 $fmt >>"$OUT/profile.jsonl" || return 1
+        done
+    done
+    cut -c1-400 "$OUT/profile.jsonl"
+}
 
 step_notebooks() { $PY -m megamoe.notebooks run 2>&1 | tail -20; return "${PIPESTATUS[0]}"; }
 
