@@ -125,3 +125,21 @@ def test_device_run_script_parses_and_defines_every_step_it_lists():
     defined = set(re.findall(r"^step_(\w+)\(\)", text, flags=re.M))
     assert {"install", "probes", "gputests", "layer_fp8", "layer"} <= set(listed)
     assert set(listed) == defined, (listed, defined)
+
+
+def test_ws_profile_splits_launches_by_position_and_refuses_uneven_calls():
+    """``fused_fp8_ws_profile.launch_split`` (GPU-only probe, its arithmetic checked here): two calls of three
+    launches given out of order -> per position the median duration, the gaps and the span; calls whose launches
+    differ, or a count that does not split, raise instead of mixing launches up."""
+    probe = _load("fused_fp8_ws_profile")
+    call = [(0.0, 20.0, "front"), (25.0, 785.0, "gemm"), (790.0, 808.0, "back")]
+    kernels = [(s + off, e + off, n) for off in (1000.0, 0.0) for s, e, n in call]
+    kernels[0] = (1000.0, 1022.0, "front")  # the second call's front 2 us longer
+    out = probe.launch_split(kernels, 2)
+    assert out["launches"] == [("front", 21.0), ("gemm", 760.0), ("back", 18.0)]
+    assert out["gaps_us"] == [4.0, 5.0] and out["span_us"] == 808.0
+    assert out["kernels_us"] == {"front": 21.0, "gemm": 760.0, "back": 18.0}
+    with pytest.raises(ValueError, match="do not split"):
+        probe.launch_split(kernels[:-1], 2)
+    with pytest.raises(ValueError, match="differ"):
+        probe.launch_split(kernels[:-1] + [(1790.0, 1808.0, "other")], 2)

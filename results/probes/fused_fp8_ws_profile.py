@@ -28,58 +28,74 @@ from megamoe.ops_fp8 import fp8_mega_moe
 from megamoe.symm import SymmBuffer
 
 CALLS, WARMUP = 5, 3
-tokens = [int(t) for t in sys.argv[1].split(",")]
-fmt = sys.argv[2] if len(sys.argv) > 2 else "fp8"
-overrides = {}
-for name in ("FP8_WS_MIN_EXPECTED", "FP8_WS_BLOCK64_MAX_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED"):
-    if name in os.environ:
-        overrides[name] = float(os.environ[name])
-if "BACK_PROGRAMS_PER_SM" in os.environ:
-    overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
-for name, value in overrides.items():
-    setattr(mf, name, value)
-front_programs = int(os.environ["FRONT_PROGRAMS"]) if "FRONT_PROGRAMS" in os.environ else None
-if front_programs is not None:
-    _config = mf.fused_config
-    mf.fused_config = lambda *a, **k: dataclasses.replace(_config(*a, **k), programs_per_rank=front_programs)
-numerics = "hopper" if fmt == "fp8_fp4" else "exact"
 
-case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
-sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cuda", format=fmt)[0]
-for n in tokens:
-    case.num_tokens = n
-    problem = case.problem(device="cuda")
-    y, l1, l2, stats = prepare_rank(sb, problem, 0)
 
-    def call():
-        if fmt == "fp8":
-            fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
-        else:
-            fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
+def launch_split(kernels: list, calls: int) -> dict:
+    """``kernels``: ``(start us, end us, name)`` of every GPU kernel of ``calls`` consecutive calls (any order) ->
+    ``launches`` [(name, median us)] by position in a call, ``gaps_us`` (median, end of one launch to the start of
+    the next), ``span_us`` (median, first start to last end) and ``kernels_us`` (per name, summed over a call)."""
+    kernels = sorted(kernels, key=lambda k: k[0])
+    per_call, rest = divmod(len(kernels), calls)
+    if per_call == 0 or rest:
+        raise ValueError(f"{len(kernels)} kernels do not split into {calls} calls of the same launches")
+    by_call = [kernels[i * per_call:(i + 1) * per_call] for i in range(calls)]
+    names = [k[2][:60] for k in by_call[0]]
+    if any([k[2][:60] for k in c] != names for c in by_call):
+        raise ValueError(f"the calls' launches differ: {[[k[2][:60] for k in c] for c in by_call]}")
+    med = statistics.median
+    agg = dict.fromkeys(names, 0.0)
+    for start, end, name in kernels:
+        agg[name[:60]] += (end - start) / calls
+    return {"launches": [(names[j], round(med(c[j][1] - c[j][0] for c in by_call), 1)) for j in range(per_call)],
+            "gaps_us": [round(med(c[j + 1][0] - c[j][1] for c in by_call), 1) for j in range(per_call - 1)],
+            "span_us": round(med(c[-1][1] - c[0][0] for c in by_call), 1),
+            "kernels_us": {k: round(v, 1) for k, v in agg.items()}}
 
-    cfg = mf.fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
-    for _ in range(WARMUP):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
+
+def main(argv: list[str]) -> None:
+    tokens = [int(t) for t in argv[1].split(",")]
+    fmt = argv[2] if len(argv) > 2 else "fp8"
+    overrides = {}
+    for name in ("FP8_WS_MIN_EXPECTED", "FP8_WS_BLOCK64_MAX_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED"):
+        if name in os.environ:
+            overrides[name] = float(os.environ[name])
+    if "BACK_PROGRAMS_PER_SM" in os.environ:
+        overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
+    for name, value in overrides.items():
+        setattr(mf, name, value)
+    if "FRONT_PROGRAMS" in os.environ:
+        front_programs, config = int(os.environ["FRONT_PROGRAMS"]), mf.fused_config
+        mf.fused_config = lambda *a, **k: dataclasses.replace(config(*a, **k), programs_per_rank=front_programs)
+    numerics = "hopper" if fmt == "fp8_fp4" else "exact"
+
+    case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
+    sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cuda", format=fmt)[0]
+    for n in tokens:
+        case.num_tokens = n
+        problem = case.problem(device="cuda")
+        y, l1, l2, stats = prepare_rank(sb, problem, 0)
+
+        def call():
+            if fmt == "fp8":
+                fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
+            else:
+                fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
+
+        cfg = mf.fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
+        for _ in range(WARMUP):
             call()
         torch.cuda.synchronize()
-    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type.name == "CUDA"), key=lambda k: k[0])
-    per_call = len(kernels) // CALLS
-    calls = [kernels[i * per_call:(i + 1) * per_call] for i in range(CALLS)]
-    launches = [(calls[0][j][2][:60], round(statistics.median(c[j][1] - c[j][0] for c in calls), 1))
-                for j in range(per_call)]
-    gaps = [round(statistics.median(c[j + 1][0] - c[j][1] for c in calls), 1) for j in range(per_call - 1)]
-    span = round(statistics.median(c[-1][1] - c[0][0] for c in calls), 1)
-    agg = {}
-    for _, _, name in kernels:
-        agg[name[:60]] = 0.0
-    for start, end, name in kernels:
-        agg[name[:60]] += (end - start) / CALLS
-    print(json.dumps({"T": n, "fmt": fmt, "kind": cfg.kind, "block_m": cfg.block_m,
-                      "front_programs": cfg.programs_per_rank, "overrides": overrides, "launches": launches,
-                      "gaps_us": gaps, "span_us": span, "kernels_us": {k: round(v, 1) for k, v in agg.items()},
-                      "commit": os.environ.get("MEGAMOE_GIT_COMMIT")}), flush=True)
-sb.destroy()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(CALLS):
+                call()
+            torch.cuda.synchronize()
+        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA"]
+        print(json.dumps({"T": n, "fmt": fmt, "kind": cfg.kind, "block_m": cfg.block_m,
+                          "front_programs": cfg.programs_per_rank, "overrides": overrides,
+                          **launch_split(kernels, CALLS), "commit": os.environ.get("MEGAMOE_GIT_COMMIT")}), flush=True)
+    sb.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
