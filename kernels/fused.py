@@ -663,9 +663,9 @@ def fused_mega_moe_kernel(
     # the front (a grid sync fewer in each of the two launches around the Gluon phase: nothing else needs one here)
     if PHASE == 0:
         _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
-    if (PHASE != 1) & (cta == 0):
-        tl.store(task_ctr, 0)
     if PHASE != 1:
+        if cta == 0:
+            tl.store(task_ctr, 0)
         _back(buf, buffer_ptrs, me, cta, G, num_tokens, y, stats, timeline, grid_ctr, progress, barrier_hold, signal,
               state, send, recv, recv_sum, arrival, l2_mask, epoch0, n_ev, timeout_ns, max_polls, OFF_TOPK_IDX,
               OFF_COMBINE, R, E, El, T, K, H, BM, BLOCK_R, BLOCK_E, COMBINE_T, COMBINE_H, HAS_STATS, TIMED, TIMELINE,

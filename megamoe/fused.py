@@ -88,9 +88,9 @@ FP8_BLOCK64_MAX_EXPECTED = 64
 #: rank of one EP8 rank of V4-Pro (384 experts, top-6) the expectation is T / 8. Measured on an H200, whole call
 #: (``results/probes/fp8_ws_probe_h200.jsonl``, ``threshold`` rows at 5bcfb3e, session 13): swap-AB / "fp8_ws"
 #: block 64 / block 128 at T = 32 822 / 814 / 840 us, T = 128 844 / 838 / 861, T = 256 966 / 864 / 887; at T = 8
-#: 495 / 506 / 668 and T = 16 710 / 709 / 733 (a later call, 181923a). T = 8 runs swap-AB at 495 us in
-#: ``results/layer_fp8_h200.json``, where DeepGEMM takes 548. Until session 13 this was 32 (swap up to T = 256), set
-#: when "fp8_ws" had no 64-row tile.
+#: 495 / 506 / 668 and T = 16 710 / 709 / 733 (a later call, 181923a). T = 8 runs swap-AB in
+#: ``results/layer_fp8_h200.json`` (below DeepGEMM's time there). Until session 13 this was 32 (swap up to T = 256),
+#: set when "fp8_ws" had no 64-row tile.
 FP8_SWAP_MAX_EXPECTED = 2
 #: Pool block (MMA N) of the "fp8_swap" tiles, whatever the expectation: a block is read against all of its expert's
 #: weights, so an expert whose tokens overflow one block streams its weights twice. On an H200 (same probe file, a
