@@ -5,10 +5,10 @@ interpreter); with the ``local`` backend one launch holds every local rank's pro
 local rank ``pid // G``. Every program walks the same phases::
 
     count + publish source indices  (pairs strided over the rank's programs; slot atomics, remote stores)
-    grid sync -> publish counts (experts strided) -> grid sync -> program 0: barrier tag 1 -> grid sync
+    grid sync -> program 0: publish counts, barrier tag 1 -> grid sync
     task loop: [pull tasks | L1 tiles | L2 tiles], handed out in increasing t by an atomic task counter
     grid sync -> program 0: barrier tag 2 -> grid sync -> combine reduce ((tokens x columns) strided) + cleanup
-    grid sync -> program 0: barrier tag 3
+    grid sync -> program 0: counts cleanup, barrier tag 3
 
 **Overlap without deadlock.** A task only waits on tasks with a smaller index: an L1 tile of pool block ``b``
 spins until ``l1_arrival_count[b]`` equals the rows of ``b`` (each pull task adds the rows it landed, release);
@@ -709,18 +709,19 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
         tl.store(sym_map(dst, buffer_ptrs, me, owner), offs.to(tl.int32), mask=ok)
         p0 += G * COUNT_BLOCK
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
-    # ---- publish counts: send_count[e] -> owner's recv_count[me][e % El] and recv_count_sum[e % El]
-    e0 = cta * 128
-    while e0 < E:
-        e = e0 + tl.arange(0, 128)
-        inb = e < E
-        cnt = tl.load(send + e, mask=inb, other=0, volatile=True)
-        owner = tl.where(inb, e // El, me)
-        le = tl.where(inb, e % El, 0)
-        tl.store(sym_map(recv + me * El + le, buffer_ptrs, me, owner), cnt, mask=inb)
-        tl.atomic_add(sym_map(recv_sum + le, buffer_ptrs, me, owner), cnt, mask=inb, sem="relaxed", scope="sys")
-        e0 += G * 128
-    _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
+    # ---- publish counts: send_count[e] -> owner's recv_count[me][e % El] and recv_count_sum[e % El]. Program 0
+    # alone, just before its barrier 1 (a grid sync fewer than with the experts strided over the programs: the
+    # counts are only read after barrier 1; its release orders them, after a barrier of the program's threads)
+    if cta == 0:
+        for e0 in tl.static_range(0, E, 128):
+            e = e0 + tl.arange(0, 128)
+            inb = e < E
+            cnt = tl.load(send + e, mask=inb, other=0, volatile=True)
+            owner = tl.where(inb, e // El, me)
+            le = tl.where(inb, e % El, 0)
+            tl.store(sym_map(recv + me * El + le, buffer_ptrs, me, owner), cnt, mask=inb)
+            tl.atomic_add(sym_map(recv_sum + le, buffer_ptrs, me, owner), cnt, mask=inb, sem="relaxed", scope="sys")
+        tl.debug_barrier()
     n_ev = _event(timeline, cta, n_ev, EV_COUNT, t0, TIMELINE, MAX_EVENTS)
     t0 = _now(TIMED)
     if cta == 0:
@@ -867,23 +868,21 @@ def _back(buf, buffer_ptrs, me, cta, G, num_tokens, y, stats, timeline, grid_ctr
                     s = tl.load(stats + i, mask=mi, other=0)
                     tl.store(stats + i, s + tl.load(recv_sum + i, mask=mi, other=0).to(tl.int32), mask=mi)
                 tl.store(recv_sum + i, tl.zeros([128], tl.int64), mask=mi)
-        _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)  # every program read recv above before it is zeroed
-        i0 = cta * 128
-        while i0 < E:
-            i = i0 + tl.arange(0, 128)
-            tl.store(send + i, tl.zeros([128], tl.int64), mask=i < E)
-            i0 += G * 128
-        i0 = cta * 128
-        while i0 < R * El:
-            i = i0 + tl.arange(0, 128)
-            tl.store(recv + i, tl.zeros([128], tl.int64), mask=i < R * El)
-            i0 += G * 128
-    else:
-        _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_COMBINE, t0, TIMELINE, MAX_EVENTS)
     _grid_sync(grid_ctr, cta, G, state, timeout_ns, TIMED)
     t0 = _now(TIMED)
     if cta == 0:
+        # the send and receive counts back to 0: program 0 alone, once every program has read ``recv`` above (a grid
+        # sync fewer than with the zeroing strided over the programs between two syncs); barrier 3's release
+        # orders these stores before any peer's next call publishes into this rank's counts
+        if ok_all:
+            for i0 in tl.static_range(0, E, 128):
+                i = i0 + tl.arange(0, 128)
+                tl.store(send + i, tl.zeros([128], tl.int64), mask=i < E)
+            for i0 in tl.static_range(0, R * El, 128):
+                i = i0 + tl.arange(0, 128)
+                tl.store(recv + i, tl.zeros([128], tl.int64), mask=i < R * El)
+            tl.debug_barrier()
         _cross_rank_barrier(signal, state, progress, barrier_hold, buffer_ptrs, me, epoch0 + 3, 3, R, BLOCK_R,
                             timeout_ns, max_polls, TIMED)
     n_ev = _event(timeline, cta, n_ev, EV_BARRIER3, t0, TIMELINE, MAX_EVENTS)
