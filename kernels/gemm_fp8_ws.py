@@ -146,11 +146,15 @@ def _tile(tiles, t):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
                     tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
-                    H: gl.constexpr,
-                    I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
+                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
+                    W_TILED: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
-    two bits of the block's arrival mask."""
+    two bits of the block's arrival mask.
+
+    ``W_TILED`` (``megamoe.fused.FP8_WS_TILED_WEIGHTS``): the weight descriptors are over a tiled copy, ``[rows/256,
+    K/128, 256, 128]`` as ``[rows * K/128, 128]``, so a stage's W box (256 rows x 128 K values) is 32 KB in one run
+    of memory instead of 256 runs of 128 bytes ``K`` bytes apart: box row ``w_row * KB + kb * 256``."""
     nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     it = 0
@@ -198,13 +202,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             mbarrier.wait(empty.index(s), ph ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
+            if W_TILED:
+                w_at = [w_row * KB + kb * TILE_N, 0]
+            else:
+                w_at = [w_row, kb * BK]
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BK], bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(w2_desc, w_at, bar, w_bufs.index(s))
                 tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BK], bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(w1_desc, w_at, bar, w_bufs.index(s))
                 tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             it += 1
 
@@ -573,7 +581,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False):
+                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
+                          W_TILED: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
@@ -617,7 +626,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                                    OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                                empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
-                               H, I, SP, STAGES)),
+                               H, I, SP, STAGES, W_TILED)),
             (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
@@ -631,8 +640,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            SP, STAGES, HAS_CLAMP)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
-                           I, SP,
-                           STAGES)),
+                           I, SP, STAGES, W_TILED)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

@@ -161,6 +161,13 @@ FP8_WS_BLOCK64_MAX_EXPECTED = 32
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
+#: Whether the "fp8_ws" GEMM phase streams its weights from a tiled copy (``_tiled_weights``: every [256, 128] box
+#: of the ring one 32 KB run of memory, ``W_TILED`` of ``megamoe.kernels.gemm_fp8_ws._load_partition``) instead of
+#: the transformed weights themselves, whose box is 256 runs of 128 bytes H (or I) bytes apart. The copy is made
+#: on the first call with a pair of weights and kept on the buffer (El x (2I x H + H x I) bytes more, as the
+#: predecoded FP4 path's scratch); made again when the weights' address or torch version counter changes. Not
+#: measured yet (session 15).
+FP8_WS_TILED_WEIGHTS = False
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
 #: largest power of two dividing H), strided over the programs.
 COMBINE_TOKENS, COMBINE_COLUMNS = 8, 256
@@ -176,7 +183,7 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: on) FP8 T = 128 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds
 #: one program of each launch (a dependent grid's programs cannot start before the previous grid's leave their SM).
 #: Output bits the same either way and CUDA-graph capture works with it on
-#: (``tests/gpu/test_ws_pdl_gpu.py``, the graph tests). Also tried to hide the launches: the front starting the GEMM
+#: (``tests/gpu/test_ws_launch_options_gpu.py``, the graph tests). Also tried to hide the launches: the front starting the GEMM
 #: phase's weight stream by an L2 prefetch (``cp.async.bulk.prefetch.L2``) of the first bytes of every weight row of
 #: each Gluon CTA's first tile -- once the tile table is written (session 14, f56e1d4): whole call unchanged; at the
 #: front's first instruction, for the tiles expected from the token count (session 15): 6-10 us slower at every T
@@ -570,13 +577,37 @@ def _ws_descriptors(c, L, bm: int):
         f8 = torch.float8_e4m3fn
         spec = ws_descriptor_specs("fp8_ws", bm)
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
-        tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"),
-                       w1_desc=c.l1[0].view(f8).reshape(-1, H), w2_desc=c.l2[0].view(f8).reshape(-1, I))
+        if tiled is None:
+            w1, w2 = c.l1[0].view(f8).reshape(-1, H), c.l2[0].view(f8).reshape(-1, I)
+        else:
+            w1, w2 = tiled
+        tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         return tuple(TensorDescriptor.from_tensor(tensors[k], spec[k][1], spec[k][2]) for k in tensors) + tuple(
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in (("sa1_desc", sa1),
                                                                                        ("sa2_desc", sa2)))
 
-    return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
+    tiled = _tiled_weights(c) if FP8_WS_TILED_WEIGHTS else None  # (its address is in the key: it may be re-made)
+    key = ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, tiled and tiled[0].data_ptr())
+    return _buffer_cache(c.sb, "_ws_descs", key, build)
+
+
+def _tiled_weights(c):
+    """``FP8_WS_TILED_WEIGHTS``: bound call ``c``'s transformed FP8 weights re-laid as the GEMM phase's ring boxes,
+    ``(w1t [El * 2I/256 * H/128 * 256, 128], w2t [El * H/256 * I/128 * 256, 128])`` e4m3: box ``j`` (256 rows x 128
+    K values, 32 KB in one run) is rows ``[256 (j // KB), +256)`` x K block ``j % KB`` of the weights as
+    ``[El * N, K]``. Kept on the buffer for these weights (one entry); made again when their address or torch
+    version counter changes (an in-place update through torch)."""
+    def build():
+        out = []
+        for w in (c.l1[0], c.l2[0]):
+            E_, N, K = w.shape
+            t = w.view(torch.float8_e4m3fn).view(E_ * N // 256, 256, K // 128, 128).transpose(1, 2)
+            out.append(t.contiguous().view(-1, 128))
+        return tuple(out)
+
+    w1, w2 = c.l1[0], c.l2[0]
+    return _buffer_cache(c.sb, "_tiled_weights", (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version), build,
+                         limit=0)
 
 
 def _predecode_scratch(c):
@@ -738,7 +769,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl()),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_TILED_WEIGHTS),
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -751,7 +782,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        W_TILED=FP8_WS_TILED_WEIGHTS, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

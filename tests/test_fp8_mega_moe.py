@@ -280,6 +280,39 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
 
 
+def test_tiled_weight_copy_holds_each_ring_box_in_one_run(monkeypatch):
+    """``FP8_WS_TILED_WEIGHTS`` on a CPU rank (host code only: the GEMM phase's torch model reads the weights
+    themselves): the copy's 256-row run at box row ``w_row * KB + kb * 256`` (what the loader asks for with
+    ``W_TILED``) is the weights' rows ``[w_row, +256)`` x K block ``kb``, for both weights; the descriptors are
+    built over it; the copy is kept while the weights stand still and made again after an in-place update."""
+    import megamoe.fused as mf
+    from megamoe.fused import FusedConfig
+
+    cfg = FusedConfig(block_m=128, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
+    monkeypatch.setattr(mf, "FP8_WS_TILED_WEIGHTS", True)
+    calls, descs = [], []
+    real_tiled, real_descs = mf._tiled_weights, mf._ws_descriptors
+    monkeypatch.setattr(mf, "_tiled_weights", lambda c: calls.append(c) or real_tiled(c))
+    monkeypatch.setattr(mf, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    case = MoECase(format="fp8", num_ranks=1, num_tokens=40, hidden=512, intermediate=384, num_topk=3,
+                   num_experts=6, num_calls=1, block_m=128, impl="fused", seed=5)
+    _check(run_case_local(case))
+    c = calls[-1]
+    w1t, w2t = mf._tiled_weights(c)
+    assert list(descs[-1][2].shape) == [6 * 2 * 384 * 512 // 128, 128] and descs[-1][2].base.data_ptr() == w1t.data_ptr()
+    for w, wt in ((c.l1[0], w1t), (c.l2[0], w2t)):
+        flat = w.view(torch.uint8).reshape(-1, w.shape[-1])
+        KB = w.shape[-1] // 128
+        for w_row in range(0, flat.shape[0], 256):
+            for kb in range(KB):
+                box = wt.view(torch.uint8)[w_row * KB + kb * 256:][:256]
+                assert torch.equal(box, flat[w_row:w_row + 256, kb * 128:(kb + 1) * 128]), (w_row, kb)
+    assert mf._tiled_weights(c)[0] is w1t  # kept
+    c.l1[0].view(torch.uint8)[0, 0, 0] ^= 1  # an in-place update through torch: made again
+    assert not torch.equal(mf._tiled_weights(c)[0].view(torch.uint8)[0], w1t.view(torch.uint8)[0])
+
+
 def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):
     """``tile_kind`` / ``ws_unsupported_reason`` on an sm_90 device (faked: this test runs on CPU): the Gluon GEMM
     phase above FP8_WS_MIN_EXPECTED expected tokens per expert with a pool of block 128 and I <= 4096; otherwise the

@@ -21,7 +21,9 @@
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
-#   launch_options tests/gpu/test_ws_pdl_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
+#   tiled          fp8_ws_probe.py tiled: the FP8 phase's weights as they are / from a tiled copy, T = 128, 32, 512,
+#                  2048, 8192 (-> $OUT/tiled.jsonl)
+#   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -91,7 +93,12 @@ step_profile() {
     cut -c1-400 "$OUT/profile.jsonl"
 }
 
-step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_pdl_gpu.py; }
+step_tiled() {  # FP8 GEMM phase: transformed weights vs their tiled copy (-> $OUT/tiled.jsonl)
+    $PY results/probes/fp8_ws_probe.py tiled >>"$OUT/tiled.jsonl" || return 1
+    cut -c1-300 "$OUT/tiled.jsonl"
+}
+
+step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py; }
 
 step_notebooks() { $PY -m megamoe.notebooks run 2>&1 | tail -20; return "${PIPESTATUS[0]}"; }
 

@@ -26,13 +26,16 @@ with its L2 flush, as the bench).
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
-* (``prefetch``, at f56e1d4 only: the front launch's L2 prefetch of the GEMM phase's first tiles, removed with it.)
+* (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
+  with it.)
+* ``tiled [T1,..]``: the FP8 GEMM phase's weights from the transformed tensors and from a tiled copy (every ring
+  box one run of memory, ``FP8_WS_TILED_WEIGHTS``), alternating; output bits compared with the first row's.
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
                                            | fp4_threshold [T1,..] | host [T1,..]
-                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | combine [T1,..] | tiled [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -41,6 +44,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -341,11 +345,43 @@ def probe_pdl(tokens=(32, 128)):
     """Programmatic dependent launch between a Gluon kind's three launches (``WS_PDL``) off and on, whole call at
     the host's tile choice, both formats at each T (the FP8 x FP4 one also at T = 8); ``us``, ``graph_us`` and
     ``host_us`` as the bench, error against the reference (the bits are compared in
-    ``tests/gpu/test_ws_pdl_gpu.py``)."""
+    ``tests/gpu/test_ws_launch_options_gpu.py``)."""
     rows = [(fmt, T) for T in _tokens(tokens) for fmt in ("fp8", "fp8_fp4")]
     for fmt, T in rows + ([("fp8_fp4", 8)] if ("fp8_fp4", 8) not in rows else []):
         for pdl in (False, True):
             _choice_row("pdl", T, f"pdl {'on' if pdl else 'off'}", fmt, {"WS_PDL": pdl})
+
+
+#: ``tiled``: the FP8 GEMM phase's weights streamed as they are and from the tiled copy (``FP8_WS_TILED_WEIGHTS``),
+#: alternating on one buffer per T (the run's drift shows between the repeats).
+TILED_ROWS = (False, True, False, True)
+
+
+def probe_tiled(tokens=(128, 32, 512, 2048, 8192)):
+    """The "fp8_ws" GEMM phase's weights from the transformed tensors or from their tiled copy (every ring box one
+    32 KB run: ``megamoe.fused.FP8_WS_TILED_WEIGHTS``), whole ``fp8_mega_moe`` call at the host's tile choice;
+    ``us`` / ``graph_us`` / ``host_us`` as the bench, whether the output's bits equal the first row's (they must),
+    and the one-time copy's time (``copy_ms``, its first call)."""
+    saved = mf.FP8_WS_TILED_WEIGHTS
+    try:
+        for T in _tokens(tokens):
+            sb, problem, y, call = rank(T, "fp8")
+            want = None
+            for tiled in TILED_ROWS:
+                mf.FP8_WS_TILED_WEIGHTS = tiled
+                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "exact")
+                y.fill_(float("nan"))
+                t0 = time.perf_counter()
+                call()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
+                want = y.clone() if want is None else want
+                emit(probe="tiled", T=T, kind=cfg.kind, block_m=cfg.block_m, tiled=tiled, first_call_ms=first_ms,
+                     **_timed(call), bitwise_equal_to_first=bool(torch.equal(y, want)))
+            sb.destroy()
+    finally:
+        mf.FP8_WS_TILED_WEIGHTS = saved
 
 
 class DirectLaunch:
@@ -472,4 +508,4 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl, "tiled": probe_tiled}[name]()

@@ -1,7 +1,8 @@
-"""Programmatic dependent launch between a Gluon kind's three launches (``megamoe.fused.WS_PDL``) on a GPU: with it
-on and off, the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
-one front and one back launch), both formats, and within the format's tolerance of the reference. (Its CUDA-graph
-capture runs in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the default on.)"""
+"""The launch options of a Gluon kind's call on a GPU, each off and on: programmatic dependent launch between its
+three launches (``megamoe.fused.WS_PDL``) and the FP8 phase's tiled weight copy (``FP8_WS_TILED_WEIGHTS``, FP8 only).
+Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
+one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
+in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
 import pytest
 import torch
 
@@ -9,13 +10,19 @@ from megamoe.cases import MoECase, gluon_phase_cases, prepare_rank
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phases are sm_90 only")
 
+#: option -> its (off, on) values
+OPTIONS = {"WS_PDL": (False, True), "FP8_WS_TILED_WEIGHTS": (False, True)}
 
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_fp4"])
-def test_pdl_on_and_off_give_the_same_bits(fmt, monkeypatch):
+def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     import megamoe.fused as mf
     from megamoe.symm import SymmBuffer
     from megamoe.testing import assert_moe_close, default_accumulation
 
+    if option == "FP8_WS_TILED_WEIGHTS" and fmt != "fp8":
+        pytest.skip("an option of the FP8 phase")
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)  # the Gluon kinds whatever the size
     monkeypatch.setattr(mf, "FP8_SWAP_MAX_EXPECTED", -1)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
@@ -24,8 +31,8 @@ def test_pdl_on_and_off_give_the_same_bits(fmt, monkeypatch):
                                                                                     numerics="hopper")
     case: MoECase = gluon_phase_cases(**common)[2]  # four ranks, a clamp, an empty rank
     outs = []
-    for pdl in (False, True):
-        monkeypatch.setattr(mf, "WS_PDL", pdl)
+    for value in OPTIONS[option]:
+        monkeypatch.setattr(mf, option, value)
         sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
                                case.intermediate, block_m=case.block_m, device="cuda", format=case.format)
         problem = case.problem(device="cuda")
@@ -42,6 +49,6 @@ def test_pdl_on_and_off_give_the_same_bits(fmt, monkeypatch):
             sb.destroy()
     refs = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)
     for r, (off, on) in enumerate(zip(*outs)):
-        assert torch.equal(off.view(torch.int16), on.view(torch.int16)), f"rank {r}: PDL changed the output"
+        assert torch.equal(off.view(torch.int16), on.view(torch.int16)), f"rank {r}: {option} changed the output"
         if on.numel():
             assert_moe_close(on, refs[r], name=f"y[rank {r}]", accumulation=default_accumulation(on.device))
