@@ -3,7 +3,8 @@
 Same pool, schedule and write-back as :mod:`megamoe.kernels.gemm` (whose helpers they reuse); what differs is the
 number format (:mod:`megamoe.quant_fp8`):
 
-* weights are FP8 e4m3 ``[El, N, K]`` (row-major, K contiguous) with one float32 scale per 128x128 block,
+* weights are FP8 e4m3 ``[El, N, K]`` (blocked by 128 x 128, ``megamoe.quant_fp8.block_weights``: each 128 x 128
+  block one run of memory) with one float32 scale per 128x128 block,
   ``[El, N/128, K/128]`` (row-major); activations are FP8 with one float32 scale per row and 128 columns, MN-major in
   the pool (``sf[k/128 * SP + pool sf row]``, the same addressing as the packed UE8M0 words of the other format).
 * The K loop steps 128: one K=128 FP8 dot per block, promoted in float32 with
@@ -53,7 +54,8 @@ def _load_a_block(acts, acts_sf, rows, sf_rows, mask_m, k0, K: tl.constexpr, SP:
 @triton.jit
 def _block_step(acc, a, sa, w, w_sf, n_rows, sf_n, k0, K: tl.constexpr, SWAP: tl.constexpr):
     """One promoted 128-wide K block against ``BN`` weight rows ``n_rows`` int32 ``[BN]`` of ``w`` (fp8 ``[N, K]``
-    row-major): ``b = W[n_rows, k0:k0+128]`` and ``sw = w_sf[sf_n, k0/128]`` (``w_sf`` float32 ``[N/128, K/128]``
+    blocked by 128 x 128, ``megamoe.quant_fp8.weight_offset``: the block's 128 values of a row are contiguous):
+    ``b = W[n_rows, k0:k0+128]`` and ``sw = w_sf[sf_n, k0/128]`` (``w_sf`` float32 ``[N/128, K/128]``
     row-major; ``sf_n`` the rows' scale block rows, int32 ``[BN]``, or one scalar when all ``BN`` rows lie in one
     block), with ``a`` fp8 ``[BM, 128]`` and ``sa`` float32 ``[BM]`` from :func:`_load_a_block`.
 
@@ -62,7 +64,8 @@ def _block_step(acc, a, sa, w, w_sf, n_rows, sf_n, k0, K: tl.constexpr, SWAP: tl
       sa[m])``, the transpose. The scale product is the same float32 product (multiplication commutes), so the
       promotion is bitwise the other orientation's."""
     kk = tl.arange(0, FP8_BLOCK)
-    b = tl.load(w + n_rows[:, None].to(tl.int64) * K + k0 + kk[None, :])
+    blk = ((n_rows // FP8_BLOCK) * (K // FP8_BLOCK) + k0 // FP8_BLOCK).to(tl.int64) * (FP8_BLOCK * FP8_BLOCK)
+    b = tl.load(w + (blk + (n_rows % FP8_BLOCK) * FP8_BLOCK)[:, None] + kk[None, :])
     sw = tl.load(w_sf + sf_n * (K // FP8_BLOCK) + k0 // FP8_BLOCK)
     if SWAP:
         acc = acc + tl.dot(b, tl.trans(a)) * (sw * sa[None, :])

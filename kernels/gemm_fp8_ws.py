@@ -146,16 +146,16 @@ def _tile(tiles, t):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
                     tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
-                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    W_TILED: gl.constexpr = False):
+                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
     two bits of the block's arrival mask.
 
-    ``W_TILED`` (``megamoe.fused.FP8_WS_TILED_WEIGHTS``): the weight descriptors are over a tiled copy, ``[rows/256,
-    K/128, 256, 128]`` as ``[rows * K/128, 128]``, so a stage's W box (256 rows x 128 K values) is 32 KB in one run
-    of memory instead of 256 runs of 128 bytes ``K`` bytes apart: box row ``w_row * KB + kb * 256``."""
-    nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
+    The weights are blocked by 128 x 128 (``megamoe.quant_fp8.block_weights``): the descriptors see them as
+    ``[El * N * K/128, 128]``, and W's two halves of 128 rows are two boxes of one 128 x 128 block each -- 16 KB in
+    one run of memory, at box row ``(g * KB + kb) * 128`` for row block ``g`` (row-major, a [256, 128] box was 256
+    runs of 128 bytes ``K`` bytes apart; measured in ``megamoe.quant_fp8``'s docstring)."""
+    nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -202,17 +202,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             mbarrier.wait(empty.index(s), ph ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            if W_TILED:
-                w_at = [w_row * KB + kb * TILE_N, 0]
-            else:
-                w_at = [w_row, kb * BK]
+            w0 = ((w_row // HN) * KB + kb) * HN  # box row of the left half's 128 x 128 block; the right half's
+            w1 = w0 + KB * HN                   # is the next row block's
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w2_desc, w_at, bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(w2_desc, [w0, 0], bar, w_bufs.index(s).slice(0, HN))
+                tma.async_copy_global_to_shared(w2_desc, [w1, 0], bar, w_bufs.index(s).slice(HN, HN))
                 tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w1_desc, w_at, bar, w_bufs.index(s))
+                tma.async_copy_global_to_shared(w1_desc, [w0, 0], bar, w_bufs.index(s).slice(0, HN))
+                tma.async_copy_global_to_shared(w1_desc, [w1, 0], bar, w_bufs.index(s).slice(HN, HN))
                 tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             it += 1
 
@@ -581,10 +581,10 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          W_TILED: gl.constexpr = False):
+                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
-    fp8, box [128, 128]; ``w1`` ``[El*2I, H]`` / ``w2`` ``[El*H, I]`` fp8, box [256, 128]; ``sa1`` / ``sa2`` the
+    fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
+    box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
     int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
@@ -626,7 +626,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                                    OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                                empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
-                               H, I, SP, STAGES, W_TILED)),
+                               H, I, SP, STAGES)),
             (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
@@ -640,7 +640,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            SP, STAGES, HAS_CLAMP)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
-                           I, SP, STAGES, W_TILED)),
+                           I, SP, STAGES)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

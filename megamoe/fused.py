@@ -161,13 +161,6 @@ FP8_WS_BLOCK64_MAX_EXPECTED = 32
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
-#: Whether the "fp8_ws" GEMM phase streams its weights from a tiled copy (``_tiled_weights``: every [256, 128] box
-#: of the ring one 32 KB run of memory, ``W_TILED`` of ``megamoe.kernels.gemm_fp8_ws._load_partition``) instead of
-#: the transformed weights themselves, whose box is 256 runs of 128 bytes H (or I) bytes apart. The copy is made
-#: on the first call with a pair of weights and kept on the buffer (El x (2I x H + H x I) bytes more, as the
-#: predecoded FP4 path's scratch); made again when the weights' address or torch version counter changes. Not
-#: measured yet (session 15).
-FP8_WS_TILED_WEIGHTS = False
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
 #: largest power of two dividing H), strided over the programs.
 COMBINE_TOKENS, COMBINE_COLUMNS = 8, 256
@@ -561,7 +554,9 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False) -> dict:
             w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
         ws, as_ = ("i32", [bn], words), ("i32", [bm], words)  # SF_TMA's scale words of the weight and pool rows
         return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws, as1_desc=as_, as2_desc=as_)
-    w = ("fp8e4nv", [bn, FP8_BLOCK], gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv))
+    # one 128 x 128 block of the blocked weights (megamoe.quant_fp8.block_weights) a box: a ring stage's 256 weight
+    # rows are two boxes, into the two halves of its [256, 128] buffer (the same 128-byte swizzle)
+    w = ("fp8e4nv", [FP8_BLOCK, FP8_BLOCK], gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv))
     # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
     sa = ("fp32", [bm], words)
     return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, sa1_desc=sa, sa2_desc=sa)
@@ -577,37 +572,14 @@ def _ws_descriptors(c, L, bm: int):
         f8 = torch.float8_e4m3fn
         spec = ws_descriptor_specs("fp8_ws", bm)
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
-        if tiled is None:
-            w1, w2 = c.l1[0].view(f8).reshape(-1, H), c.l2[0].view(f8).reshape(-1, I)
-        else:
-            w1, w2 = tiled
+        # the weights are blocked by 128 x 128 (megamoe.quant_fp8.block_weights): rows of 128 values, a box a block
+        w1, w2 = c.l1[0].view(f8).reshape(-1, FP8_BLOCK), c.l2[0].view(f8).reshape(-1, FP8_BLOCK)
         tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         return tuple(TensorDescriptor.from_tensor(tensors[k], spec[k][1], spec[k][2]) for k in tensors) + tuple(
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in (("sa1_desc", sa1),
                                                                                        ("sa2_desc", sa2)))
 
-    tiled = _tiled_weights(c) if FP8_WS_TILED_WEIGHTS else None  # (its address is in the key: it may be re-made)
-    key = ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, tiled and tiled[0].data_ptr())
-    return _buffer_cache(c.sb, "_ws_descs", key, build)
-
-
-def _tiled_weights(c):
-    """``FP8_WS_TILED_WEIGHTS``: bound call ``c``'s transformed FP8 weights re-laid as the GEMM phase's ring boxes,
-    ``(w1t [El * 2I/256 * H/128 * 256, 128], w2t [El * H/256 * I/128 * 256, 128])`` e4m3: box ``j`` (256 rows x 128
-    K values, 32 KB in one run) is rows ``[256 (j // KB), +256)`` x K block ``j % KB`` of the weights as
-    ``[El * N, K]``. Kept on the buffer for these weights (one entry); made again when their address or torch
-    version counter changes (an in-place update through torch)."""
-    def build():
-        out = []
-        for w in (c.l1[0], c.l2[0]):
-            E_, N, K = w.shape
-            t = w.view(torch.float8_e4m3fn).view(E_ * N // 256, 256, K // 128, 128).transpose(1, 2)
-            out.append(t.contiguous().view(-1, 128))
-        return tuple(out)
-
-    w1, w2 = c.l1[0], c.l2[0]
-    return _buffer_cache(c.sb, "_tiled_weights", (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version), build,
-                         limit=0)
+    return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
 
 
 def _predecode_scratch(c):
@@ -769,7 +741,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_TILED_WEIGHTS),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl()),
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -782,7 +754,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        W_TILED=FP8_WS_TILED_WEIGHTS, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

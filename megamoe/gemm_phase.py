@@ -51,7 +51,7 @@ from megamoe.quant import (
     per_128_cast_to_fp8,
     unpack_nibbles,
 )
-from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128
+from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128, unblock_weights
 from megamoe.reference import _ieee_fp32_matmul, block_scaled_matmul, swiglu
 
 #: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
@@ -89,8 +89,8 @@ def run_gemm_phase(calls, tiles: list[torch.Tensor], block_m: int) -> None:
         entries, num_l1, block_rows = tile_table(t)
         l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
         l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
-        w1, sf1 = c.l1
-        w2, sf2 = c.l2
+        (_, sf1), (_, sf2) = c.l1, c.l2
+        w1, w2 = unblock_weights(c.l1[0]), unblock_weights(c.l2[0])  # (blocked by 128 x 128: megamoe.quant_fp8)
         # the pull: every block's rows from the source rank's input (the front launch wrote their metadata)
         for b, valid in enumerate(block_rows):
             for row, (src, token, _) in enumerate(meta[b * block_m: b * block_m + valid].tolist(), start=b * block_m):

@@ -49,8 +49,9 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
     Args:
         y: bf16 ``[n, H]``, contiguous (``n <= num_max_tokens_per_rank``; 0 allowed).
         l1_weights: the L1 :class:`~megamoe.quant_fp8.TransformedWeightsSM90` ``(float8_e4m3fn [El, 2I, H], float32
-            [El, 2I/128, H/128])`` from :func:`~megamoe.quant_fp8.transform_weights_for_mega_moe_sm90`; plain tuples
-            are rejected (transformed and untransformed weights have the same shapes).
+            [El, 2I/128, H/128])`` from :func:`~megamoe.quant_fp8.transform_weights_for_mega_moe_sm90` (rows
+            interleaved, bytes blocked by 128 x 128); plain tuples are rejected (transformed and untransformed
+            weights have the same shapes).
         l2_weights: the L2 ``TransformedWeightsSM90`` ``(float8_e4m3fn [El, H, I], float32 [El, H/128, I/128])``.
         sym_buffer: this rank's ``SymmBuffer`` of format ``"fp8"``; with the ``local`` backend the list of a group's
             buffers, and then ``y``, the weights and the stats are lists too (as :func:`megamoe.ops.fp8_fp4_mega_moe`).

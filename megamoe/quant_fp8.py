@@ -36,8 +36,20 @@ interleaved tile of 128 weight rows ``[128 t, 128 t + 128)`` holds gate rows ``[
 rows, so it reads ``sf[t // 2]`` (gate) and ``sf[I/128 + t // 2]`` (up) -- DeepGEMM's ``gate_sf_n = n_block_idx / 2``,
 ``up_sf_n = I/128 + n_block_idx / 2`` (``sm90_fp8_mega_moe.cuh``). L2 weights and scales are unchanged. Scales stay
 row-major (K contiguous per 128-row block), as DeepGEMM's ``check_sf_layout(..., (128, 128), kFloat)``.
-Because nothing about the scales changes, transformed and untransformed weights look identical; the result is a
-:class:`TransformedWeightsSM90` (tagged tuple) and the op accepts nothing else.
+
+Then both weights' bytes are **blocked by 128 x 128** (:func:`block_weights`, megamoe's own step, not DeepGEMM's):
+the tensor keeps its shape ``[El, N, K]`` but holds each expert as ``[N/128, K/128, 128, 128]`` -- weight block
+``(n // 128, k // 128)`` is one run of 16 KB, row ``n % 128`` at ``128 * (n % 128)`` inside it -- so the value of
+row ``n``, column ``k`` is at byte ``((n // 128) * K/128 + k // 128) * 16384 + (n % 128) * 128 + k % 128`` of its
+expert (:func:`weight_offset`; the Triton tiles compute the same, the Gluon phase's TMA boxes are whole blocks).
+Why: a GEMM streams a weight tile as ``[rows, 128]`` boxes, one K block at a time; row-major, such a box is 128
+runs of 128 bytes ``K`` bytes apart and HBM serves it below its streaming rate; blocked, it is one run. Measured on
+an H200 (``tiled`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, the same kernel reading a blocked copy,
+whole ``fp8_mega_moe`` call): T = 32 810 -> 777 us, 128 832 -> 801, 512 956 -> 908; T = 2048 / 8192 (compute-bound)
+unchanged within the run's spread. Read rows back with :meth:`TransformedWeightsSM90.rows`.
+
+Because the transform only permutes bytes, transformed and untransformed weights have the same shapes and dtypes;
+the result is a :class:`TransformedWeightsSM90` (tagged tuple) and the op accepts nothing else.
 """
 from __future__ import annotations
 
@@ -63,7 +75,8 @@ FORMAT = "fp8"
 
 _FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-__all__ = ["FP8_BLOCK", "SM90_RECIPE", "L2_ACT_SF_GRAN_K", "FORMAT", "per_token_cast_to_fp8_128",
+__all__ = ["FP8_BLOCK", "SM90_RECIPE", "L2_ACT_SF_GRAN_K", "FORMAT", "block_weights", "unblock_weights",
+           "weight_offset", "per_token_cast_to_fp8_128",
            "per_block_cast_to_fp8", "cast_grouped_weights_to_fp8", "dequant_fp8_per_token_128", "dequant_fp8_block",
            "check_moe_weights_fp8", "TransformedWeightsSM90", "transform_weights_for_mega_moe_sm90",
            "untransform_weights_for_mega_moe_sm90", "expand_block_scales", "l1_original_rows"]
@@ -218,10 +231,39 @@ def check_moe_weights_fp8(l1_weights: Fp8Weights, l2_weights: Fp8Weights) -> tup
 class TransformedWeightsSM90(TaggedWeights):
     """One FP8 weight pair in the layout of :func:`transform_weights_for_mega_moe_sm90`: a ``(w, sf)`` tuple tagged
     with ``role`` (``"l1"``/``"l2"``) and ``format = "fp8"``, so that ``fp8_mega_moe`` rejects untransformed
-    weights (which look identical: the transform only permutes L1 rows) and the FP4 weights of the other format,
-    and the transform refuses to run twice. Build it only through the transform (or :meth:`to`)."""
+    weights (which have the same shapes and dtypes: the transform only permutes bytes) and the FP4 weights of the
+    other format, and the transform refuses to run twice. Build it only through the transform (or :meth:`to`).
+    ``w`` is blocked by 128 x 128 (module docstring): index it through :meth:`rows`, not directly."""
 
     format = FORMAT
+
+    def rows(self) -> torch.Tensor:
+        """The weights in row order, ``float8_e4m3fn [El, N, K]`` (a copy): transformed row ``n`` at ``[:, n]``
+        (L1 rows still interleaved gate / up by 8)."""
+        return unblock_weights(self[0])
+
+
+def block_weights(w: torch.Tensor) -> torch.Tensor:
+    """``[El, N, K]`` row-major -> the same shape holding each expert as ``[N/128, K/128, 128, 128]`` (module
+    docstring); N and K multiples of 128. A copy, contiguous."""
+    El, N, K = w.shape
+    b = w.contiguous().view(torch.uint8).view(El, N // FP8_BLOCK, FP8_BLOCK, K // FP8_BLOCK, FP8_BLOCK)
+    return b.transpose(2, 3).contiguous().view(w.dtype).view(El, N, K)
+
+
+def unblock_weights(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`block_weights`: the row-major ``[El, N, K]`` (a copy)."""
+    El, N, K = w.shape
+    b = w.contiguous().view(torch.uint8).view(El, N // FP8_BLOCK, K // FP8_BLOCK, FP8_BLOCK, FP8_BLOCK)
+    return b.transpose(2, 3).contiguous().view(w.dtype).view(El, N, K)
+
+
+def weight_offset(n, k, K: int):
+    """Element offset of row ``n``, column ``k`` inside one expert's blocked weights ``[N, K]`` (ints or integer
+    tensors): ``((n // 128) * K/128 + k // 128) * 128^2 + (n % 128) * 128 + k % 128``. The Triton tiles
+    (``megamoe.kernels.gemm_fp8._block_step``) and the Gluon phase's box coordinates compute the same."""
+    B = FP8_BLOCK
+    return ((n // B) * (K // B) + k // B) * (B * B) + (n % B) * B + k % B
 
 
 def _interleave_fp8(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -236,10 +278,11 @@ def transform_weights_for_mega_moe_sm90(
 
     Inputs as from :func:`cast_grouped_weights_to_fp8` for a rank's ``El`` experts: ``l1_weights = (float8_e4m3fn
     [El, 2I, H], float32 [El, 2I/128, H/128])`` rows gate then up, ``l2_weights = (float8_e4m3fn [El, H, I], float32
-    [El, H/128, I/128])``. Returns two :class:`TransformedWeightsSM90` (contiguous): L1 weight rows interleaved gate/up
-    by 8, every scale tensor and the L2 weights unchanged (see the module docstring for why the 128-row scale blocks
-    are not interleaved and how a kernel finds a row's scale: :func:`l1_original_rows`). Errors name the argument,
-    including for weights that already went through this transform.
+    [El, H/128, I/128])``. Returns two :class:`TransformedWeightsSM90` (contiguous, same shapes): L1 weight rows
+    interleaved gate/up by 8, both weights' bytes blocked by 128 x 128 (:func:`block_weights`), every scale tensor
+    unchanged (see the module docstring for why the 128-row scale blocks are not interleaved and how a kernel finds a
+    row's scale: :func:`l1_original_rows`). Errors name the argument, including for weights that already went
+    through this transform.
     """
     for name, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
         if isinstance(pair, TransformedWeightsSM90):
@@ -248,8 +291,8 @@ def transform_weights_for_mega_moe_sm90(
                             "rows. Use them directly")
     check_moe_weights_fp8(l1_weights, l2_weights)
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    return (TransformedWeightsSM90(_interleave_fp8(w1), sf1.contiguous(), "l1"),
-            TransformedWeightsSM90(w2.contiguous(), sf2.contiguous(), "l2"))
+    return (TransformedWeightsSM90(block_weights(_interleave_fp8(w1)), sf1.contiguous(), "l1"),
+            TransformedWeightsSM90(block_weights(w2), sf2.contiguous(), "l2"))
 
 
 def untransform_weights_for_mega_moe_sm90(
@@ -262,7 +305,7 @@ def untransform_weights_for_mega_moe_sm90(
                             f"transform_weights_for_mega_moe_sm90, got {type(pair).__name__}")
     check_moe_weights_fp8(l1_weights, l2_weights)
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    return (_interleave_fp8(w1, inverse=True), sf1.clone()), (w2.clone(), sf2.clone())
+    return (_interleave_fp8(unblock_weights(w1), inverse=True), sf1.clone()), (unblock_weights(w2), sf2.clone())
 
 
 def l1_original_rows(two_i: int, device=None) -> torch.Tensor:

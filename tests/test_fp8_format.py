@@ -17,6 +17,7 @@ from megamoe.quant_fp8 import (
     per_token_cast_to_fp8_128,
     transform_weights_for_mega_moe_sm90,
     untransform_weights_for_mega_moe_sm90,
+    weight_offset,
 )
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -132,28 +133,38 @@ def _weights(E=2, H=256, I=256, seed=11):
     return l1, l2
 
 
-def test_transform_interleaves_l1_rows_by_8_and_keeps_every_scale():
+def test_transform_interleaves_l1_rows_by_8_blocks_the_bytes_and_keeps_every_scale():
     (w1, sf1), (w2, sf2) = l1, l2 = _weights()
     t1, t2 = transform_weights_for_mega_moe_sm90(l1, l2)
     assert isinstance(t1, TransformedWeightsSM90) and (t1.role, t2.role) == ("l1", "l2") and t1.format == "fp8"
+    assert t1.w.shape == w1.shape and t2.w.shape == w2.shape and t1.w.is_contiguous() and t2.w.is_contiguous()
     I = w1.shape[1] // 2
     g = L1_INTERLEAVE_ROWS
+    r1 = t1.rows()
     # rows [gate0..7, up0..7, gate8..15, up8..15, ...]
-    assert torch.equal(t1.w[:, :g].view(torch.uint8), w1[:, :g].view(torch.uint8))
-    assert torch.equal(t1.w[:, g:2 * g].view(torch.uint8), w1[:, I:I + g].view(torch.uint8))
-    assert torch.equal(t1.w[:, 2 * g:3 * g].view(torch.uint8), w1[:, g:2 * g].view(torch.uint8))
-    assert torch.equal(t1.sf, sf1) and torch.equal(t2.sf, sf2) and torch.equal(t2.w.view(torch.uint8),
+    assert torch.equal(r1[:, :g].view(torch.uint8), w1[:, :g].view(torch.uint8))
+    assert torch.equal(r1[:, g:2 * g].view(torch.uint8), w1[:, I:I + g].view(torch.uint8))
+    assert torch.equal(r1[:, 2 * g:3 * g].view(torch.uint8), w1[:, g:2 * g].view(torch.uint8))
+    assert torch.equal(t1.sf, sf1) and torch.equal(t2.sf, sf2) and torch.equal(t2.rows().view(torch.uint8),
                                                                                w2.view(torch.uint8))
+    # the bytes: blocked by 128 x 128, value (n, k) of an expert at weight_offset(n, k, K), each block one run
+    H = w1.shape[2]
+    n, k = torch.meshgrid(torch.arange(2 * I), torch.arange(H), indexing="ij")
+    flat = t1.w.view(torch.uint8).reshape(t1.w.shape[0], -1)
+    assert torch.equal(flat[:, weight_offset(n, k, H).reshape(-1)].view_as(r1.view(torch.uint8)),
+                       r1.view(torch.uint8))
+    assert torch.equal(flat[0, :128 * 128].view(128, 128), r1[0, :128, :128].view(torch.uint8))
+    assert torch.equal(flat[0, 128 * 128:2 * 128 * 128].view(128, 128), r1[0, :128, 128:256].view(torch.uint8))
     # the original-row map: transformed row r is untransformed row orig[r], whose scale is sf1[orig[r] // 128]
     orig = l1_original_rows(2 * I)
-    assert torch.equal(t1.w.view(torch.uint8), w1.view(torch.uint8)[:, orig])
+    assert torch.equal(r1.view(torch.uint8), w1.view(torch.uint8)[:, orig])
     assert sorted(orig.tolist()) == list(range(2 * I))
     # DeepGEMM's rule: interleaved 128-row tile t reads gate block t // 2 and up block I/128 + t // 2
     for t in range(2 * I // 128):
         rows = orig[t * 128:(t + 1) * 128] // 128
         assert set(rows.tolist()) == {t // 2, I // 128 + t // 2}
     # dequantising through the map reproduces the untransformed weights
-    dq_t = t1.w.double() * sf1.double()[:, orig // 128].repeat_interleave(128, dim=2)
+    dq_t = r1.double() * sf1.double()[:, orig // 128].repeat_interleave(128, dim=2)
     assert torch.equal(dq_t, dequant_fp8_block(w1, sf1, torch.float64)[:, orig])
 
 

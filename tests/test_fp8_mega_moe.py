@@ -264,8 +264,8 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     monkeypatch.setattr(megamoe.fused, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _check(run_case_local(case))
     a1, a2, w1, w2, s1, s2 = descs[-1]  # the Gluon launch's TMA descriptors, built on CPU as on the GPU
-    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[256, 128]] * 2 + [[block_m]] * 2
-    assert list(w1.shape) == [6 * 2 * 384, 512] and list(w2.shape) == [6 * 512, 384]
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[128, 128]] * 2 + [[block_m]] * 2
+    assert list(w1.shape) == [6 * 2 * 384 * 4, 128] and list(w2.shape) == [6 * 512 * 3, 128]  # blocked weights
     entries, num_l1, block_rows = tile_table(tables[-1])
     l1, l2 = entries[:num_l1], entries[num_l1:]
     blocks = sorted({b for b, *_ in l1})
@@ -280,37 +280,37 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
 
 
-def test_tiled_weight_copy_holds_each_ring_box_in_one_run(monkeypatch):
-    """``FP8_WS_TILED_WEIGHTS`` on a CPU rank (host code only: the GEMM phase's torch model reads the weights
-    themselves): the copy's 256-row run at box row ``w_row * KB + kb * 256`` (what the loader asks for with
-    ``W_TILED``) is the weights' rows ``[w_row, +256)`` x K block ``kb``, for both weights; the descriptors are
-    built over it; the copy is kept while the weights stand still and made again after an in-place update."""
+def test_gluon_phase_weight_boxes_are_blocks_of_the_transformed_weights(monkeypatch):
+    """The "fp8_ws" phase's weight descriptors on a CPU rank (host code only; the GEMM phase's torch model reads the
+    weights through ``unblock_weights``): over the transformed weights as ``[El * N * K/128, 128]``, box [128, 128],
+    and the box the loader asks for -- row ``((w_row // 128) * KB + kb) * 128`` for the left half of ring stage
+    ``kb`` of a tile of 256 weight rows from ``w_row``, ``KB`` rows of blocks further for the right half -- is the
+    transformed weights' rows ``[w_row, +128)`` / ``[w_row + 128, +128)`` x K block ``kb`` (``.rows()``)."""
     import megamoe.fused as mf
     from megamoe.fused import FusedConfig
 
     cfg = FusedConfig(block_m=128, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
-    monkeypatch.setattr(mf, "FP8_WS_TILED_WEIGHTS", True)
     calls, descs = [], []
-    real_tiled, real_descs = mf._tiled_weights, mf._ws_descriptors
-    monkeypatch.setattr(mf, "_tiled_weights", lambda c: calls.append(c) or real_tiled(c))
-    monkeypatch.setattr(mf, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    real_descs = mf._ws_descriptors
+    monkeypatch.setattr(mf, "_ws_descriptors", lambda c, *a: calls.append(c) or descs.append(real_descs(c, *a))
+                        or descs[-1])
     case = MoECase(format="fp8", num_ranks=1, num_tokens=40, hidden=512, intermediate=384, num_topk=3,
                    num_experts=6, num_calls=1, block_m=128, impl="fused", seed=5)
     _check(run_case_local(case))
-    c = calls[-1]
-    w1t, w2t = mf._tiled_weights(c)
-    assert list(descs[-1][2].shape) == [6 * 2 * 384 * 512 // 128, 128] and descs[-1][2].base.data_ptr() == w1t.data_ptr()
-    for w, wt in ((c.l1[0], w1t), (c.l2[0], w2t)):
-        flat = w.view(torch.uint8).reshape(-1, w.shape[-1])
-        KB = w.shape[-1] // 128
-        for w_row in range(0, flat.shape[0], 256):
+    c, (_, _, w1d, w2d, _, _) = calls[-1], descs[-1]
+    assert [list(w1d.block_shape), list(w2d.block_shape)] == [[128, 128]] * 2
+    assert list(w1d.shape) == [6 * 2 * 384 * 512 // 128, 128] and list(w2d.shape) == [6 * 512 * 384 // 128, 128]
+    for pair, desc in ((c.l1, w1d), (c.l2, w2d)):
+        boxes = desc.base.view(torch.uint8)
+        rows = pair.rows().view(torch.uint8).reshape(-1, pair.w.shape[-1])
+        KB = pair.w.shape[-1] // 128
+        for w_row in range(0, rows.shape[0], 256):
             for kb in range(KB):
-                box = wt.view(torch.uint8)[w_row * KB + kb * 256:][:256]
-                assert torch.equal(box, flat[w_row:w_row + 256, kb * 128:(kb + 1) * 128]), (w_row, kb)
-    assert mf._tiled_weights(c)[0] is w1t  # kept
-    c.l1[0].view(torch.uint8)[0, 0, 0] ^= 1  # an in-place update through torch: made again
-    assert not torch.equal(mf._tiled_weights(c)[0].view(torch.uint8)[0], w1t.view(torch.uint8)[0])
+                w0 = ((w_row // 128) * KB + kb) * 128
+                for half, at in ((0, w0), (1, w0 + KB * 128)):
+                    r = w_row + 128 * half
+                    assert torch.equal(boxes[at:at + 128], rows[r:r + 128, kb * 128:(kb + 1) * 128]), (w_row, kb)
 
 
 def test_gluon_phase_is_chosen_only_where_it_can_run(monkeypatch):

@@ -15,14 +15,13 @@
 #                  570 s in session 14)
 #   gputests_2     tests/gpu: everything else (fused one-launch, staged, reliability, symm, PDL; ~38 tests: 27 of them
 #                  took ~170 s in session 14)
+#   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
 #                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
-#   tiled          fp8_ws_probe.py tiled: the FP8 phase's weights as they are / from a tiled copy, T = 128, 32, 512,
-#                  2048, 8192 (-> $OUT/tiled.jsonl)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -65,6 +64,8 @@ step_gputests_1() { $PY -m pytest -q -rfE $GPUTESTS_1; }
 # shellcheck disable=SC2086
 step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $GPUTESTS_1); }
 
+step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
+
 step_gputests_quick() {
     $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
 }
@@ -91,11 +92,6 @@ step_profile() {
         done
     done
     cut -c1-400 "$OUT/profile.jsonl"
-}
-
-step_tiled() {  # FP8 GEMM phase: transformed weights vs their tiled copy (-> $OUT/tiled.jsonl)
-    $PY results/probes/fp8_ws_probe.py tiled >>"$OUT/tiled.jsonl" || return 1
-    cut -c1-300 "$OUT/tiled.jsonl"
 }
 
 step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py; }

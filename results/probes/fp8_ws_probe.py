@@ -28,14 +28,14 @@ with its L2 flush, as the bench).
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
   with it.)
-* ``tiled [T1,..]``: the FP8 GEMM phase's weights from the transformed tensors and from a tiled copy (every ring
-  box one run of memory, ``FP8_WS_TILED_WEIGHTS``), alternating; output bits compared with the first row's.
+* (``tiled``, at 64ecc8d only: the FP8 GEMM phase reading the weights row-major or from a copy blocked by 128 x 128,
+  alternating; the blocked layout then became ``transform_weights_for_mega_moe_sm90``'s.)
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
                                            | fp4_threshold [T1,..] | host [T1,..]
-                                           | combine [T1,..] | tiled [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -44,7 +44,6 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -104,7 +103,8 @@ NOEPI64 = ("""        if nt < 0:
             _l2_epilogue(acc, buf""", """        elif not is_l2:
             _l1_publish(l2_mask, b, nt, wg, 1)
 """)
-NBYTES = "nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)"
+NBYTES = ("nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes + "
+          "sa1_desc.block_type.nbytes)")
 
 
 def _tma(desc: str, coord: str, buf: str) -> str:
@@ -113,8 +113,8 @@ def _tma(desc: str, coord: str, buf: str) -> str:
 
 A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
            _tma("a1_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"))
-W_LOADS = (_tma("w2_desc", "[w_row, kb * BK]", "w_bufs.index(s)"),
-           _tma("w1_desc", "[w_row, kb * BK]", "w_bufs.index(s)"))
+W_LOADS = tuple(_tma(d, c, b) for d in ("w2_desc", "w1_desc")  # two blocked boxes a stage
+                for c, b in (("[w0, 0]", "w_bufs.index(s).slice(0, HN)"), ("[w1, 0]", "w_bufs.index(s).slice(HN, HN)")))
 SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
           "from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16\n"),
          ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n",
@@ -136,7 +136,7 @@ PATCHES = {
     "nopromote": [(MMA128, NOPROMOTE128), (MMA64, NOPROMOTE64)],
     "noepi": [*zip(EPI128, NOEPI128), *zip(EPI64, NOEPI64)],
     "noa": [(NBYTES, NBYTES.replace("a1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in A_LOADS],
-    "now": [(NBYTES, NBYTES.replace("w1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in W_LOADS],
+    "now": [(NBYTES, NBYTES.replace("2 * w1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in W_LOADS],
 }
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
@@ -352,38 +352,6 @@ def probe_pdl(tokens=(32, 128)):
             _choice_row("pdl", T, f"pdl {'on' if pdl else 'off'}", fmt, {"WS_PDL": pdl})
 
 
-#: ``tiled``: the FP8 GEMM phase's weights streamed as they are and from the tiled copy (``FP8_WS_TILED_WEIGHTS``),
-#: alternating on one buffer per T (the run's drift shows between the repeats).
-TILED_ROWS = (False, True, False, True)
-
-
-def probe_tiled(tokens=(128, 32, 512, 2048, 8192)):
-    """The "fp8_ws" GEMM phase's weights from the transformed tensors or from their tiled copy (every ring box one
-    32 KB run: ``megamoe.fused.FP8_WS_TILED_WEIGHTS``), whole ``fp8_mega_moe`` call at the host's tile choice;
-    ``us`` / ``graph_us`` / ``host_us`` as the bench, whether the output's bits equal the first row's (they must),
-    and the one-time copy's time (``copy_ms``, its first call)."""
-    saved = mf.FP8_WS_TILED_WEIGHTS
-    try:
-        for T in _tokens(tokens):
-            sb, problem, y, call = rank(T, "fp8")
-            want = None
-            for tiled in TILED_ROWS:
-                mf.FP8_WS_TILED_WEIGHTS = tiled
-                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "exact")
-                y.fill_(float("nan"))
-                t0 = time.perf_counter()
-                call()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                first_ms = (time.perf_counter() - t0) * 1e3
-                want = y.clone() if want is None else want
-                emit(probe="tiled", T=T, kind=cfg.kind, block_m=cfg.block_m, tiled=tiled, first_call_ms=first_ms,
-                     **_timed(call), bitwise_equal_to_first=bool(torch.equal(y, want)))
-            sb.destroy()
-    finally:
-        mf.FP8_WS_TILED_WEIGHTS = saved
-
-
 class DirectLaunch:
     """A Triton / Gluon JIT kernel launched through the ``CompiledKernel`` of its first launch per (grid, PHASE):
     ``JITFunction.run``'s per-launch work (binding ~90 arguments, the specialisation key, the globals check) skipped.
@@ -508,4 +476,4 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl, "tiled": probe_tiled}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl}[name]()

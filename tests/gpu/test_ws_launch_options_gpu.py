@@ -1,6 +1,6 @@
 """The launch options of a Gluon kind's call on a GPU, each off and on: programmatic dependent launch between its
-three launches (``megamoe.fused.WS_PDL``) and the FP8 phase's tiled weight copy (``FP8_WS_TILED_WEIGHTS``, FP8 only).
-Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
+three launches (``megamoe.fused.WS_PDL``; session 14/15 also had the front's L2 prefetch here, since removed). Either
+way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
 import pytest
@@ -11,7 +11,7 @@ from megamoe.cases import MoECase, gluon_phase_cases, prepare_rank
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phases are sm_90 only")
 
 #: option -> its (off, on) values
-OPTIONS = {"WS_PDL": (False, True), "FP8_WS_TILED_WEIGHTS": (False, True)}
+OPTIONS = {"WS_PDL": (False, True)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
@@ -21,8 +21,6 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     from megamoe.symm import SymmBuffer
     from megamoe.testing import assert_moe_close, default_accumulation
 
-    if option == "FP8_WS_TILED_WEIGHTS" and fmt != "fp8":
-        pytest.skip("an option of the FP8 phase")
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)  # the Gluon kinds whatever the size
     monkeypatch.setattr(mf, "FP8_SWAP_MAX_EXPECTED", -1)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
