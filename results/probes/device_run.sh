@@ -27,7 +27,9 @@
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
 #
-# Commit: pass MEGAMOE_GIT_COMMIT=<this checkout's short HEAD> in the call's command. The device copy's own git HEAD
+# Commit: pass MEGAMOE_GIT_COMMIT=<this checkout's short HEAD> in the call's command, written out as a literal
+# (a `$(git rev-parse ...)` in the command runs on the device machine, whose copy's HEAD was stale in session 15
+# too: two results files had to be corrected by hand). The device copy's own git HEAD
 # was seen stale (session 13: it read 5bcfb3e while the working tree was 181923a), and the bench's provenance takes
 # this variable first.
 # Carry: [".peers", ".whl"] -- .peers/deepgemm_sm90 a copy of ../shared/peers/deepgemm_sm90 (the kit), .whl the
