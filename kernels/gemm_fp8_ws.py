@@ -202,17 +202,17 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             mbarrier.wait(empty.index(s), ph ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            w0 = ((w_row // HN) * KB + kb) * HN  # box row of the left half's 128 x 128 block; the right half's
-            w1 = w0 + KB * HN                   # is the next row block's
+            w_lo = ((w_row // HN) * KB + kb) * HN  # box row of the left half's 128 x 128 block; the right half's
+            w_hi = w_lo + KB * HN                 # is the next row block's
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w2_desc, [w0, 0], bar, w_bufs.index(s).slice(0, HN))
-                tma.async_copy_global_to_shared(w2_desc, [w1, 0], bar, w_bufs.index(s).slice(HN, HN))
+                tma.async_copy_global_to_shared(w2_desc, [w_lo, 0], bar, w_bufs.index(s).slice(0, HN))
+                tma.async_copy_global_to_shared(w2_desc, [w_hi, 0], bar, w_bufs.index(s).slice(HN, HN))
                 tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w1_desc, [w0, 0], bar, w_bufs.index(s).slice(0, HN))
-                tma.async_copy_global_to_shared(w1_desc, [w1, 0], bar, w_bufs.index(s).slice(HN, HN))
+                tma.async_copy_global_to_shared(w1_desc, [w_lo, 0], bar, w_bufs.index(s).slice(0, HN))
+                tma.async_copy_global_to_shared(w1_desc, [w_hi, 0], bar, w_bufs.index(s).slice(HN, HN))
                 tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             it += 1
 

@@ -176,16 +176,16 @@ WS_KINDS = ("fp8_ws", "fp4_ws")
 #: on) FP8 T = 128 838 / 846 us, FP8 x FP4 T = 128 872 / 883, T = 8 577 / 577: nothing to gain where one SM holds
 #: one program of each launch (a dependent grid's programs cannot start before the previous grid's leave their SM).
 #: Output bits the same either way and CUDA-graph capture works with it on
-#: (``tests/gpu/test_ws_launch_options_gpu.py``, the graph tests). Also tried to hide the launches: the front starting the GEMM
-#: phase's weight stream by an L2 prefetch (``cp.async.bulk.prefetch.L2``) of the first bytes of every weight row of
-#: each Gluon CTA's first tile -- once the tile table is written (session 14, f56e1d4): whole call unchanged; at the
-#: front's first instruction, for the tiles expected from the token count (session 15): 6-10 us slower at every T
-#: of both formats (``prefetch`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``: FP8 T = 128 off / 1024 / 1536 /
-#: 2048 B a row 832 / 840 / 841 / 842 us, off again 835; T = 32 809 / 818; T = 512 945 / 954; FP8 x FP4 T = 128
-#: 874 / 877, 512 1332 / 1339): the front is a chain of dependent memory round trips (count atomics, grid syncs,
-#: barrier 1, tile table) and 35 MB of prefetches queued in HBM lengthen each of them more than the phase gains.
-#: Removed both times; so was the GEMM phase's loader issuing an L1 tile's first weight boxes before its wait for
-#: the pulled rows (same run, T = 128 / 32 / 512: 833 / 817 / 947 us against 832 / 818 / 954 -- no change).
+#: (``tests/gpu/test_ws_launch_options_gpu.py``, the graph tests). Also tried to hide the launches: the front starting
+#: the GEMM phase's weight stream by an L2 prefetch (``cp.async.bulk.prefetch.L2``) of the first bytes of every weight
+#: row of each Gluon CTA's first tile -- once the tile table is written (session 14, f56e1d4): whole call unchanged; at
+#: the front's first instruction, for the tiles expected from the token count (session 15): 6-10 us slower at every T of
+#: both formats (``prefetch`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``: FP8 T = 128 off / 1024 / 1536 / 2048 B
+#: a row 832 / 840 / 841 / 842 us, off again 835; T = 32 809 / 818; T = 512 945 / 954; FP8 x FP4 T = 128 874 / 877, 512
+#: 1332 / 1339): the front is a chain of dependent memory round trips (count atomics, grid syncs, barrier 1, tile table)
+#: and 35 MB of prefetches queued in HBM lengthen each of them more than the phase gains. Removed both times; so was the
+#: GEMM phase's loader issuing an L1 tile's first weight boxes before its wait for the pulled rows (same run, T = 128 /
+#: 32 / 512: 833 / 817 / 947 us against 832 / 818 / 954 -- no change).
 WS_PDL = False
 #: "fp4_ws": the FP8 x FP4 format's GEMMs with "hopper" numerics as one warp-specialised Gluon launch
 #: (``megamoe.kernels.gemm_fp4_ws``: TMA loader warp, 4-warp FP4 decode partitions, math warpgroups) between the
@@ -568,7 +568,6 @@ def _ws_descriptors(c, L, bm: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def build():
-        H, I = L.hidden, L.intermediate_hidden
         f8 = torch.float8_e4m3fn
         spec = ws_descriptor_specs("fp8_ws", bm)
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))

@@ -114,7 +114,7 @@ def _tma(desc: str, coord: str, buf: str) -> str:
 A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
            _tma("a1_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"))
 W_LOADS = tuple(_tma(d, c, b) for d in ("w2_desc", "w1_desc")  # two blocked boxes a stage
-                for c, b in (("[w0, 0]", "w_bufs.index(s).slice(0, HN)"), ("[w1, 0]", "w_bufs.index(s).slice(HN, HN)")))
+                for c, b in (("[w_lo, 0]", "w_bufs.index(s).slice(0, HN)"), ("[w_hi, 0]", "w_bufs.index(s).slice(HN, HN)")))
 SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
           "from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16\n"),
          ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n",
