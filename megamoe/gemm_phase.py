@@ -89,8 +89,8 @@ def run_gemm_phase(calls, tiles: list[torch.Tensor], block_m: int) -> None:
         entries, num_l1, block_rows = tile_table(t)
         l1, l1_sf, l1_w = sb.view("l1_acts"), sb.view("l1_acts_sf"), sb.view("l1_topk_weights")
         l2, l2_sf, meta = sb.view("l2_acts"), sb.view("l2_acts_sf"), sb.view("token_src_metadata")
-        (_, sf1), (_, sf2) = c.l1, c.l2
-        w1, w2 = unblock_weights(c.l1[0]), unblock_weights(c.l2[0])  # (blocked by 128 x 128: megamoe.quant_fp8)
+        w1, sf1 = unblock_weights(c.l1[0]), c.l1[1]  # (the weights are blocked by 128 x 128: megamoe.quant_fp8)
+        w2, sf2 = unblock_weights(c.l2[0]), c.l2[1]
         # the pull: every block's rows from the source rank's input (the front launch wrote their metadata)
         for b, valid in enumerate(block_rows):
             for row, (src, token, _) in enumerate(meta[b * block_m: b * block_m + valid].tolist(), start=b * block_m):
