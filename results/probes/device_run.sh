@@ -22,6 +22,9 @@
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
+#   clocks         clock_probe.py: SM clock, power, throttle reasons while the fused call runs eager / as a graph, with
+#                  and without the L2 flush, both formats at T = 2048 / 8192 (-> $OUT/clocks.jsonl; est. 2-3 min)
+#   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (gputests_1 without the FP8 file)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -95,6 +98,10 @@ step_profile() {
     done
     cut -c1-400 "$OUT/profile.jsonl"
 }
+
+step_clocks() { $PY results/probes/clock_probe.py 2048,8192 fp8,fp8_fp4 >>"$OUT/clocks.jsonl"; cat "$OUT/clocks.jsonl"; }
+
+step_gputests_fp4() { $PY -m pytest -q -rfE tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py; }
 
 step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py; }
 
