@@ -507,18 +507,34 @@ def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_buf
 
 
 @gluon.jit
-def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
+def _lead_step(lead, it, wg: gl.constexpr, LEAD: gl.constexpr):
+    """Warpgroup 0, once it has taken ``LEAD`` ring stages: let warpgroup 1 start (:func:`_math_partition`)."""
+    if LEAD > 0 and wg == 0:
+        if it == LEAD:
+            mbarrier.arrive(lead.index(0), count=1)
+
+
+@gluon.jit
+def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr):
-    """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128."""
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr):
+    """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
+
+    ``LEAD`` > 0 (``megamoe.fused.FP8_WS_LEAD``): warpgroup 1 starts once warpgroup 0 has taken ``LEAD`` ring stages
+    (one arrive on ``lead``, or at its end if it takes fewer). The two then stay about that many stages apart (the
+    ring bounds how far 0 runs ahead; when 0 is in its epilogue 1 issues alone and catches up, and the other way
+    round after), so their epilogues no longer coincide and the tensor cores do not idle for a whole epilogue.
+    Same bits either way (the order of a warpgroup's own work is unchanged)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
     gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
     spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes into it)
     it = 0
+    if LEAD > 0 and wg == 1:
+        mbarrier.wait(lead.index(0), 0)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
@@ -555,10 +571,12 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
             acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
             it += 1
+            _lead_step(lead, it, wg, LEAD)
         for kb in range(kb_mma, KB):
             mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
             mbarrier.arrive(empty.index(it % STAGES), count=1)
             it += 1
+            _lead_step(lead, it, wg, LEAD)
         if is_l2:
             row0 = b * TILE_M + wg * WM
             _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T,
@@ -568,6 +586,9 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
                          HAS_CLAMP, TILE_M, 2, False)
+    if LEAD > 0 and wg == 0:
+        if it < LEAD:  # fewer stages than LEAD in all: warpgroup 1 must not wait for more
+            mbarrier.arrive(lead.index(0), count=1)
 
 
 @gluon.jit
@@ -581,7 +602,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False):
+                          PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
+                          LEAD: gl.constexpr = 0):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -615,6 +637,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(xbar.index(i), count=2)
+    lead = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # BM = 128: LEAD's start signal
+    mbarrier.init(lead.index(0), count=1)
     fence_async_shared()  # barrier inits visible to the async proxy before first use
     if BM == 64:
         gl.warp_specialize([
@@ -632,12 +656,12 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
         return
     gl.warp_specialize([
-        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, tiles,
-                           num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
-                           SP, STAGES, HAS_CLAMP)),
-        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, tiles,
-                           num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I,
-                           SP, STAGES, HAS_CLAMP)),
+        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
+                           tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
+        (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
+                           tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
                            I, SP, STAGES)),

@@ -159,6 +159,14 @@ FP8_WS_BLOCK64_MAX_EXPECTED = 32
 #: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill anywhere.
 #: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64.
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
+#: "fp8_ws" at pool block 128: whether math warpgroup 1 starts only once warpgroup 0 has taken a ring's worth of
+#: stages (``LEAD`` of ``megamoe.kernels.gemm_fp8_ws._math_partition``), so that the two run that far apart and their
+#: epilogues do not coincide (the tensor cores idled through every shared epilogue: session 11's ``noepi`` rows).
+#: Same bits. Measured on an H200 (``stagger`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``, session 16, whole
+#: call, a 2 us / 20 us start delay of warpgroup 1 standing in for it): T = 2048 2310 / 2314 us as is, 2301 / 2299
+#: staggered; T = 8192 7551 / 7566 as is, 7457 / 7455 staggered (1.3 %). (Power-capped there: the SM clock sits at
+#: ~1440 of 1980 MHz at 690-695 of 700 W, ``results/probes/clock_probe_h200.jsonl``.)
+FP8_WS_LEAD = True
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
@@ -740,7 +748,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl()),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD),
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -753,7 +761,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.
