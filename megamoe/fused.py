@@ -166,7 +166,7 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: call, a 2 us / 20 us start delay of warpgroup 1 standing in for it): T = 2048 2310 / 2314 us as is, 2301 / 2299
 #: staggered; T = 8192 7551 / 7566 as is, 7457 / 7455 staggered (1.3 %). (Power-capped there: the SM clock sits at
 #: ~1440 of 1980 MHz at 690-695 of 700 W, ``results/probes/clock_probe_h200.jsonl``.) The mbarrier form itself, off /
-#: on alternating (``lead`` rows, ``results/probes/lead_ab.py`` at 4af2dae): T = 2048 2327 / 2349 / 2405 / 2389 us,
+#: on alternating (``lead`` rows at 4af2dae; ``fp8_ws_probe.py lead`` reruns it): T = 2048 2327 / 2349 / 2405 / 2389 us,
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False

@@ -369,6 +369,14 @@ def probe_pdl(tokens=(32, 128)):
             _choice_row("pdl", T, f"pdl {'on' if pdl else 'off'}", fmt, {"WS_PDL": pdl})
 
 
+def probe_lead(tokens=(2048, 8192)):
+    """The FP8 phase's math warpgroups started a ring apart (``FP8_WS_LEAD``) off / on / off / on, whole call, rows
+    as ``pdl`` (first run, session 16 at 4af2dae, by a separate script with the bench's timing only)."""
+    for T in _tokens(tokens):
+        for lead in (False, True, False, True):
+            _choice_row("lead", T, f"lead {'on' if lead else 'off'}", "fp8", {"FP8_WS_LEAD": lead})
+
+
 class DirectLaunch:
     """A Triton / Gluon JIT kernel launched through the ``CompiledKernel`` of its first launch per (grid, PHASE):
     ``JITFunction.run``'s per-launch work (binding ~90 arguments, the specialisation key, the globals check) skipped.
@@ -493,4 +501,5 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
-         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl}[name]()
+         "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
+         "lead": probe_lead}[name]()
