@@ -1,0 +1,249 @@
+"""Probe: the FP4 decode *inside* the math warps, feeding ``wgmma`` from registers (swap-AB, "RS" wgmma), at the
+few-tokens sizes where the FP8 x FP4 path is decode-bound (issue #7: T <= 512).
+
+Why. The ``fp4_ws`` Gluon phase (``megamoe.kernels.gemm_fp4_ws``) decodes each FP4 weight stage in 4-8 dedicated
+warps into a swizzled shared-memory stage that the math warpgroups then read as the MMA's B operand: the decode
+round-trips through shared memory and runs in the few warps the math's 192-208 accumulator registers leave. With
+few tokens per expert the accumulator is tiny (swap-AB: 64 weight rows x BM tokens, BM / 2 registers a thread at
+BM 16-32), so every warp can decode, and Hopper's ``wgmma`` takes its A operand (here: the weights) from
+registers: LDS packed bytes -> PRMT table decode -> wgmma, nothing written back. This is how CUTLASS's mixed-input
+Hopper GEMMs (vLLM's "machete") feed narrow weights. The probe measures how fast that streams FP4.
+
+The kernel (``fp4_rs_kernel``, L1- or L2-shaped, one grouped GEMM, no epilogue): a CTA owns ``ROWS`` = 64 x
+warpgroups weight rows of one expert and its ``BM`` tokens; per 128-wide K block a TMA ring stage brings the packed
+rows (two boxes ``[ROWS, 32]`` bytes: ``transform_weights_for_mega_moe``'s two 64-value chunks) and the tokens
+(four boxes ``[BM, 32]`` e4m3, one per 32-wide K step); each warp loads its rows' packed bytes straight into the
+wgmma A-operand layout (``DotOperandLayout(0, ..., k_width=4)``: four consecutive K values a register, which is
+what one byte word's low or high nibbles decode to), decodes through the per-(row, 32-group) fold tables
+(``megamoe.quant.fold_lut``, the same ``prmt`` string as ``fp4_ws``), and issues four ``m64nBMk32`` wgmmas
+(one fresh chain a K block, added into the float32 accumulator: the ``hopper`` numerics' per-128 structure). The
+output is the accumulator ``out[e, n, t] = sum_k W'[n, k] A[t, k]`` (W' the folded e4m3 weights), checked against
+torch on the same bits.
+
+    python results/probes/fp4_rs_probe.py compile            (offline sm_90a: registers, spills, SASS of the loop)
+    python results/probes/fp4_rs_probe.py run [STAGES ...]   (GPU: one JSON row per shape / BM / config)
+
+Rows: ``us`` (median, L2 flushed, ``triton.testing.do_bench``), ``fp4_gb_per_s`` (packed weight + scale bytes / us),
+``max_rel_err`` against torch. The in-run yardstick is the same kernel on predecoded e4m3 weights is not built; the
+HBM copy rate of ``results/ceilings_h200.json`` is the ceiling to read them against.
+"""
+import json
+import os
+import sys
+
+import megamoe  # noqa: F401  (sets the interpreter flag on CPU machines before triton)
+
+# isort: split
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT  # noqa: E402
+from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
+
+#: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
+SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
+
+
+@gluon.jit
+def _tables(lut, word, rmax, g: gl.constexpr):
+    """Fold-table words of 32-group ``g`` per row (``gemm_fp4_ws._fold_table``; one 8-byte gather)."""
+    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
+    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)
+    return pair.to(gl.int32), (pair >> 32).to(gl.int32)
+
+
+@gluon.jit
+def fp4_rs_kernel(w_desc, a_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``out`` float32 ``[E, N, BM]`` = folded-e4m3 W ``[E, N, K]`` (packed FP4, ``w_desc`` boxes ``[ROWS, 32]``
+    bytes of the ``[E*N, K/2]`` array) times A ``[E*BM, K]`` e4m3 (``a_desc`` boxes ``[BM, 32]``); ``w_sf`` int32
+    MN-major ``[E][K/128][N]`` (four UE8M0 group bytes a word), ``rmax`` int32 ``[E*N]`` (each row's largest), ``lut``
+    ``fold_lut``. One CTA per (expert, ``ROWS`` rows)."""
+    ROWS: gl.constexpr = 16 * num_warps
+    NT: gl.constexpr = N // ROWS
+    KB: gl.constexpr = K // 128
+    pid = gl.program_id(0)
+    e = pid // NT
+    nt = pid % NT
+    row0 = e * N + nt * ROWS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 32])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, ROWS, 32], w_desc.layout)
+    ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BM, 32], a_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 K blocks in flight
+        bar = ready.index(i)
+        mbarrier.expect(bar, nbytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(w_desc, [row0, i * 64 + 32 * c], bar, wp.index(2 * i + c))
+        for j in gl.static_range(4):
+            tma.async_copy_global_to_shared(a_desc, [e * BM, i * 128 + 32 * j], bar, ab.index(4 * i + j))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dot_a))
+    rm = gl.load(rmax + row0 + rows)
+    acc = gl.zeros([ROWS, BM], gl.float32, mma)
+    for kb in range(KB):
+        # refill the stage the previous K block used (its wgmmas were waited for at the end of that block)
+        nk = kb + STAGES - 1
+        if nk < KB:
+            sn = nk % STAGES
+            bar = ready.index(sn)
+            mbarrier.expect(bar, nbytes)
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(w_desc, [row0, nk * 64 + 32 * c], bar, wp.index(2 * sn + c))
+            for j in gl.static_range(4):
+                tma.async_copy_global_to_shared(a_desc, [e * BM, nk * 128 + 32 * j], bar, ab.index(4 * sn + j))
+        word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
+        s = kb % STAGES
+        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+        t00, t01 = _tables(lut, word, rm, 0)
+        t10, t11 = _tables(lut, word, rm, 1)
+        g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+        t20, t21 = _tables(lut, word, rm, 2)
+        t30, t31 = _tables(lut, word, rm, 3)
+        g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+        dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
+        dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+        dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+        dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+        acc = acc + part
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    t = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    gl.store(out + (row0 + gl.expand_dims(r, 1)).to(gl.int64) * BM + gl.expand_dims(t, 0), acc)
+
+
+def layouts(rows: int, bm: int):
+    """Shared layouts of the two TMA boxes: 32-byte swizzle (a box is one 32-byte run a row)."""
+    lw = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
+    la = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
+    return lw, la
+
+
+def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1") -> dict:
+    """sm_90a compile on any machine: ptxas registers / spills and the K loop's SASS histogram."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe.hopper_compile import _loops
+    N, K = SHAPES[shape]
+    rows = 16 * num_warps
+    lw, la = layouts(rows, bm)
+    sig = {"w_desc": f"tensordesc<u8[{rows}, 32],{lw!r}>", "a_desc": f"tensordesc<fp8e4nv[{bm}, 32],{la!r}>",
+           "w_sf": "*i32", "rmax": "*i32", "lut": "*i32", "out": "*fp32", "N": "constexpr", "K": "constexpr",
+           "BM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+    kw = dict(N=N, K=K, BM=bm, STAGES=stages, num_warps=num_warps)
+    attrs = {(fp4_rs_kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in ("w_sf", "rmax", "lut", "out")}
+    k = triton.compile(GluonASTSource(fp4_rs_kernel, sig, kw, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
+    d = tempfile.mkdtemp(prefix="fp4_rs_")
+    for name, key, mode in (("k.ptx", "ptx", "w"), ("k.ttgir", "ttgir", "w"), ("k.cubin", "cubin", "wb")):
+        with open(os.path.join(d, name), mode) as f:
+            f.write(k.asm[key])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    pv = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                         os.path.join(d, "k2.cubin")], capture_output=True, text=True, check=True)
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(d, "k.sass"), "w") as f:
+        f.write(sass)
+    loops = [(n, dict(sorted(ops.items(), key=lambda x: -x[1])[:10])) for _, _, n, ops in _loops(sass)]
+    return {"mode": "compile", "shape": shape, "num_warps": num_warps, "bm": bm, "stages": stages,
+            "shared": k.metadata.shared, "ptxas": (pv.stdout + pv.stderr).strip().splitlines()[-2:],
+            "loops": loops, "dir": d}
+
+
+def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0):
+    """Random packed FP4 weights, per-32 UE8M0 scales (a spread of 6 binades a row), tokens; and the torch model
+    ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut`` bytes)."""
+    from megamoe.quant import fold_lut
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(0, 256, (E * N, K // 2), generator=g, device="cuda", dtype=torch.uint8)
+    sf = torch.randint(121, 128, (E, N, K // 32), generator=g, device="cuda", dtype=torch.int32)
+    rmax = sf.amax(dim=-1).reshape(-1).contiguous()
+    words = sf.view(E, N, K // 128, 4)
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
+    w_sf = words.permute(0, 2, 1).contiguous()  # MN-major [E][K/128][N]
+    a = (torch.randn(E * bm, K, generator=g, device="cuda") * 2).to(torch.float8_e4m3fn)
+    lut = fold_lut(device="cuda")
+    # torch model of the decode: K element k of a 128 block -> byte and nibble (transform_weights_for_mega_moe)
+    kk = torch.arange(K, device="cuda")
+    blk, r = kk // 128, kk % 128
+    c, q = r // 64, r % 64
+    byte = blk * 64 + c * 32 + q % 32
+    hi = (q >= 32).long()
+    table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
+    tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
+                     + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
+    ref = torch.empty(E, N, bm, device="cuda")
+    for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
+        rows = slice(x * N, (x + 1) * N)
+        codes = (packed[rows][:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
+        d = (rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()).clamp(max=FOLD_LUT_MAX_SHIFT)
+        bits = tb[d, codes & 7] | ((codes & 8) << 4)
+        wf = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
+    return packed, w_sf, rmax, lut, a, ref
+
+
+_INPUTS = {}
+
+
+def run(num_warps: int, bm: int, stages: int, shape: str, E: int) -> dict:
+    import triton
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    N, K = SHAPES[shape]
+    rows = 16 * num_warps
+    if (shape, bm, E) not in _INPUTS:
+        _INPUTS.clear()
+        _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
+    packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E]
+    lw, la = layouts(rows, bm)
+    wd = TensorDescriptor.from_tensor(packed, [rows, 32], lw)
+    ad = TensorDescriptor.from_tensor(a.view(torch.uint8).view(torch.float8_e4m3fn), [bm, 32], la)
+    out = torch.empty(E, N, bm, device="cuda", dtype=torch.float32)
+    grid = (E * (N // rows), )
+
+    def call():
+        fp4_rs_kernel[grid](wd, ad, w_sf, rmax, lut, out, N, K, bm, stages, num_warps=num_warps)
+
+    call()
+    torch.cuda.synchronize()
+    err = ((out - ref).abs().amax() / ref.abs().amax()).item()
+    us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
+    nbytes = packed.numel() + w_sf.numel() * 4
+    return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages, "us": us,
+            "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
+            "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "compile"
+    if mode == "compile":
+        for nw in (4, 8):
+            print(json.dumps(compile_offline(num_warps=nw)), flush=True)
+    else:
+        for shape in ("L1", "L2"):
+            for nw, bm, st in ((4, 16, 6), (8, 16, 6), (4, 16, 10), (4, 32, 6), (8, 32, 4)):
+                try:
+                    print(json.dumps(run(nw, bm, st, shape, E=32)), flush=True)
+                except Exception as ex:  # a probe row per config, the failure named
+                    print(json.dumps({"mode": "run", "shape": shape, "bm": bm, "num_warps": nw, "stages": st,
+                                      "error": repr(ex)[:400]}), flush=True)
