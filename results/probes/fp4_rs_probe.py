@@ -169,21 +169,21 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
             "loops": loops, "dir": d}
 
 
-def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0):
+def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
     """Random packed FP4 weights, per-32 UE8M0 scales (a spread of 6 binades a row), tokens; and the torch model
     ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut`` bytes)."""
     from megamoe.quant import fold_lut
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    packed = torch.randint(0, 256, (E * N, K // 2), generator=g, device="cuda", dtype=torch.uint8)
-    sf = torch.randint(121, 128, (E, N, K // 32), generator=g, device="cuda", dtype=torch.int32)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    packed = torch.randint(0, 256, (E * N, K // 2), generator=g, device=dev, dtype=torch.uint8)
+    sf = torch.randint(121, 128, (E, N, K // 32), generator=g, device=dev, dtype=torch.int32)
     rmax = sf.amax(dim=-1).reshape(-1).contiguous()
     words = sf.view(E, N, K // 128, 4)
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
     w_sf = words.permute(0, 2, 1).contiguous()  # MN-major [E][K/128][N]
-    a = (torch.randn(E * bm, K, generator=g, device="cuda") * 2).to(torch.float8_e4m3fn)
-    lut = fold_lut(device="cuda")
+    a = (torch.randn(E * bm, K, generator=g, device=dev) * 2).to(torch.float8_e4m3fn)
+    lut = fold_lut(device=dev)
     # torch model of the decode: K element k of a 128 block -> byte and nibble (transform_weights_for_mega_moe)
-    kk = torch.arange(K, device="cuda")
+    kk = torch.arange(K, device=dev)
     blk, r = kk // 128, kk % 128
     c, q = r // 64, r % 64
     byte = blk * 64 + c * 32 + q % 32
@@ -191,11 +191,11 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0):
     table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
     tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
                      + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
-    ref = torch.empty(E, N, bm, device="cuda")
+    ref = torch.empty(E, N, bm, device=dev)
     for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
         rows = slice(x * N, (x + 1) * N)
         codes = (packed[rows][:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
-        d = (rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()).clamp(max=FOLD_LUT_MAX_SHIFT)
+        d = (rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()).clamp(max=FOLD_LUT_MAX_SHIFT.value)
         bits = tb[d, codes & 7] | ((codes & 8) << 4)
         wf = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
         ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
