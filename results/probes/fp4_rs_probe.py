@@ -49,6 +49,9 @@ from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
+#: (warps, BM, stages, SF_TMA) of a ``run``.
+CONFIGS = ((4, 16, 6, False), (4, 16, 6, True), (4, 16, 4, True), (4, 16, 3, True), (8, 16, 4, True),
+           (4, 32, 4, True), (8, 32, 4, True))
 
 
 @gluon.jit
@@ -60,12 +63,13 @@ def _tables(lut, word, rmax, g: gl.constexpr):
 
 
 @gluon.jit
-def fp4_rs_kernel(w_desc, a_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.constexpr,
+                  BM: gl.constexpr, STAGES: gl.constexpr, SF_TMA: gl.constexpr, num_warps: gl.constexpr):
     """``out`` float32 ``[E, N, BM]`` = folded-e4m3 W ``[E, N, K]`` (packed FP4, ``w_desc`` boxes ``[ROWS, 32]``
     bytes of the ``[E*N, K/2]`` array) times A ``[E*BM, K]`` e4m3 (``a_desc`` boxes ``[BM, 32]``); ``w_sf`` int32
     MN-major ``[E][K/128][N]`` (four UE8M0 group bytes a word), ``rmax`` int32 ``[E*N]`` (each row's largest), ``lut``
-    ``fold_lut``. One CTA per (expert, ``ROWS`` rows)."""
+    ``fold_lut``. One CTA per (expert, ``ROWS`` rows). ``SF_TMA``: the K block's scale words of the CTA's rows come
+    with the stage (``s_desc``: boxes ``[ROWS]`` of the flat words) instead of a global load in the K loop."""
     ROWS: gl.constexpr = 16 * num_warps
     NT: gl.constexpr = N // ROWS
     KB: gl.constexpr = K // 128
@@ -78,10 +82,14 @@ def fp4_rs_kernel(w_desc, a_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.c
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, ROWS, 32], w_desc.layout)
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BM, 32], a_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes
+    if SF_TMA:
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes + s_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 K blocks in flight
         bar = ready.index(i)
         mbarrier.expect(bar, nbytes)
@@ -89,6 +97,8 @@ def fp4_rs_kernel(w_desc, a_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.c
             tma.async_copy_global_to_shared(w_desc, [row0, i * 64 + 32 * c], bar, wp.index(2 * i + c))
         for j in gl.static_range(4):
             tma.async_copy_global_to_shared(a_desc, [e * BM, i * 128 + 32 * j], bar, ab.index(4 * i + j))
+        if SF_TMA:
+            tma.async_copy_global_to_shared(s_desc, [(e * KB + i) * N + nt * ROWS], bar, sw.index(i))
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dot_a))
     rm = gl.load(rmax + row0 + rows)
     acc = gl.zeros([ROWS, BM], gl.float32, mma)
@@ -103,9 +113,15 @@ def fp4_rs_kernel(w_desc, a_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.c
                 tma.async_copy_global_to_shared(w_desc, [row0, nk * 64 + 32 * c], bar, wp.index(2 * sn + c))
             for j in gl.static_range(4):
                 tma.async_copy_global_to_shared(a_desc, [e * BM, nk * 128 + 32 * j], bar, ab.index(4 * sn + j))
-        word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
+            if SF_TMA:
+                tma.async_copy_global_to_shared(s_desc, [(e * KB + nk) * N + nt * ROWS], bar, sw.index(sn))
         s = kb % STAGES
-        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+        if SF_TMA:
+            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+            word = sw.index(s).load(gl.SliceLayout(1, dot_a))
+        else:
+            word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
+            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
         t00, t01 = _tables(lut, word, rm, 0)
         t10, t11 = _tables(lut, word, rm, 1)
         g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
@@ -129,10 +145,11 @@ def layouts(rows: int, bm: int):
     """Shared layouts of the two TMA boxes: 32-byte swizzle (a box is one 32-byte run a row)."""
     lw = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
     la = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
-    return lw, la
+    ls = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return lw, la, ls
 
 
-def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1") -> dict:
+def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1", sf_tma: bool = True) -> dict:
     """sm_90a compile on any machine: ptxas registers / spills and the K loop's SASS histogram."""
     import subprocess
     import tempfile
@@ -144,11 +161,12 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
     from megamoe.hopper_compile import _loops
     N, K = SHAPES[shape]
     rows = 16 * num_warps
-    lw, la = layouts(rows, bm)
+    lw, la, ls = layouts(rows, bm)
     sig = {"w_desc": f"tensordesc<u8[{rows}, 32],{lw!r}>", "a_desc": f"tensordesc<fp8e4nv[{bm}, 32],{la!r}>",
+           "s_desc": f"tensordesc<i32[{rows}],{ls!r}>",
            "w_sf": "*i32", "rmax": "*i32", "lut": "*i32", "out": "*fp32", "N": "constexpr", "K": "constexpr",
-           "BM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-    kw = dict(N=N, K=K, BM=bm, STAGES=stages, num_warps=num_warps)
+           "BM": "constexpr", "STAGES": "constexpr", "SF_TMA": "constexpr", "num_warps": "constexpr"}
+    kw = dict(N=N, K=K, BM=bm, STAGES=stages, SF_TMA=sf_tma, num_warps=num_warps)
     attrs = {(fp4_rs_kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in ("w_sf", "rmax", "lut", "out")}
     k = triton.compile(GluonASTSource(fp4_rs_kernel, sig, kw, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps})
@@ -164,7 +182,7 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
     with open(os.path.join(d, "k.sass"), "w") as f:
         f.write(sass)
     loops = [(n, dict(sorted(ops.items(), key=lambda x: -x[1])[:10])) for _, _, n, ops in _loops(sass)]
-    return {"mode": "compile", "shape": shape, "num_warps": num_warps, "bm": bm, "stages": stages,
+    return {"mode": "compile", "shape": shape, "num_warps": num_warps, "bm": bm, "stages": stages, "sf_tma": sf_tma,
             "shared": k.metadata.shared, "ptxas": (pv.stdout + pv.stderr).strip().splitlines()[-2:],
             "loops": loops, "dir": d}
 
@@ -205,7 +223,7 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
 _INPUTS = {}
 
 
-def run(num_warps: int, bm: int, stages: int, shape: str, E: int) -> dict:
+def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool) -> dict:
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -215,21 +233,23 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int) -> dict:
         _INPUTS.clear()
         _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
     packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E]
-    lw, la = layouts(rows, bm)
+    lw, la, ls = layouts(rows, bm)
     wd = TensorDescriptor.from_tensor(packed, [rows, 32], lw)
+    sd = TensorDescriptor(w_sf.view(-1), [w_sf.numel()], [1], [rows], ls)
     ad = TensorDescriptor.from_tensor(a.view(torch.uint8).view(torch.float8_e4m3fn), [bm, 32], la)
     out = torch.empty(E, N, bm, device="cuda", dtype=torch.float32)
     grid = (E * (N // rows), )
 
     def call():
-        fp4_rs_kernel[grid](wd, ad, w_sf, rmax, lut, out, N, K, bm, stages, num_warps=num_warps)
+        fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, num_warps=num_warps)
 
     call()
     torch.cuda.synchronize()
     err = ((out - ref).abs().amax() / ref.abs().amax()).item()
     us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
     nbytes = packed.numel() + w_sf.numel() * 4
-    return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages, "us": us,
+    return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages,
+            "sf_tma": sf_tma, "us": us,
             "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
             "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
 
@@ -237,13 +257,13 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int) -> dict:
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "compile"
     if mode == "compile":
-        for nw in (4, 8):
-            print(json.dumps(compile_offline(num_warps=nw)), flush=True)
+        for nw, sf in ((4, False), (4, True)):
+            print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf)), flush=True)
     else:
         for shape in ("L1", "L2"):
-            for nw, bm, st in ((4, 16, 6), (8, 16, 6), (4, 16, 10), (4, 32, 6), (8, 32, 4)):
+            for nw, bm, st, sf in CONFIGS:
                 try:
-                    print(json.dumps(run(nw, bm, st, shape, E=32)), flush=True)
+                    print(json.dumps(run(nw, bm, st, shape, 32, sf)), flush=True)
                 except Exception as ex:  # a probe row per config, the failure named
                     print(json.dumps({"mode": "run", "shape": shape, "bm": bm, "num_warps": nw, "stages": st,
                                       "error": repr(ex)[:400]}), flush=True)
