@@ -213,7 +213,8 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
     for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
         rows = slice(x * N, (x + 1) * N)
         codes = (packed[rows][:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
-        d = (rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()).clamp(max=FOLD_LUT_MAX_SHIFT.value)
+        d = rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()
+        d = d.clamp(max=FOLD_LUT_MAX_SHIFT.value)
         bits = tb[d, codes & 7] | ((codes & 8) << 4)
         wf = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
         ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
