@@ -49,9 +49,9 @@ from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
-#: (warps, BM, stages, SF_TMA) of a ``run``.
-CONFIGS = ((4, 16, 6, False), (4, 16, 6, True), (4, 16, 4, True), (4, 16, 3, True), (8, 16, 4, True),
-           (4, 32, 4, True), (8, 32, 4, True))
+#: (warps, BM, stages, SF_TMA, DECODE) of a ``run``; the first session-17 sweep also ran (4, 16, 6 / 3, ...),
+#: (8, 16, 4, ...), (4 / 8, 32, 4, ...) and (4, 16, 6, False, 2): rows in fp4_rs_probe_h200.jsonl.
+CONFIGS = ((4, 16, 4, True, 2), (4, 16, 4, True, 1), (4, 16, 4, True, 0), (4, 16, 4, False, 2))
 
 
 @gluon.jit
@@ -64,12 +64,16 @@ def _tables(lut, word, rmax, g: gl.constexpr):
 
 @gluon.jit
 def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr, K: gl.constexpr,
-                  BM: gl.constexpr, STAGES: gl.constexpr, SF_TMA: gl.constexpr, num_warps: gl.constexpr):
+                  BM: gl.constexpr, STAGES: gl.constexpr, SF_TMA: gl.constexpr, DECODE: gl.constexpr,
+                  num_warps: gl.constexpr):
     """``out`` float32 ``[E, N, BM]`` = folded-e4m3 W ``[E, N, K]`` (packed FP4, ``w_desc`` boxes ``[ROWS, 32]``
     bytes of the ``[E*N, K/2]`` array) times A ``[E*BM, K]`` e4m3 (``a_desc`` boxes ``[BM, 32]``); ``w_sf`` int32
     MN-major ``[E][K/128][N]`` (four UE8M0 group bytes a word), ``rmax`` int32 ``[E*N]`` (each row's largest), ``lut``
     ``fold_lut``. One CTA per (expert, ``ROWS`` rows). ``SF_TMA``: the K block's scale words of the CTA's rows come
-    with the stage (``s_desc``: boxes ``[ROWS]`` of the flat words) instead of a global load in the K loop."""
+    with the stage (``s_desc``: boxes ``[ROWS]`` of the flat words) instead of a global load in the K loop.
+    ``DECODE`` (timing only below 2): 2 the decode as described; 1 without the fold-table gathers (shift 0 for
+    every group: wrong unless all of a row's scales are equal); 0 no decode at all (the packed bytes go to the MMA
+    as they are: the stream and MMA without the decode's instructions)."""
     ROWS: gl.constexpr = 16 * num_warps
     NT: gl.constexpr = N // ROWS
     KB: gl.constexpr = K // 128
@@ -122,12 +126,23 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
         else:
             word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
             mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-        t00, t01 = _tables(lut, word, rm, 0)
-        t10, t11 = _tables(lut, word, rm, 1)
-        g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-        t20, t21 = _tables(lut, word, rm, 2)
-        t30, t31 = _tables(lut, word, rm, 3)
-        g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+        if DECODE == 2:
+            t00, t01 = _tables(lut, word, rm, 0)
+            t10, t11 = _tables(lut, word, rm, 1)
+            g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+            t20, t21 = _tables(lut, word, rm, 2)
+            t30, t31 = _tables(lut, word, rm, 3)
+            g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+        elif DECODE == 1:
+            c0 = gl.zeros_like(word) + 0x3C383000  # fold_lut at shift 0
+            c1 = gl.zeros_like(word) + 0x4C484440
+            g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), c0 + (word & 0), c1, c0, c1)
+            g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), c0 + (word & 0), c1, c0, c1)
+        else:
+            g0 = wp.index(2 * s).load(dot_a).to(gl.float8e4nv, bitcast=True)
+            g1 = g0
+            g2 = wp.index(2 * s + 1).load(dot_a).to(gl.float8e4nv, bitcast=True)
+            g3 = g2
         dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
         dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
         dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
@@ -149,7 +164,8 @@ def layouts(rows: int, bm: int):
     return lw, la, ls
 
 
-def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1", sf_tma: bool = True) -> dict:
+def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1", sf_tma: bool = True,
+                    decode: int = 2) -> dict:
     """sm_90a compile on any machine: ptxas registers / spills and the K loop's SASS histogram."""
     import subprocess
     import tempfile
@@ -165,8 +181,9 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
     sig = {"w_desc": f"tensordesc<u8[{rows}, 32],{lw!r}>", "a_desc": f"tensordesc<fp8e4nv[{bm}, 32],{la!r}>",
            "s_desc": f"tensordesc<i32[{rows}],{ls!r}>",
            "w_sf": "*i32", "rmax": "*i32", "lut": "*i32", "out": "*fp32", "N": "constexpr", "K": "constexpr",
-           "BM": "constexpr", "STAGES": "constexpr", "SF_TMA": "constexpr", "num_warps": "constexpr"}
-    kw = dict(N=N, K=K, BM=bm, STAGES=stages, SF_TMA=sf_tma, num_warps=num_warps)
+           "BM": "constexpr", "STAGES": "constexpr", "SF_TMA": "constexpr", "DECODE": "constexpr",
+           "num_warps": "constexpr"}
+    kw = dict(N=N, K=K, BM=bm, STAGES=stages, SF_TMA=sf_tma, DECODE=decode, num_warps=num_warps)
     attrs = {(fp4_rs_kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in ("w_sf", "rmax", "lut", "out")}
     k = triton.compile(GluonASTSource(fp4_rs_kernel, sig, kw, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps})
@@ -183,7 +200,7 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
         f.write(sass)
     loops = [(n, dict(sorted(ops.items(), key=lambda x: -x[1])[:10])) for _, _, n, ops in _loops(sass)]
     return {"mode": "compile", "shape": shape, "num_warps": num_warps, "bm": bm, "stages": stages, "sf_tma": sf_tma,
-            "shared": k.metadata.shared, "ptxas": (pv.stdout + pv.stderr).strip().splitlines()[-2:],
+            "decode": decode, "shared": k.metadata.shared, "ptxas": (pv.stdout + pv.stderr).strip().splitlines()[-2:],
             "loops": loops, "dir": d}
 
 
@@ -224,7 +241,7 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
 _INPUTS = {}
 
 
-def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool) -> dict:
+def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, decode: int = 2) -> dict:
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -242,7 +259,8 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool) 
     grid = (E * (N // rows), )
 
     def call():
-        fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, num_warps=num_warps)
+        fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
+                            num_warps=num_warps)
 
     call()
     torch.cuda.synchronize()
@@ -250,7 +268,7 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool) 
     us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
     nbytes = packed.numel() + w_sf.numel() * 4
     return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages,
-            "sf_tma": sf_tma, "us": us,
+            "sf_tma": sf_tma, "decode": decode, "us": us,
             "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
             "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
 
@@ -258,13 +276,13 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool) 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "compile"
     if mode == "compile":
-        for nw, sf in ((4, False), (4, True)):
-            print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf)), flush=True)
+        for nw, sf, dec in ((4, False, 2), (4, True, 2), (4, True, 1), (4, True, 0)):
+            print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf, decode=dec)), flush=True)
     else:
         for shape in ("L1", "L2"):
-            for nw, bm, st, sf in CONFIGS:
+            for nw, bm, st, sf, dec in CONFIGS:
                 try:
-                    print(json.dumps(run(nw, bm, st, shape, 32, sf)), flush=True)
+                    print(json.dumps(run(nw, bm, st, shape, 32, sf, dec)), flush=True)
                 except Exception as ex:  # a probe row per config, the failure named
                     print(json.dumps({"mode": "run", "shape": shape, "bm": bm, "num_warps": nw, "stages": st,
                                       "error": repr(ex)[:400]}), flush=True)
