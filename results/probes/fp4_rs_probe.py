@@ -49,9 +49,10 @@ from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
-#: (warps, BM, stages, SF_TMA, DECODE) of a ``run``; the first session-17 sweep also ran (4, 16, 6 / 3, ...),
-#: (8, 16, 4, ...), (4 / 8, 32, 4, ...) and (4, 16, 6, False, 2): rows in fp4_rs_probe_h200.jsonl.
-CONFIGS = ((4, 16, 4, True, 2), (4, 16, 4, True, 1), (4, 16, 4, True, 0), (4, 16, 4, False, 2))
+#: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0) of a ``run``; earlier sweeps (rows in
+#: fp4_rs_probe_h200.jsonl) also ran stages 3 / 6 / 10, 8 warps, BM 32, and DECODE 1 / 0.
+CONFIGS = ((4, 16, 4, True, 2, 0), (4, 16, 4, True, 2, 4), (4, 16, 6, True, 2, 4), (4, 16, 8, True, 2, 3),
+           (4, 16, 4, True, 2, 2), (4, 32, 4, True, 2, 4))
 
 
 @gluon.jit
@@ -156,6 +157,94 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
     gl.store(out + (row0 + gl.expand_dims(r, 1)).to(gl.int64) * BM + gl.expand_dims(t, 0), acc)
 
 
+@gluon.jit
+def _rs_load(w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N: gl.constexpr, K: gl.constexpr,
+             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
+    """Loader warp of ``fp4_rs_ws_kernel``: per K block of each tile the stage's packed rows, tokens and scale
+    words (``empty[s]`` released by the math, ``ready[s]`` completes on the bytes)."""
+    NT: gl.constexpr = N // ROWS
+    KB: gl.constexpr = K // 128
+    nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes + s_desc.block_type.nbytes
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        e = t // NT
+        nt = t % NT
+        row0 = e * N + nt * ROWS
+        for kb in range(KB):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(w_desc, [row0, kb * 64 + 32 * c], bar, wp.index(2 * s + c))
+            for j in gl.static_range(4):
+                tma.async_copy_global_to_shared(a_desc, [e * BM, kb * 128 + 32 * j], bar, ab.index(4 * s + j))
+            tma.async_copy_global_to_shared(s_desc, [(e * KB + kb) * N + nt * ROWS], bar, sw.index(s))
+            it += 1
+
+
+@gluon.jit
+def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
+             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
+    """Math warpgroup of ``fp4_rs_ws_kernel``: decode into the register A operand, four wgmmas a K block, release
+    the stage once they are done, store the tile's float32 accumulator."""
+    NT: gl.constexpr = N // ROWS
+    KB: gl.constexpr = K // 128
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dot_a))
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    tok = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        e = t // NT
+        nt = t % NT
+        row0 = e * N + nt * ROWS
+        rm = gl.load(rmax + row0 + rows)
+        acc = gl.zeros([ROWS, BM], gl.float32, mma)
+        for kb in range(KB):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            word = sw.index(s).load(gl.SliceLayout(1, dot_a))
+            t00, t01 = _tables(lut, word, rm, 0)
+            t10, t11 = _tables(lut, word, rm, 1)
+            g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+            t20, t21 = _tables(lut, word, rm, 2)
+            t30, t31 = _tables(lut, word, rm, 3)
+            g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+            dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
+            dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+            dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+            dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + part
+            it += 1
+        gl.store(out + (row0 + gl.expand_dims(r, 1)).to(gl.int64) * BM + gl.expand_dims(tok, 0), acc)
+
+
+@gluon.jit
+def fp4_rs_ws_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
+                     BM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``fp4_rs_kernel`` (``SF_TMA``, ``DECODE`` 2, one warpgroup) warp-specialised and persistent: a loader warp
+    keeps the ring full (no CTA barrier or elected TMA issue in the math's K loop), the CTA walks tiles ``pid,
+    pid + grid, ...`` (``num_tiles`` = E x N / 64). Launched at ``maxnreg`` 64 (8 warps: the math warpgroup and
+    the loader's; offline sm_90a: no spill, setmaxnreg 24 / 40 loader, 88 / 104 math), so 4 CTAs fit an SM."""
+    ROWS: gl.constexpr = 64
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, ROWS, 32], w_desc.layout)
+    ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BM, 32], a_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_rs_math, (wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N, K, BM, STAGES, ROWS)),
+        (_rs_load, (w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N, K, BM, STAGES, ROWS)),
+    ], [1], [40])
+
+
 def layouts(rows: int, bm: int):
     """Shared layouts of the two TMA boxes: 32-byte swizzle (a box is one 32-byte run a row)."""
     lw = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
@@ -241,7 +330,9 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
 _INPUTS = {}
 
 
-def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, decode: int = 2) -> dict:
+def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, decode: int = 2,
+        ws_ctas: int = 0) -> dict:
+    """One row. ``ws_ctas`` > 0: ``fp4_rs_ws_kernel`` with that many CTAs an SM (persistent) instead."""
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -258,7 +349,15 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     out = torch.empty(E, N, bm, device="cuda", dtype=torch.float32)
     grid = (E * (N // rows), )
 
+    if ws_ctas:
+        num_tiles = E * (N // 64)
+        grid = (min(num_tiles, ws_ctas * torch.cuda.get_device_properties(0).multi_processor_count), )
+
     def call():
+        if ws_ctas:
+            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, num_warps=4,
+                                   maxnreg=64)
+            return
         fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
                             num_warps=num_warps)
 
@@ -268,7 +367,7 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
     nbytes = packed.numel() + w_sf.numel() * 4
     return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages,
-            "sf_tma": sf_tma, "decode": decode, "us": us,
+            "sf_tma": sf_tma, "decode": decode, "ws_ctas": ws_ctas, "us": us,
             "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
             "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
 
@@ -280,9 +379,9 @@ if __name__ == "__main__":
             print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf, decode=dec)), flush=True)
     else:
         for shape in ("L1", "L2"):
-            for nw, bm, st, sf, dec in CONFIGS:
+            for nw, bm, st, sf, dec, ws in CONFIGS:
                 try:
-                    print(json.dumps(run(nw, bm, st, shape, 32, sf, dec)), flush=True)
+                    print(json.dumps(run(nw, bm, st, shape, 32, sf, dec, ws)), flush=True)
                 except Exception as ex:  # a probe row per config, the failure named
                     print(json.dumps({"mode": "run", "shape": shape, "bm": bm, "num_warps": nw, "stages": st,
                                       "error": repr(ex)[:400]}), flush=True)
