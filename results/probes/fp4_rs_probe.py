@@ -49,10 +49,10 @@ from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
-#: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0) of a ``run``; earlier sweeps (rows in
-#: fp4_rs_probe_h200.jsonl) also ran stages 3 / 6 / 10, 8 warps, BM 32, and DECODE 1 / 0.
-CONFIGS = ((4, 16, 4, True, 2, 0), (4, 16, 4, True, 2, 4), (4, 16, 6, True, 2, 4), (4, 16, 8, True, 2, 3),
-           (4, 16, 4, True, 2, 2), (4, 32, 4, True, 2, 4))
+#: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0, PIPE) of a ``run``; earlier sweeps (rows in
+#: fp4_rs_probe_h200.jsonl) also ran stages 3 / 8 / 10, 8 warps, BM 32, DECODE 1 / 0 and 2 / 3 CTAs an SM.
+CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 16, 6, True, 2, 4, True), (4, 16, 4, True, 2, 4, True),
+           (4, 32, 6, True, 2, 4, True))
 
 
 @gluon.jit
@@ -185,9 +185,11 @@ def _rs_load(w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N: gl.
 
 @gluon.jit
 def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
-             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
+             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, PIPE: gl.constexpr):
     """Math warpgroup of ``fp4_rs_ws_kernel``: decode into the register A operand, four wgmmas a K block, release
-    the stage once they are done, store the tile's float32 accumulator."""
+    the stage once they are done, store the tile's float32 accumulator. ``PIPE`` (timing: not the ``hopper``
+    model's per-128 chains): one wgmma chain over all of K, waited with the next block's four MMAs outstanding, so
+    a block's decode overlaps the previous block's MMAs."""
     NT: gl.constexpr = N // ROWS
     KB: gl.constexpr = K // 128
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
@@ -212,20 +214,34 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
             t20, t21 = _tables(lut, word, rm, 2)
             t30, t31 = _tables(lut, word, rm, 3)
             g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
-            dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
-            dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
-            dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
-            dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + part
+            if PIPE:  # one chain over K; block kb's MMAs run while block kb + 1 decodes
+                acc = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=kb > 0, is_async=True)
+                acc = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), acc, is_async=True)
+                # (the register operands of the MMAs in flight: ptxas guards them, warpgroup_mma_wait takes no
+                # 8-bit deps in Triton 3.6 -- "Unexpected bitwidth in WGMMAWaitGroupOp")
+                acc = warpgroup_mma_wait(num_outstanding=4, deps=(acc, ))
+                if kb > 0:
+                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            else:
+                dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
+                dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+                dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+                dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + part
             it += 1
+        if PIPE:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         gl.store(out + (row0 + gl.expand_dims(r, 1)).to(gl.int64) * BM + gl.expand_dims(tok, 0), acc)
 
 
 @gluon.jit
 def fp4_rs_ws_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
-                     BM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     BM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
     """``fp4_rs_kernel`` (``SF_TMA``, ``DECODE`` 2, one warpgroup) warp-specialised and persistent: a loader warp
     keeps the ring full (no CTA barrier or elected TMA issue in the math's K loop), the CTA walks tiles ``pid,
     pid + grid, ...`` (``num_tiles`` = E x N / 64). Launched at ``maxnreg`` 64 (8 warps: the math warpgroup and
@@ -240,7 +256,7 @@ def fp4_rs_ws_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, num_tiles, N:
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_rs_math, (wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N, K, BM, STAGES, ROWS)),
+        (_rs_math, (wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N, K, BM, STAGES, ROWS, PIPE)),
         (_rs_load, (w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N, K, BM, STAGES, ROWS)),
     ], [1], [40])
 
@@ -331,7 +347,7 @@ _INPUTS = {}
 
 
 def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, decode: int = 2,
-        ws_ctas: int = 0) -> dict:
+        ws_ctas: int = 0, pipe: bool = False) -> dict:
     """One row. ``ws_ctas`` > 0: ``fp4_rs_ws_kernel`` with that many CTAs an SM (persistent) instead."""
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -355,7 +371,7 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
 
     def call():
         if ws_ctas:
-            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, num_warps=4,
+            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, pipe, num_warps=4,
                                    maxnreg=64)
             return
         fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
@@ -367,7 +383,8 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
     nbytes = packed.numel() + w_sf.numel() * 4
     return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages,
-            "sf_tma": sf_tma, "decode": decode, "ws_ctas": ws_ctas, "us": us,
+            "sf_tma": sf_tma, "decode": decode, "ws_ctas": ws_ctas, "pipe": pipe,
+            "us": us,
             "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
             "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
 
@@ -379,9 +396,9 @@ if __name__ == "__main__":
             print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf, decode=dec)), flush=True)
     else:
         for shape in ("L1", "L2"):
-            for nw, bm, st, sf, dec, ws in CONFIGS:
+            for nw, bm, st, sf, dec, ws, pipe in CONFIGS:
                 try:
-                    print(json.dumps(run(nw, bm, st, shape, 32, sf, dec, ws)), flush=True)
+                    print(json.dumps(run(nw, bm, st, shape, 32, sf, dec, ws, pipe)), flush=True)
                 except Exception as ex:  # a probe row per config, the failure named
                     print(json.dumps({"mode": "run", "shape": shape, "bm": bm, "num_warps": nw, "stages": st,
                                       "error": repr(ex)[:400]}), flush=True)
