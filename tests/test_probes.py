@@ -143,3 +143,27 @@ def test_ws_profile_splits_launches_by_position_and_refuses_uneven_calls():
         probe.launch_split(kernels[:-1], 2)
     with pytest.raises(ValueError, match="differ"):
         probe.launch_split(kernels[:-1] + [(1790.0, 1808.0, "other")], 2)
+
+
+def test_fp4_rs_probe_model_is_the_library_fold():
+    """The register-operand FP4 probe checks its kernel against its own torch decode (``decoded_weights``): that
+    decode equals ``megamoe.quant.fold_scales`` of the untransformed weights, so a passing GPU row means the
+    kernel computed the ``hopper`` numerics' operands."""
+    import torch
+
+    from megamoe.quant import (_unrepack_nibbles_split, e2m1_decode, fold_lut, fold_scales, pack_ue8m0,
+                               unpack_nibbles)
+
+    probe = _load("fp4_rs_probe")
+    g = torch.Generator().manual_seed(3)
+    N, K = 8, 256
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    sf = torch.randint(100, 131, (N, K // 32), generator=g, dtype=torch.int32)  # shifts up to 30: the table's clamp
+    rmax = sf.amax(dim=1)
+    got = probe.decoded_weights(packed, sf, rmax, fold_lut())
+    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles_split(packed.view(torch.int8))))
+    scales = torch.pow(2.0, (sf - 127).float())
+    folded, row = fold_scales(values, pack_ue8m0(scales))
+    assert torch.equal(row, rmax)
+    assert torch.equal(got, folded.float())
+    assert not torch.equal(probe.decoded_weights(packed, sf, rmax - 1, fold_lut()), got)  # the check can fail

@@ -309,6 +309,26 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
             "loops": loops, "dir": d}
 
 
+def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The kernel's decode in torch: packed uint8 ``[N, K/2]`` (``transform_weights_for_mega_moe``'s order: per
+    128-wide K block, chunk ``c`` byte ``j`` = elements ``64c + j`` (low nibble) and ``64c + 32 + j`` (high)), UE8M0
+    bytes int32 ``[N, K/32]``, row maxima int32 ``[N]``, ``fold_lut`` -> the folded e4m3 weights as float32
+    ``[N, K]`` (``tests/test_probes.py`` checks it against ``megamoe.quant.fold_scales``)."""
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    kk = torch.arange(K, device=packed.device)
+    blk, r = kk // 128, kk % 128
+    c, q = r // 64, r % 64
+    byte = blk * 64 + c * 32 + q % 32
+    hi = (q >= 32).long()
+    table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
+    tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
+                     + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
+    codes = (packed[:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
+    d = rmax.view(N, 1).long() - sf.repeat_interleave(32, dim=1).long()
+    bits = tb[d.clamp(max=FOLD_LUT_MAX_SHIFT.value), codes & 7] | ((codes & 8) << 4)
+    return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
     """Random packed FP4 weights, per-32 UE8M0 scales (a spread of 6 binades a row), tokens; and the torch model
     ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut`` bytes)."""
@@ -322,23 +342,10 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
     w_sf = words.permute(0, 2, 1).contiguous()  # MN-major [E][K/128][N]
     a = (torch.randn(E * bm, K, generator=g, device=dev) * 2).to(torch.float8_e4m3fn)
     lut = fold_lut(device=dev)
-    # torch model of the decode: K element k of a 128 block -> byte and nibble (transform_weights_for_mega_moe)
-    kk = torch.arange(K, device=dev)
-    blk, r = kk // 128, kk % 128
-    c, q = r // 64, r % 64
-    byte = blk * 64 + c * 32 + q % 32
-    hi = (q >= 32).long()
-    table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
-    tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
-                     + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
     ref = torch.empty(E, N, bm, device=dev)
     for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
         rows = slice(x * N, (x + 1) * N)
-        codes = (packed[rows][:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
-        d = rmax[rows].view(N, 1).long() - sf[x].repeat_interleave(32, dim=1).long()
-        d = d.clamp(max=FOLD_LUT_MAX_SHIFT.value)
-        bits = tb[d, codes & 7] | ((codes & 8) << 4)
-        wf = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        wf = decoded_weights(packed[rows], sf[x], rmax[rows], lut)
         ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
     return packed, w_sf, rmax, lut, a, ref
 
