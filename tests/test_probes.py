@@ -151,8 +151,7 @@ def test_fp4_rs_probe_model_is_the_library_fold():
     kernel computed the ``hopper`` numerics' operands."""
     import torch
 
-    from megamoe.quant import (_unrepack_nibbles_split, e2m1_decode, fold_lut, fold_scales, pack_ue8m0,
-                               unpack_nibbles)
+    from megamoe.quant import _unrepack_nibbles_split, e2m1_decode, fold_lut, fold_scales, pack_ue8m0, unpack_nibbles
 
     probe = _load("fp4_rs_probe")
     g = torch.Generator().manual_seed(3)
