@@ -21,11 +21,31 @@ output is the accumulator ``out[e, n, t] = sum_k W'[n, k] A[t, k]`` (W' the fold
 torch on the same bits.
 
     python results/probes/fp4_rs_probe.py compile            (offline sm_90a: registers, spills, SASS of the loop)
-    python results/probes/fp4_rs_probe.py run [STAGES ...]   (GPU: one JSON row per shape / BM / config)
+    python results/probes/fp4_rs_probe.py run                (GPU: one JSON row per shape and CONFIGS entry)
 
-Rows: ``us`` (median, L2 flushed, ``triton.testing.do_bench``), ``fp4_gb_per_s`` (packed weight + scale bytes / us),
-``max_rel_err`` against torch. The in-run yardstick is the same kernel on predecoded e4m3 weights is not built; the
-HBM copy rate of ``results/ceilings_h200.json`` is the ceiling to read them against.
+Rows (``fp4_rs_probe_h200.jsonl``): ``us`` (median, L2 flushed, ``triton.testing.do_bench``), ``fp4_gb_per_s``
+(packed weight + scale bytes / us), ``max_rel_err`` (max |out - ref| / max |ref|) against the torch decode, 32
+experts, uniform random FP4 codes, scales spread over 7 binades.
+
+Measured on the H200 (session 17, five device calls; with the per-128 chains every row agrees with the torch
+decode to 2.4-2.7e-4):
+
+* plain (one CTA per tile, the K loop issues its own TMA): 2.0-2.2 TB/s of FP4 at BM 16 (L1 337 us, L2 173 us at
+  4 stages), BM 32 ~10 % slower, 8 warps / 3, 6, 10 stages no better. ``SF_TMA`` +4 % (the scale words' global
+  load was on the chain).
+* what it is bound by, same kernel (``DECODE``): without the fold-table gathers 2.5 TB/s, with no decode at all
+  2.7 TB/s (L1 278 us) -- the loop structure itself (a CTA barrier and an elected TMA issue a K block, small
+  boxes: 2 KB of weights, 512 B of tokens) caps it well below the HBM's 4.8 TB/s (nominal).
+* warp-specialised + persistent (``fp4_rs_ws_kernel``: a loader warp, 4 CTAs an SM at ``maxnreg`` 64): 2.5 TB/s
+  with the full decode (L1 298 us, L2 155 us at 6 stages; 2 CTAs an SM 2.3 TB/s).
+* ``PIPE`` (one chain over K; the next block decodes while the MMAs run): no faster (300 / 155 us) and 17x the
+  error (4.5e-3: the tensor cores' FP8 accumulation over 7168 values without the per-128 promotion -- why the
+  model and DeepGEMM promote per 128; presumably not a register hazard, which would garble whole values).
+
+Reading: the whole FP8 x FP4 call at T = 8 / 32 / 128 streams ~1.8 / 1.96 / 1.93 TB/s of FP4 with its front and
+back launches (``results/probes/layer_variants/layer_h200_83d4293_second_run.json``: 1.02 / 1.68 / 1.68 GB in 572 /
+860 / 871 us), so a tile kind built on this loop (2.4-2.5 TB/s for the GEMMs alone) would bring those calls to an
+estimated ~460 / 720 / 730 us, 0.83 / – / 0.90x DeepGEMM's, not yet issue #7's 0.8x. Not built this session.
 """
 import json
 import os
