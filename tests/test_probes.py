@@ -166,3 +166,39 @@ def test_fp4_rs_probe_model_is_the_library_fold():
     assert torch.equal(row, rmax)
     assert torch.equal(got, folded.float())
     assert not torch.equal(probe.decoded_weights(packed, sf, rmax - 1, fold_lut()), got)  # the check can fail
+
+
+def test_fp4_rs_probe_register_order_asm_is_its_model():
+    """``PRMT_REG_ASM`` (the probe's register-order decode, ``DECODE`` 3), run by ``megamoe.inline_asm`` on every
+    word of random weights with the kernel's per-(row, 32-group) tables, gives the bytes of the probe's torch model
+    for that packing -- so a GPU row of ``DECODE`` 3 is checked against the right model."""
+    import numpy as np
+    import torch
+
+    from megamoe.inline_asm import run
+    from megamoe.quant import FOLD_LUT_MAX_SHIFT, fold_lut
+
+    probe = _load("fp4_rs_probe")
+    g = torch.Generator().manual_seed(5)
+    N, K = 4, 256
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    sf = torch.randint(110, 128, (N, K // 32), generator=g, dtype=torch.int32)
+    rmax = sf.amax(dim=1)
+    lut = fold_lut()
+    want = probe.decoded_weights(packed, sf, rmax, lut, "reg").to(torch.float8_e4m3fn).view(torch.uint8)
+    words = packed.view(torch.int32).numpy().view(np.uint32)  # [N, K/8], little-endian
+    table = lut.numpy().view(np.uint32).reshape(-1, 2)
+    widx = np.arange(K // 8)
+    blk, c, j = widx // 16, (widx % 16) // 8, widx % 8
+    gA, gB = blk * 4 + 2 * c, blk * 4 + 2 * c + 1  # the 32-groups of the word's A and B values
+    shift = np.minimum(rmax.numpy()[:, None, None] - sf.numpy()[:, np.stack([gA, gB])].transpose(0, 1, 2),
+                       FOLD_LUT_MAX_SHIFT).transpose(1, 0, 2)  # [2, N, K/8]
+    tA, tB = table[shift[0]], table[shift[1]]
+    out = run(probe.PRMT_REG_ASM, {2: words, 3: tA[..., 0], 7: tA[..., 1], 11: tB[..., 0], 15: tB[..., 1]})
+    got = np.zeros((N, K), np.uint8)
+    for half, reg in ((0, out[0]), (1, out[1])):
+        for i in range(4):
+            got[:, blk * 128 + 64 * c + 32 * half + 4 * j + i] = (reg >> (8 * i)) & 0xFF
+    assert np.array_equal(got, want.numpy())
+    assert not np.array_equal(got, probe.decoded_weights(packed, sf, rmax, lut, "split").to(
+        torch.float8_e4m3fn).view(torch.uint8).numpy())  # the two packings differ: the check can fail

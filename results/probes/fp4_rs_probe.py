@@ -65,14 +65,41 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 
 from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT  # noqa: E402
-from megamoe.kernels.gemm_fp4_ws import _decode_prmt  # noqa: E402
+from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt  # noqa: E402
+
+#: ``DECODE`` 3: the decode for a register-order packing of the nibbles (this probe's only; the weights' transform
+#: would have to produce it): a 32-bit word holds the four values of operand register A (magnitudes in nibbles 0-3,
+#: signs at bits 7 / 15 / 23 / 31) and the four of register B (magnitudes in nibbles 4-7, signs at bits 3 / 11 / 19
+#: / 27), so each half's selector is the masked word itself (``prmt`` reads the low 16 bits) and each sign one
+#: mask: 7 instructions per 8 values instead of the split packing's ~12. Operands as ``_PRMT_LUT_ASM``: $0 / $1 A
+#: / B, $2 the word, $3 / $7 A's table pair, $11 / $15 B's.
+PRMT_REG_ASM = ("{\n.reg .b32 m, t, s;\n"
+                "and.b32 m, $2, 0x77777777;\n"
+                "prmt.b32 $0, $3, $7, m;\n"
+                "and.b32 t, $2, 0x80808080;\n"
+                "or.b32 $0, $0, t;\n"
+                "shr.b32 s, m, 16;\n"
+                "prmt.b32 $1, $11, $15, s;\n"
+                "shl.b32 t, $2, 4;\n"
+                "and.b32 t, t, 0x80808080;\n"
+                "or.b32 $1, $1, t;\n}")
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
 #: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0, PIPE) of a ``run``; earlier sweeps (rows in
-#: fp4_rs_probe_h200.jsonl) also ran stages 3 / 8 / 10, 8 warps, BM 32, DECODE 1 / 0 and 2 / 3 CTAs an SM.
-CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 16, 6, True, 2, 4, True), (4, 16, 4, True, 2, 4, True),
-           (4, 32, 6, True, 2, 4, True))
+#: fp4_rs_probe_h200.jsonl) also ran stages 3 / 4 / 8 / 10, 8 warps, BM 32, DECODE 1 / 0, 2 / 3 CTAs an SM and PIPE.
+#: Not yet run on a GPU (session 17 ended its device time): DECODE 3 and BM 8.
+CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 8, 6, True, 2, 4, False), (4, 16, 6, True, 3, 4, False),
+           (4, 8, 6, True, 3, 4, False), (4, 16, 4, True, 3, 0, False))
+
+
+@gluon.jit
+def _decode_reg(packed, t0, t1, u0, u1):
+    """``PRMT_REG_ASM`` over uint8 ``packed`` ``[R, 32]`` (tables int32 ``[R]``, broadcast): (A, B) as e4m3."""
+    a, b = gl.inline_asm_elementwise(asm=PRMT_REG_ASM, constraints="=r,=r," + "r," * 16 + "r",
+                                     args=[packed, _bc(t0, packed), _bc(t1, packed), _bc(u0, packed),
+                                           _bc(u1, packed)], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    return a.to(gl.float8e4nv, bitcast=True), b.to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
@@ -92,7 +119,8 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
     MN-major ``[E][K/128][N]`` (four UE8M0 group bytes a word), ``rmax`` int32 ``[E*N]`` (each row's largest), ``lut``
     ``fold_lut``. One CTA per (expert, ``ROWS`` rows). ``SF_TMA``: the K block's scale words of the CTA's rows come
     with the stage (``s_desc``: boxes ``[ROWS]`` of the flat words) instead of a global load in the K loop.
-    ``DECODE`` (timing only below 2): 2 the decode as described; 1 without the fold-table gathers (shift 0 for
+    ``DECODE`` (timing only below 2): 3 the register-order packing (``PRMT_REG_ASM``); 2 the decode as
+    described; 1 without the fold-table gathers (shift 0 for
     every group: wrong unless all of a row's scales are equal); 0 no decode at all (the packed bytes go to the MMA
     as they are: the stream and MMA without the decode's instructions)."""
     ROWS: gl.constexpr = 16 * num_warps
@@ -147,7 +175,14 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
         else:
             word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
             mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-        if DECODE == 2:
+        if DECODE == 3:
+            t00, t01 = _tables(lut, word, rm, 0)
+            t10, t11 = _tables(lut, word, rm, 1)
+            g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+            t20, t21 = _tables(lut, word, rm, 2)
+            t30, t31 = _tables(lut, word, rm, 3)
+            g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+        elif DECODE == 2:
             t00, t01 = _tables(lut, word, rm, 0)
             t10, t11 = _tables(lut, word, rm, 1)
             g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
@@ -205,7 +240,8 @@ def _rs_load(w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N: gl.
 
 @gluon.jit
 def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
-             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, PIPE: gl.constexpr):
+             BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, PIPE: gl.constexpr,
+             DECODE: gl.constexpr):
     """Math warpgroup of ``fp4_rs_ws_kernel``: decode into the register A operand, four wgmmas a K block, release
     the stage once they are done, store the tile's float32 accumulator. ``PIPE`` (timing: not the ``hopper``
     model's per-128 chains): one wgmma chain over all of K, waited with the next block's four MMAs outstanding, so
@@ -230,10 +266,14 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
             word = sw.index(s).load(gl.SliceLayout(1, dot_a))
             t00, t01 = _tables(lut, word, rm, 0)
             t10, t11 = _tables(lut, word, rm, 1)
-            g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
             t20, t21 = _tables(lut, word, rm, 2)
             t30, t31 = _tables(lut, word, rm, 3)
-            g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+            if DECODE == 3:
+                g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+                g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+            else:
+                g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+                g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
             if PIPE:  # one chain over K; block kb's MMAs run while block kb + 1 decodes
                 acc = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=kb > 0, is_async=True)
                 acc = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), acc, is_async=True)
@@ -261,7 +301,8 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
 
 @gluon.jit
 def fp4_rs_ws_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, num_tiles, N: gl.constexpr, K: gl.constexpr,
-                     BM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
+                     BM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, DECODE: gl.constexpr,
+                     num_warps: gl.constexpr):
     """``fp4_rs_kernel`` (``SF_TMA``, ``DECODE`` 2, one warpgroup) warp-specialised and persistent: a loader warp
     keeps the ring full (no CTA barrier or elected TMA issue in the math's K loop), the CTA walks tiles ``pid,
     pid + grid, ...`` (``num_tiles`` = E x N / 64). Launched at ``maxnreg`` 64 (8 warps: the math warpgroup and
@@ -276,7 +317,8 @@ def fp4_rs_ws_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, num_tiles, N:
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_rs_math, (wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N, K, BM, STAGES, ROWS, PIPE)),
+        (_rs_math, (wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N, K, BM, STAGES, ROWS, PIPE,
+                    DECODE)),
         (_rs_load, (w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N, K, BM, STAGES, ROWS)),
     ], [1], [40])
 
@@ -329,27 +371,43 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
             "loops": loops, "dir": d}
 
 
-def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """The kernel's decode in torch: packed uint8 ``[N, K/2]`` (``transform_weights_for_mega_moe``'s order: per
-    128-wide K block, chunk ``c`` byte ``j`` = elements ``64c + j`` (low nibble) and ``64c + 32 + j`` (high)), UE8M0
-    bytes int32 ``[N, K/32]``, row maxima int32 ``[N]``, ``fold_lut`` -> the folded e4m3 weights as float32
-    ``[N, K]`` (``tests/test_probes.py`` checks it against ``megamoe.quant.fold_scales``)."""
+def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor,
+                    packing: str = "split") -> torch.Tensor:
+    """The kernel's decode in torch: packed uint8 ``[N, K/2]``, UE8M0 bytes int32 ``[N, K/32]``, row maxima int32
+    ``[N]``, ``fold_lut`` -> the folded e4m3 weights as float32 ``[N, K]`` (``tests/test_probes.py`` checks the
+    split packing against ``megamoe.quant.fold_scales``, the register-order one against ``PRMT_REG_ASM``).
+    ``packing``: ``"split"``, ``transform_weights_for_mega_moe``'s order (per 128-wide K block, chunk ``c`` byte
+    ``j`` = elements ``64c + j`` (low nibble) and ``64c + 32 + j`` (high)); ``"reg"``, ``DECODE`` 3's (chunk ``c``
+    little-endian word ``j`` = elements ``64c + 4j + i`` (A) and ``64c + 32 + 4j + i`` (B), ``i`` < 4, bits as
+    ``PRMT_REG_ASM`` reads them)."""
     N, K = packed.shape[0], 2 * packed.shape[1]
     kk = torch.arange(K, device=packed.device)
     blk, r = kk // 128, kk % 128
     c, q = r // 64, r % 64
-    byte = blk * 64 + c * 32 + q % 32
     hi = (q >= 32).long()
+    if packing == "split":
+        byte = blk * 64 + c * 32 + q % 32
+        codes = (packed[:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
+    elif packing == "reg":
+        b = packed.long()
+        words = b[:, 0::4] | b[:, 1::4] << 8 | b[:, 2::4] << 16 | b[:, 3::4] << 24  # [N, K/8]
+        p = q % 32
+        w = words[:, blk * 16 + c * 8 + p // 4]
+        i = p % 4
+        mag = (w >> (4 * i + 16 * hi)) & 7
+        sign = (w >> (8 * i + 7 - 4 * hi)) & 1
+        codes = mag | sign << 3
+    else:
+        raise ValueError(f"packing must be 'split' or 'reg', got {packing!r}")
     table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
     tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
                      + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
-    codes = (packed[:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
     d = rmax.view(N, 1).long() - sf.repeat_interleave(32, dim=1).long()
     bits = tb[d.clamp(max=FOLD_LUT_MAX_SHIFT.value), codes & 7] | ((codes & 8) << 4)
     return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
+def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda", packing: str = "split"):
     """Random packed FP4 weights, per-32 UE8M0 scales (a spread of 6 binades a row), tokens; and the torch model
     ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut`` bytes)."""
     from megamoe.quant import fold_lut
@@ -365,7 +423,7 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
     ref = torch.empty(E, N, bm, device=dev)
     for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
         rows = slice(x * N, (x + 1) * N)
-        wf = decoded_weights(packed[rows], sf[x], rmax[rows], lut)
+        wf = decoded_weights(packed[rows], sf[x], rmax[rows], lut, packing)
         ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
     return packed, w_sf, rmax, lut, a, ref
 
@@ -381,10 +439,11 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
 
     N, K = SHAPES[shape]
     rows = 16 * num_warps
-    if (shape, bm, E) not in _INPUTS:
+    packing = "reg" if decode == 3 else "split"  # the random bytes are weights in either; the model differs
+    if (shape, bm, E, packing) not in _INPUTS:
         _INPUTS.clear()
-        _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
-    packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E]
+        _INPUTS[shape, bm, E, packing] = make_inputs(E, N, K, bm, packing=packing)
+    packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E, packing]
     lw, la, ls = layouts(rows, bm)
     wd = TensorDescriptor.from_tensor(packed, [rows, 32], lw)
     sd = TensorDescriptor(w_sf.view(-1), [w_sf.numel()], [1], [rows], ls)
@@ -398,7 +457,8 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
 
     def call():
         if ws_ctas:
-            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, pipe, num_warps=4,
+            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, pipe, decode,
+                                   num_warps=4,
                                    maxnreg=64)
             return
         fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
