@@ -194,7 +194,7 @@ def test_fp4_rs_probe_register_order_asm_is_its_model():
     shift = np.minimum(rmax.numpy()[:, None, None] - sf.numpy()[:, np.stack([gA, gB])].transpose(0, 1, 2),
                        FOLD_LUT_MAX_SHIFT).transpose(1, 0, 2)  # [2, N, K/8]
     tA, tB = table[shift[0]], table[shift[1]]
-    out = run(probe.PRMT_REG_ASM, {2: words, 3: tA[..., 0], 7: tA[..., 1], 11: tB[..., 0], 15: tB[..., 1]})
+    out = run(probe.PRMT_REG_ASM.value, {2: words, 3: tA[..., 0], 7: tA[..., 1], 11: tB[..., 0], 15: tB[..., 1]})
     got = np.zeros((N, K), np.uint8)
     for half, reg in ((0, out[0]), (1, out[1])):
         for i in range(4):

@@ -46,6 +46,11 @@ Reading: the whole FP8 x FP4 call at T = 8 / 32 / 128 streams ~1.8 / 1.96 / 1.93
 back launches (``results/probes/layer_variants/layer_h200_83d4293_second_run.json``: 1.02 / 1.68 / 1.68 GB in 572 /
 860 / 871 us), so a tile kind built on this loop (2.4-2.5 TB/s for the GEMMs alone) would bring those calls to an
 estimated ~460 / 720 / 730 us, 0.83 / – / 0.90x DeepGEMM's, not yet issue #7's 0.8x. Not built this session.
+
+Next (offline only so far, Triton 3.6 for sm_90a): ``DECODE`` 3's register-order packing takes the plain loop's K
+body from 216 to 176 SASS instructions a thread (PRMT 36 -> 20, LOP3 37 -> 29, LEA 36 -> 20; 52 registers, no
+spill), BM 8 to 166; the warp-specialised kernel compiles with it at ``maxnreg`` 64 without spill (38628 B of shared
+memory at BM 16, 32484 at BM 8). ``CONFIGS`` holds those rows for the next device call.
 """
 import json
 import os
@@ -73,16 +78,16 @@ from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt  # noqa: E402
 #: / 27), so each half's selector is the masked word itself (``prmt`` reads the low 16 bits) and each sign one
 #: mask: 7 instructions per 8 values instead of the split packing's ~12. Operands as ``_PRMT_LUT_ASM``: $0 / $1 A
 #: / B, $2 the word, $3 / $7 A's table pair, $11 / $15 B's.
-PRMT_REG_ASM = ("{\n.reg .b32 m, t, s;\n"
-                "and.b32 m, $2, 0x77777777;\n"
-                "prmt.b32 $0, $3, $7, m;\n"
-                "and.b32 t, $2, 0x80808080;\n"
-                "or.b32 $0, $0, t;\n"
-                "shr.b32 s, m, 16;\n"
-                "prmt.b32 $1, $11, $15, s;\n"
-                "shl.b32 t, $2, 4;\n"
-                "and.b32 t, t, 0x80808080;\n"
-                "or.b32 $1, $1, t;\n}")
+PRMT_REG_ASM = gl.constexpr("{\n.reg .b32 m, t, s;\n"
+                            "and.b32 m, $2, 0x77777777;\n"
+                            "prmt.b32 $0, $3, $7, m;\n"
+                            "and.b32 t, $2, 0x80808080;\n"
+                            "or.b32 $0, $0, t;\n"
+                            "shr.b32 s, m, 16;\n"
+                            "prmt.b32 $1, $11, $15, s;\n"
+                            "shl.b32 t, $2, 4;\n"
+                            "and.b32 t, t, 0x80808080;\n"
+                            "or.b32 $1, $1, t;\n}")
 
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
