@@ -14,7 +14,7 @@
 #   gputests_1     tests/gpu: the CuPy primitives and the FP8 x FP4 / FP8 files (~72 tests; with 11 more they took
 #                  570 s in session 14)
 #   gputests_2     tests/gpu: everything else (fused one-launch, staged, reliability, symm, PDL; ~38 tests: 27 of them
-#                  took ~170 s in session 14)
+#                  took ~170 s in session 14; 36 passed + 4 skipped in 320 s, session 17)
 #   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
@@ -24,7 +24,10 @@
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
 #   clocks         clock_probe.py: SM clock, power, throttle reasons while the fused call runs eager / as a graph, with
 #                  and without the L2 flush, both formats at T = 2048 / 8192 (-> $OUT/clocks.jsonl; est. 2-3 min)
-#   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (gputests_1 without the FP8 file)
+#   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (gputests_1 without the FP8 file;
+#                  48 tests in 278 s, session 17)
+#   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
+#                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -100,6 +103,8 @@ step_profile() {
 }
 
 step_clocks() { $PY results/probes/clock_probe.py 2048,8192 fp8,fp8_fp4 >>"$OUT/clocks.jsonl"; cat "$OUT/clocks.jsonl"; }
+
+step_fp4_rs() { $PY results/probes/fp4_rs_probe.py run >>"$OUT/fp4_rs.jsonl"; cat "$OUT/fp4_rs.jsonl"; }
 
 step_gputests_fp4() { $PY -m pytest -q -rfE tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py; }
 
