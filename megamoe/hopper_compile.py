@@ -112,10 +112,6 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
         if out.returncode != 0:
             raise RuntimeError(f"offline compile of {kind} at block_m={block_m} failed:\n{out.stderr[-4000:]}")
         return CompileReport(**json.loads(out.stdout.strip().splitlines()[-1]))
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from megamoe import fused as mf
     if kind == "fp4_ws":
         from megamoe.kernels.gemm_fp4_ws import fp4_gemm_phase_kernel as fn
@@ -131,9 +127,25 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     kw.update(overrides or {})
     options = {k: kw.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl") if k in kw}
     sig = _signature(kind, block_m, predecode)
-    sig.update({k: "constexpr" for k in kw})
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in _ALIGNED[kind]}
-    k = triton.compile(GluonASTSource(fn, sig, kw, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_report(fn, sig, kw, attrs, options, kind, block_m, keep)
+
+
+def compile_report(fn, signature: dict, constexprs: dict, attrs: dict, options: dict, kind: str, block_m: int,
+                   keep: bool = False) -> CompileReport:
+    """Compile Gluon kernel ``fn`` for sm_90a (``signature``: argument types, Triton's strings; ``constexprs``: the
+    constexpr arguments' values; ``attrs``: argument attributes, e.g. 16-byte divisibility; ``options``: compile
+    options such as ``num_warps`` / ``maxnreg``), run the bundled ``ptxas -v`` and ``cuobjdump -sass`` and return
+    the report (``kind`` / ``block_m`` only label it). The one home of what :func:`compile_gluon_phase` and the
+    compile probes of ``results/probes/`` read from a compile; call it in a process whose Triton does not
+    interpret."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    k = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     d = tempfile.mkdtemp(prefix=f"megamoe_{kind}_{block_m}_")
     for name, key, mode in (("k.ptx", "ptx", "w"), ("k.ttgir", "ttgir", "w"), ("k.cubin", "cubin", "wb")):
         with open(os.path.join(d, name), mode) as f:

@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 
 from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT  # noqa: E402
-from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt  # noqa: E402
+from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt, _fold_table  # noqa: E402
 
 #: ``DECODE`` 3: the decode for a register-order packing of the nibbles (this probe's only; the weights' transform
 #: would have to produce it): a 32-bit word holds the four values of operand register A (magnitudes in nibbles 0-3,
@@ -108,11 +108,34 @@ def _decode_reg(packed, t0, t1, u0, u1):
 
 
 @gluon.jit
-def _tables(lut, word, rmax, g: gl.constexpr):
-    """Fold-table words of 32-group ``g`` per row (``gemm_fp4_ws._fold_table``; one 8-byte gather)."""
-    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
-    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)
-    return pair.to(gl.int32), (pair >> 32).to(gl.int32)
+def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, row0, e, nt, kb, s, N: gl.constexpr, KB: gl.constexpr,
+                 BM: gl.constexpr, ROWS: gl.constexpr, SF_TMA: gl.constexpr):
+    """TMA of K block ``kb`` into ring stage ``s`` (completing on ``bar``, whose byte count the caller set): the
+    two packed boxes, the four token boxes, and with ``SF_TMA`` the rows' scale words."""
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(w_desc, [row0, kb * 64 + 32 * c], bar, wp.index(2 * s + c))
+    for j in gl.static_range(4):
+        tma.async_copy_global_to_shared(a_desc, [e * BM, kb * 128 + 32 * j], bar, ab.index(4 * s + j))
+    if SF_TMA:
+        tma.async_copy_global_to_shared(s_desc, [(e * KB + kb) * N + nt * ROWS], bar, sw.index(s))
+
+
+@gluon.jit
+def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr, REG: gl.constexpr):
+    """The four K=32 register operands of ring stage ``s`` (e4m3 ``[ROWS, 32]`` in ``dot_a``): its two packed
+    boxes through the fold tables of ``word`` (the rows' scale words) and ``rm`` (their maxima); ``REG``: the
+    register-order packing (``PRMT_REG_ASM``), else the split one (``_decode_prmt``)."""
+    t00, t01 = _fold_table(lut, word, rm, 0)
+    t10, t11 = _fold_table(lut, word, rm, 1)
+    t20, t21 = _fold_table(lut, word, rm, 2)
+    t30, t31 = _fold_table(lut, word, rm, 3)
+    if REG:
+        g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+        g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+    else:
+        g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+        g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+    return g0, g1, g2, g3
 
 
 @gluon.jit
@@ -149,14 +172,8 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
     else:
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * a_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 K blocks in flight
-        bar = ready.index(i)
-        mbarrier.expect(bar, nbytes)
-        for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(w_desc, [row0, i * 64 + 32 * c], bar, wp.index(2 * i + c))
-        for j in gl.static_range(4):
-            tma.async_copy_global_to_shared(a_desc, [e * BM, i * 128 + 32 * j], bar, ab.index(4 * i + j))
-        if SF_TMA:
-            tma.async_copy_global_to_shared(s_desc, [(e * KB + i) * N + nt * ROWS], bar, sw.index(i))
+        mbarrier.expect(ready.index(i), nbytes)
+        _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, ready.index(i), row0, e, nt, i, i, N, KB, BM, ROWS, SF_TMA)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dot_a))
     rm = gl.load(rmax + row0 + rows)
     acc = gl.zeros([ROWS, BM], gl.float32, mma)
@@ -165,14 +182,9 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
         nk = kb + STAGES - 1
         if nk < KB:
             sn = nk % STAGES
-            bar = ready.index(sn)
-            mbarrier.expect(bar, nbytes)
-            for c in gl.static_range(2):
-                tma.async_copy_global_to_shared(w_desc, [row0, nk * 64 + 32 * c], bar, wp.index(2 * sn + c))
-            for j in gl.static_range(4):
-                tma.async_copy_global_to_shared(a_desc, [e * BM, nk * 128 + 32 * j], bar, ab.index(4 * sn + j))
-            if SF_TMA:
-                tma.async_copy_global_to_shared(s_desc, [(e * KB + nk) * N + nt * ROWS], bar, sw.index(sn))
+            mbarrier.expect(ready.index(sn), nbytes)
+            _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, ready.index(sn), row0, e, nt, nk, sn, N, KB, BM, ROWS,
+                         SF_TMA)
         s = kb % STAGES
         if SF_TMA:
             mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
@@ -180,20 +192,8 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
         else:
             word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
             mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-        if DECODE == 3:
-            t00, t01 = _tables(lut, word, rm, 0)
-            t10, t11 = _tables(lut, word, rm, 1)
-            g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-            t20, t21 = _tables(lut, word, rm, 2)
-            t30, t31 = _tables(lut, word, rm, 3)
-            g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
-        elif DECODE == 2:
-            t00, t01 = _tables(lut, word, rm, 0)
-            t10, t11 = _tables(lut, word, rm, 1)
-            g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-            t20, t21 = _tables(lut, word, rm, 2)
-            t30, t31 = _tables(lut, word, rm, 3)
-            g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+        if DECODE >= 2:
+            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a, DECODE == 3)
         elif DECODE == 1:
             c0 = gl.zeros_like(word) + 0x3C383000  # fold_lut at shift 0
             c1 = gl.zeros_like(word) + 0x4C484440
@@ -233,13 +233,8 @@ def _rs_load(w_desc, a_desc, s_desc, wp, ab, sw, ready, empty, num_tiles, N: gl.
         for kb in range(KB):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            for c in gl.static_range(2):
-                tma.async_copy_global_to_shared(w_desc, [row0, kb * 64 + 32 * c], bar, wp.index(2 * s + c))
-            for j in gl.static_range(4):
-                tma.async_copy_global_to_shared(a_desc, [e * BM, kb * 128 + 32 * j], bar, ab.index(4 * s + j))
-            tma.async_copy_global_to_shared(s_desc, [(e * KB + kb) * N + nt * ROWS], bar, sw.index(s))
+            mbarrier.expect(ready.index(s), nbytes)
+            _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, ready.index(s), row0, e, nt, kb, s, N, KB, BM, ROWS, True)
             it += 1
 
 
@@ -269,16 +264,7 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             word = sw.index(s).load(gl.SliceLayout(1, dot_a))
-            t00, t01 = _tables(lut, word, rm, 0)
-            t10, t11 = _tables(lut, word, rm, 1)
-            t20, t21 = _tables(lut, word, rm, 2)
-            t30, t31 = _tables(lut, word, rm, 3)
-            if DECODE == 3:
-                g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-                g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
-            else:
-                g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-                g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a, DECODE == 3)
             if PIPE:  # one chain over K; block kb's MMAs run while block kb + 1 decodes
                 acc = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=kb > 0, is_async=True)
                 acc = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), acc, is_async=True)
@@ -337,43 +323,29 @@ def layouts(rows: int, bm: int):
 
 
 def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: str = "L1", sf_tma: bool = True,
-                    decode: int = 2) -> dict:
-    """sm_90a compile on any machine: ptxas registers / spills and the K loop's SASS histogram."""
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from megamoe.hopper_compile import _loops
+                    decode: int = 2, ws: bool = False, pipe: bool = False) -> dict:
+    """sm_90a compile on any machine (``megamoe.hopper_compile.compile_report``): registers, spills, shared memory
+    and the K loop's SASS histogram of ``fp4_rs_kernel`` (``ws``: ``fp4_rs_ws_kernel`` at ``maxnreg`` 64)."""
+    from megamoe.hopper_compile import compile_report
     N, K = SHAPES[shape]
-    rows = 16 * num_warps
+    rows = 64 if ws else 16 * num_warps
     lw, la, ls = layouts(rows, bm)
     sig = {"w_desc": f"tensordesc<u8[{rows}, 32],{lw!r}>", "a_desc": f"tensordesc<fp8e4nv[{bm}, 32],{la!r}>",
-           "s_desc": f"tensordesc<i32[{rows}],{ls!r}>",
-           "w_sf": "*i32", "rmax": "*i32", "lut": "*i32", "out": "*fp32", "N": "constexpr", "K": "constexpr",
-           "BM": "constexpr", "STAGES": "constexpr", "SF_TMA": "constexpr", "DECODE": "constexpr",
-           "num_warps": "constexpr"}
-    kw = dict(N=N, K=K, BM=bm, STAGES=stages, SF_TMA=sf_tma, DECODE=decode, num_warps=num_warps)
-    attrs = {(fp4_rs_kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in ("w_sf", "rmax", "lut", "out")}
-    k = triton.compile(GluonASTSource(fp4_rs_kernel, sig, kw, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps})
-    d = tempfile.mkdtemp(prefix="fp4_rs_")
-    for name, key, mode in (("k.ptx", "ptx", "w"), ("k.ttgir", "ttgir", "w"), ("k.cubin", "cubin", "wb")):
-        with open(os.path.join(d, name), mode) as f:
-            f.write(k.asm[key])
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    pv = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
-                         os.path.join(d, "k2.cubin")], capture_output=True, text=True, check=True)
-    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True, check=True).stdout
-    with open(os.path.join(d, "k.sass"), "w") as f:
-        f.write(sass)
-    loops = [(n, dict(sorted(ops.items(), key=lambda x: -x[1])[:10])) for _, _, n, ops in _loops(sass)]
-    return {"mode": "compile", "shape": shape, "num_warps": num_warps, "bm": bm, "stages": stages, "sf_tma": sf_tma,
-            "decode": decode, "shared": k.metadata.shared, "ptxas": (pv.stdout + pv.stderr).strip().splitlines()[-2:],
-            "loops": loops, "dir": d}
+           "s_desc": f"tensordesc<i32[{rows}],{ls!r}>", "w_sf": "*i32", "rmax": "*i32", "lut": "*i32",
+           "out": "*fp32"}
+    if ws:
+        fn, options = fp4_rs_ws_kernel, {"num_warps": 4, "maxnreg": 64}
+        sig["num_tiles"] = "i32"
+        kw = dict(N=N, K=K, BM=bm, STAGES=stages, PIPE=pipe, DECODE=decode, num_warps=4)
+    else:
+        fn, options = fp4_rs_kernel, {"num_warps": num_warps}
+        kw = dict(N=N, K=K, BM=bm, STAGES=stages, SF_TMA=sf_tma, DECODE=decode, num_warps=num_warps)
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ("w_sf", "rmax", "lut", "out")}
+    r = compile_report(fn, sig, kw, attrs, options, "fp4_rs_ws" if ws else "fp4_rs", bm, keep=True)
+    loops = [(n, dict(sorted(ops.items(), key=lambda x: -x[1])[:10])) for _, _, n, ops in r.loops]
+    return {"mode": "compile", "shape": shape, "ws": ws, "num_warps": num_warps, "bm": bm, "stages": stages,
+            "sf_tma": sf_tma, "decode": decode, "pipe": pipe, "shared": r.shared, "registers": r.registers,
+            "spill_stores": r.spill_stores, "spill_loads": r.spill_loads, "loops": loops, "dir": r.directory}
 
 
 def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor,
@@ -484,8 +456,8 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "compile"
     if mode == "compile":
-        for nw, sf, dec in ((4, False, 2), (4, True, 2), (4, True, 1), (4, True, 0)):
-            print(json.dumps(compile_offline(num_warps=nw, sf_tma=sf, decode=dec)), flush=True)
+        for ws, bm, dec in ((False, 16, 2), (False, 16, 3), (False, 8, 3), (True, 16, 2), (True, 16, 3), (True, 8, 3)):
+            print(json.dumps(compile_offline(bm=bm, stages=4, decode=dec, ws=ws)), flush=True)
     else:
         for shape in ("L1", "L2"):
             for nw, bm, st, sf, dec, ws, pipe in CONFIGS:
