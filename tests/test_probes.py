@@ -202,3 +202,6 @@ def test_fp4_rs_probe_register_order_asm_is_its_model():
     assert np.array_equal(got, want.numpy())
     assert not np.array_equal(got, probe.decoded_weights(packed, sf, rmax, lut, "split").to(
         torch.float8_e4m3fn).view(torch.uint8).numpy())  # the two packings differ: the check can fail
+    # and the probe's repack of split-packed weights is the same weights in the register order
+    split = probe.decoded_weights(packed, sf, rmax, lut, "split")
+    assert torch.equal(probe.decoded_weights(probe.to_register_order(packed), sf, rmax, lut, "reg"), split)

@@ -93,7 +93,8 @@ PRMT_REG_ASM = gl.constexpr("{\n.reg .b32 m, t, s;\n"
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
 #: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0, PIPE) of a ``run``; earlier sweeps (rows in
 #: fp4_rs_probe_h200.jsonl) also ran stages 3 / 4 / 8 / 10, 8 warps, BM 32, DECODE 1 / 0, 2 / 3 CTAs an SM and PIPE.
-#: Not yet run on a GPU (session 17 ended its device time): DECODE 3 and BM 8.
+#: Not yet run on a GPU (session 17 ended its device time): DECODE 3 (the same weights, repacked by
+#: ``to_register_order``, against the same reference) and BM 8.
 CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 8, 6, True, 2, 4, False), (4, 16, 6, True, 3, 4, False),
            (4, 8, 6, True, 3, 4, False), (4, 16, 4, True, 3, 0, False))
 
@@ -384,9 +385,22 @@ def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, 
     return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda", packing: str = "split"):
-    """Random packed FP4 weights, per-32 UE8M0 scales (a spread of 6 binades a row), tokens; and the torch model
-    ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut`` bytes)."""
+def to_register_order(packed: torch.Tensor) -> torch.Tensor:
+    """Split-packed FP4 bytes uint8 ``[..., K/2]`` -> ``DECODE`` 3's register order, the same weights: a bit
+    permutation within each little-endian 32-bit word (its four bytes' low nibbles are register A's values, their
+    high nibbles register B's; see ``PRMT_REG_ASM``)."""
+    b = packed.long().unflatten(-1, (-1, 4))  # [..., words, 4 bytes]
+    lo, hi = b & 0xF, b >> 4
+    i = torch.arange(4, device=packed.device)
+    w = (((lo & 7) << (4 * i)) | ((lo >> 3) << (8 * i + 7)) | ((hi & 7) << (16 + 4 * i))
+         | ((hi >> 3) << (8 * i + 3))).sum(dim=-1)  # disjoint bits: the sum is the OR
+    return torch.stack([(w >> (8 * j)) & 0xFF for j in range(4)], dim=-1).flatten(-2).to(torch.uint8)
+
+
+def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
+    """Random packed FP4 weights (split packing), per-32 UE8M0 scales (a spread of 7 binades a row), tokens; and
+    the torch model ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut``
+    bytes)."""
     from megamoe.quant import fold_lut
     g = torch.Generator(device=dev).manual_seed(seed)
     packed = torch.randint(0, 256, (E * N, K // 2), generator=g, device=dev, dtype=torch.uint8)
@@ -400,7 +414,7 @@ def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda
     ref = torch.empty(E, N, bm, device=dev)
     for x in range(E):  # one expert at a time (the decoded weights of all of them would be tens of GB)
         rows = slice(x * N, (x + 1) * N)
-        wf = decoded_weights(packed[rows], sf[x], rmax[rows], lut, packing)
+        wf = decoded_weights(packed[rows], sf[x], rmax[rows], lut)
         ref[x] = wf @ a[x * bm:(x + 1) * bm].float().t()
     return packed, w_sf, rmax, lut, a, ref
 
@@ -416,11 +430,12 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
 
     N, K = SHAPES[shape]
     rows = 16 * num_warps
-    packing = "reg" if decode == 3 else "split"  # the random bytes are weights in either; the model differs
-    if (shape, bm, E, packing) not in _INPUTS:
+    if (shape, bm, E) not in _INPUTS:
         _INPUTS.clear()
-        _INPUTS[shape, bm, E, packing] = make_inputs(E, N, K, bm, packing=packing)
-    packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E, packing]
+        _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
+    packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E]
+    if decode == 3:  # the same weights in the register order: the same reference
+        packed = to_register_order(packed)
     lw, la, ls = layouts(rows, bm)
     wd = TensorDescriptor.from_tensor(packed, [rows, 32], lw)
     sd = TensorDescriptor(w_sf.view(-1), [w_sf.numel()], [1], [rows], ls)
