@@ -367,8 +367,7 @@ def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, 
         byte = blk * 64 + c * 32 + q % 32
         codes = (packed[:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
     elif packing == "reg":
-        b = packed.long()
-        words = b[:, 0::4] | b[:, 1::4] << 8 | b[:, 2::4] << 16 | b[:, 3::4] << 24  # [N, K/8]
+        words = packed.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [N, K/8], little-endian
         p = q % 32
         w = words[:, blk * 16 + c * 8 + p // 4]
         i = p % 4
@@ -394,21 +393,19 @@ def to_register_order(packed: torch.Tensor) -> torch.Tensor:
     i = torch.arange(4, device=packed.device)
     w = (((lo & 7) << (4 * i)) | ((lo >> 3) << (8 * i + 7)) | ((hi & 7) << (16 + 4 * i))
          | ((hi >> 3) << (8 * i + 3))).sum(dim=-1)  # disjoint bits: the sum is the OR
-    return torch.stack([(w >> (8 * j)) & 0xFF for j in range(4)], dim=-1).flatten(-2).to(torch.uint8)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).view(torch.uint8)  # little-endian bytes again
 
 
 def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
     """Random packed FP4 weights (split packing), per-32 UE8M0 scales (a spread of 7 binades a row), tokens; and
     the torch model ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut``
     bytes)."""
-    from megamoe.quant import fold_lut
+    from megamoe.quant import fold_lut, pack_ue8m0
     g = torch.Generator(device=dev).manual_seed(seed)
     packed = torch.randint(0, 256, (E * N, K // 2), generator=g, device=dev, dtype=torch.uint8)
     sf = torch.randint(121, 128, (E, N, K // 32), generator=g, device=dev, dtype=torch.int32)
     rmax = sf.amax(dim=-1).reshape(-1).contiguous()
-    words = sf.view(E, N, K // 128, 4)
-    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
-    w_sf = words.permute(0, 2, 1).contiguous()  # MN-major [E][K/128][N]
+    w_sf = pack_ue8m0(torch.pow(2.0, (sf - 127).float())).permute(0, 2, 1).contiguous()  # MN-major [E][K/128][N]
     a = (torch.randn(E * bm, K, generator=g, device=dev) * 2).to(torch.float8_e4m3fn)
     lut = fold_lut(device=dev)
     ref = torch.empty(E, N, bm, device=dev)
@@ -429,7 +426,7 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     N, K = SHAPES[shape]
-    rows = 16 * num_warps
+    rows = 64 if ws_ctas else 16 * num_warps  # the warp-specialised kernel: one math warpgroup, 64 rows a tile
     if (shape, bm, E) not in _INPUTS:
         _INPUTS.clear()
         _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
@@ -441,20 +438,16 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     sd = TensorDescriptor(w_sf.view(-1), [w_sf.numel()], [1], [rows], ls)
     ad = TensorDescriptor.from_tensor(a.view(torch.uint8).view(torch.float8_e4m3fn), [bm, 32], la)
     out = torch.empty(E, N, bm, device="cuda", dtype=torch.float32)
-    grid = (E * (N // rows), )
-
-    if ws_ctas:
-        num_tiles = E * (N // 64)
-        grid = (min(num_tiles, ws_ctas * torch.cuda.get_device_properties(0).multi_processor_count), )
+    num_tiles = E * (N // rows)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def call():
         if ws_ctas:
-            fp4_rs_ws_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm, stages, pipe, decode,
-                                   num_warps=4,
-                                   maxnreg=64)
-            return
-        fp4_rs_kernel[grid](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
-                            num_warps=num_warps)
+            fp4_rs_ws_kernel[(min(num_tiles, ws_ctas * sms), )](wd, ad, sd, w_sf, rmax, lut, out, num_tiles, N, K, bm,
+                                                                stages, pipe, decode, num_warps=4, maxnreg=64)
+        else:
+            fp4_rs_kernel[(num_tiles, )](wd, ad, sd, w_sf, rmax, lut, out, N, K, bm, stages, sf_tma, decode,
+                                         num_warps=num_warps)
 
     call()
     torch.cuda.synchronize()
@@ -462,8 +455,7 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
     us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
     nbytes = packed.numel() + w_sf.numel() * 4
     return {"mode": "run", "shape": shape, "E": E, "bm": bm, "num_warps": num_warps, "stages": stages,
-            "sf_tma": sf_tma, "decode": decode, "ws_ctas": ws_ctas, "pipe": pipe,
-            "us": us,
+            "sf_tma": sf_tma, "decode": decode, "ws_ctas": ws_ctas, "pipe": pipe, "us": us,
             "fp4_gb_per_s": nbytes / us / 1e3, "max_rel_err": err,
             "commit": os.environ.get("MEGAMOE_GIT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
 
