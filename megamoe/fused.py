@@ -124,6 +124,10 @@ class FusedConfig:
     #: "fp4_ws" only: decode the FP4 weights once per call (``megamoe.fold_decode``) and stream them as e4m3
     #: (FP4_PREDECODE_MIN_EXPECTED).
     predecode: bool = False
+    #: "fp4_ws" at pool block 64 only: > 0 runs the register-operand tile (``megamoe.kernels.gemm_fp4_rs``: the FP4
+    #: decode in the math warps, tokens in chunks of this many on the MMA's N; FP4_RS_MAX_EXPECTED) instead of the
+    #: decode-partition tile; 0 = the decode-partition tile.
+    rs_block_n: int = 0
 
 
 def expected_tokens_per_expert(layout, num_tokens: int) -> float:
@@ -272,6 +276,39 @@ FP4_BLOCK64_MAX_EXPECTED = 32
 #: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e): still per block there.
 FP4_PREDECODE_MIN_EXPECTED = 512
 
+#: "fp4_ws" at pool block 64: up to this many expected tokens per local expert the GEMM phase is the
+#: register-operand tile (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
+#: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Not measured on a GPU yet.
+FP4_RS_ENABLED = True
+FP4_RS_MAX_EXPECTED = 32
+#: CTAs of the register-operand tile per SM (each a math warpgroup and a loader warp, ``maxnreg`` FP4_RS_MAXNREG:
+#: 8 warps x 32 x 64 = 16 K registers, so four fit; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3) and
+#: the loader warp's ``setmaxnreg``.
+FP4_RS_CTAS_PER_SM = 4
+FP4_RS_MAXNREG = 64
+FP4_RS_LOAD_REGS = 40
+#: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
+FP4_RS_MAX_STAGES = 6
+
+
+def fp4_rs_block_n(expected: float) -> int:
+    """Tokens per chunk of the register-operand tile at ``expected`` tokens per local expert: the MMA's N (8, 16
+    or 32). Each chunk streams (and decodes) the tile's weights once, so a chunk should hold most experts' tokens;
+    a wider N costs registers and shared memory, not time, while the decode bounds the tile."""
+    return 8 if expected <= 2 else 16 if expected <= 8 else 32
+
+
+def fp4_rs_stages(block_n: int, ctas_per_sm: int = FP4_RS_CTAS_PER_SM) -> int:
+    """Ring stages of the register-operand tile at token chunk ``block_n``: as many as fit ``ctas_per_sm`` CTAs in
+    an SM's shared memory (a stage: 64 x 64 packed weight bytes, ``block_n`` x 128 token bytes, 64 scale words;
+    plus the ``[128, block_n]`` float32 stash of the L1 requant, barriers and the epilogue's layout scratch),
+    at most FP4_RS_MAX_STAGES."""
+    per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas_per_sm - 1024  # (the driver's 1 KiB a CTA)
+    stage = 64 * 64 + block_n * 128 + 64 * 4
+    fixed = 128 * block_n * 4 + 64 * block_n * 2 + 512
+    return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
+
+
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
     (None = it can)."""
@@ -326,6 +363,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
+    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and FP4_RS_ENABLED
+          and expected <= FP4_RS_MAX_EXPECTED and not predecode else 0)
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -333,9 +372,9 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                           num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode)
+                           num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode, rs_block_n=rs)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                       num_stages=stages, kind=kind, predecode=predecode)
+                       num_stages=stages, kind=kind, predecode=predecode, rs_block_n=rs)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -375,6 +414,11 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
+    if cfg.rs_block_n and (kind != "fp4_ws" or cfg.block_m != 64 or cfg.rs_block_n not in (8, 16, 32)
+                           or cfg.predecode):
+        raise ValueError(f"FusedConfig rs_block_n={cfg.rs_block_n} (the register-operand FP4 tile) needs "
+                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of 8, 16 or 32; got "
+                         f"kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
     if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
                          f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "
@@ -489,7 +533,8 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
                 int(timeout_s * 1e9), max(1000, int(timeout_s * INTERPRETER_POLLS_PER_S)))
 
     if cfg.kind in WS_KINDS:
-        _run_ws(calls, args_for, cfg.programs_per_rank, metas, tiles, rank0, L, dev, cfg.kind, cfg.predecode)
+        _run_ws(calls, args_for, cfg.programs_per_rank, metas, tiles, rank0, L, dev, cfg.kind, cfg.predecode,
+                cfg.rs_block_n)
         return None
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
@@ -547,7 +592,7 @@ def _tile_table(sb) -> torch.Tensor:
     return t
 
 
-def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False) -> dict:
+def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: int = 0) -> dict:
     """Per TMA descriptor argument of a Gluon GEMM phase ("fp8_ws" or "fp4_ws") at pool block ``bm``: ``(Triton
     dtype name, box, shared layout)``. The one home of what the launch builds (``_ws_descriptors``,
     ``_fp4_ws_descriptors``) and what ``megamoe.hopper_compile`` compiles offline. ``predecode`` ("fp4_ws"): the
@@ -558,6 +603,11 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False) -> dict:
     lay_a = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     a = ("fp8e4nv", [bm, 128], lay_a)
     words = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # flat runs of 32-bit words
+    if kind == "fp4_rs":  # the register-operand tile: 32-byte boxes (one K=32 MMA's tokens; half a K block's
+        # packed weight rows), 32-byte swizzled; the scale words of a chain's 64 rows
+        s32 = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
+        a, w, ws = ("fp8e4nv", [block_n, 32], s32), ("u8", [64, 32], s32), ("i32", [64], words)
+        return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws)
     if kind == "fp4_ws":  # the transformed FP4 weights as bytes, 256 rows x 128 K values; the decode warps read rows
         if predecode:
             w = ("fp8e4nv", [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv))
@@ -647,7 +697,7 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
-            predecode: bool = False) -> None:
+            predecode: bool = False, rs_block_n: int = 0) -> None:
     """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
     per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
     (``WS_BACK_PROGRAMS_PER_SM`` programs per SM). ``args_for(G)``: the fused kernel's arguments for G programs per
@@ -662,7 +712,11 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         from megamoe.gemm_phase import run_gemm_phase, run_gemm_phase_fp4
 
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
-            if kind == "fp4_ws":
+            if kind == "fp4_ws" and rs_block_n:
+                _fp4_rs_descriptors(c, L, meta["BM"], rs_block_n)
+                _fp4_rs_constexprs(c.sb, meta["BM"], rs_block_n, c.clamp is not None)
+                _fp4_row_maxima(c)
+            elif kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"], predecode)
                 _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode)
             else:
@@ -685,7 +739,10 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         if predecode:  # stream order: the decode pass, then the Gluon phase that reads its output
             for c in calls:
                 _predecode(c)
-        _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode)
+        if rs_block_n:
+            _launch_fp4_rs(calls, tiles, rank0, L, dev, meta["BM"], rs_block_n)
+        else:
+            _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode)
         kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -710,6 +767,76 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
             c.sb.buffer_ptrs,
             rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
+
+
+def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
+    """One register-operand FP8 x FP4 GEMM phase per local rank (``megamoe.kernels.gemm_fp4_rs``,
+    FP4_RS_CTAS_PER_SM persistent CTAs an SM), after this call's weight-row maxima (``_fp4_row_maxima``)."""
+    from megamoe.kernels import gemm_fp4_rs as krs
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
+    for lr, c in enumerate(calls):
+        rmax1, rmax2 = _fp4_row_maxima(c)
+        krs.fp4_rs_gemm_phase_kernel[(FP4_RS_CTAS_PER_SM * sms,)](
+            *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr],
+            c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
+            **_fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
+
+
+def _fp4_row_maxima(c):
+    """Each weight row's largest UE8M0 byte over all of K, uint8 ``(rmax1 [El*2I], rmax2 [El*H])`` (the fold's
+    reference of the register-operand tile), from bound call ``c``'s transformed scales (int32 words of four bytes,
+    MN-major ``[El][K/128][N]``): two reductions into buffers kept per weights, on every call (the scales may have
+    changed in place; ~100 MB of scale bytes for one EP8 rank of V4-Pro)."""
+    def build():
+        return tuple(torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
+                     for w in (c.l1, c.l2))
+
+    out = _buffer_cache(c.sb, "_fp4_rmax", (c.l1[1].data_ptr(), c.l2[1].data_ptr()), build, limit=0)
+    for w, r in zip((c.l1, c.l2), out):
+        El, N = w[1].shape[0], w[1].shape[1]
+        words = w[1].transpose(1, 2)  # [El, K/128, N] contiguous (MN-major)
+        torch.amax(words.contiguous().view(torch.uint8).view(El, -1, N, 4), dim=(1, 3), out=r.view(El, N))
+    return out
+
+
+def _fp4_rs_descriptors(c, L, bm: int, block_n: int):
+    """TMA descriptors of one rank's register-operand GEMM phase (``megamoe.kernels.gemm_fp4_rs``): the two pools
+    (e4m3, box ``[block_n, 32]``), the transformed FP4 weights as bytes (box ``[64, 32]``), both weights' scale
+    words as flat int32 runs (box ``[64]``); cached on the buffer like ``_fp4_ws_descriptors``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def build():
+        H, I = L.hidden, L.intermediate_hidden
+        spec = ws_descriptor_specs("fp4_rs", bm, block_n=block_n)
+        w1, w2 = c.l1[0].view(torch.uint8).reshape(-1, H // 2), c.l2[0].view(torch.uint8).reshape(-1, I // 2)
+        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (c.l1, c.l2))
+        boxed = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
+        flat = dict(ws1_desc=ws1, ws2_desc=ws2)
+        return tuple(TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in boxed.items()) + tuple(
+            TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
+
+    key = ("fp4_rs", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, block_n)
+    return _buffer_cache(c.sb, "_ws_descs", key, build)
+
+
+def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool) -> dict:
+    """``fp4_rs_keywords`` for ``sb``'s layout, cached on the buffer (as ``_fp4_ws_constexprs``)."""
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl()),
+                         lambda: fp4_rs_keywords(sb.layout, bm, block_n, has_clamp))
+
+
+def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
+    """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_rs.fp4_rs_gemm_phase_kernel`` for layout
+    ``L``, pool block ``bm`` and token chunk ``block_n``: buffer offsets, shapes, ``fp4_rs_stages``, the loader's
+    registers, ``num_warps`` 4 and ``maxnreg`` FP4_RS_MAXNREG."""
+    offs = _offsets(L)
+    return dict(
+        {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
+        SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
+        LOAD_REGS=FP4_RS_LOAD_REGS, KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128), num_warps=4,
+        maxnreg=FP4_RS_MAXNREG, **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

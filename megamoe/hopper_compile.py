@@ -28,6 +28,7 @@ import tempfile
 SM90_MAX_SHARED_PER_BLOCK = 232448
 #: Pointer arguments the host passes 16-byte aligned (buffer bases, torch allocations), per kind.
 _ALIGNED = {"fp4_ws": ("buf", "w1_sf", "w2_sf", "lut", "tiles", "buffer_ptrs"),
+            "fp4_rs": ("buf", "rmax1", "rmax2", "lut", "tiles", "buffer_ptrs"),
             "fp8_ws": ("buf", "w1_sf", "w2_sf", "tiles", "buffer_ptrs")}
 
 
@@ -61,13 +62,16 @@ class CompileReport:
         return "\n".join(lines)
 
 
-def _signature(kind: str, bm: int, predecode: bool = False) -> dict:
+def _signature(kind: str, bm: int, predecode: bool = False, block_n: int = 0) -> dict:
     """The kernel's argument types: its TMA descriptors as the launch builds them (``ws_descriptor_specs``), then
     the pointers and scalars."""
     from megamoe.fused import ws_descriptor_specs
 
-    specs = ws_descriptor_specs(kind, bm, predecode)
+    specs = ws_descriptor_specs(kind, bm, predecode, block_n)
     sig = {k: f"tensordesc<{dt}{list(box)},{lay!r}>" for k, (dt, box, lay) in specs.items()}
+    if kind == "fp4_rs":
+        return dict(sig, buf="*u8", rmax1="*u8", rmax2="*u8", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
+                    me="i32", clamp="fp32", timeout_ns="i64")
     if kind == "fp4_ws":
         return dict(sig, buf="*u8", w1_sf="*i32", w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
                     me="i32", clamp="fp32", timeout_ns="i64")
@@ -90,8 +94,9 @@ def _loops(sass: str, min_instructions: int = 64) -> list:
 
 
 def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False, predecode: bool = False,
-                        overrides: dict | None = None, keep: bool = False) -> CompileReport:
-    """Compile ``kind``'s Gluon GEMM phase ("fp4_ws" or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
+                        overrides: dict | None = None, keep: bool = False, block_n: int = 16) -> CompileReport:
+    """Compile ``kind``'s Gluon GEMM phase ("fp4_ws", "fp4_rs" -- the register-operand tile at token chunk
+    ``block_n`` -- or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
     ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights;
     ``overrides``: keywords to compile instead of the host's, e.g. ``{"STAGES": 4, "DECODE_REGS": 80}`` for a sweep
     in ``results/probes/``); see the module docstring. ``keep``: leave the PTX / TTGIR / cubin / SASS in the
@@ -104,7 +109,7 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     if interpreting():
         L = layout
         args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), json.dumps(overrides or {}),
-                str(int(keep)), str(L.num_ranks), str(L.num_experts),
+                str(int(keep)), str(block_n), str(L.num_ranks), str(L.num_experts),
                 str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
                 str(L.block_m), L.format]
         out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
@@ -116,17 +121,20 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     if kind == "fp4_ws":
         from megamoe.kernels.gemm_fp4_ws import fp4_gemm_phase_kernel as fn
         kw = mf.fp4_ws_keywords(layout, block_m, has_clamp, predecode)
+    elif kind == "fp4_rs":
+        from megamoe.kernels.gemm_fp4_rs import fp4_rs_gemm_phase_kernel as fn
+        kw = mf.fp4_rs_keywords(layout, block_m, block_n, has_clamp)
     elif kind == "fp8_ws":
         from megamoe.kernels.gemm_fp8_ws import fp8_gemm_phase_kernel as fn
         kw = mf.fp8_ws_keywords(layout, block_m, has_clamp)
     else:
-        raise ValueError(f"kind must be 'fp4_ws' or 'fp8_ws', got {kind!r}")
+        raise ValueError(f"kind must be 'fp4_ws', 'fp4_rs' or 'fp8_ws', got {kind!r}")
     unknown = set(overrides or {}) - set(kw)
     if unknown:
         raise ValueError(f"overrides: {sorted(unknown)} are not keywords of the {kind} launch ({sorted(kw)})")
     kw.update(overrides or {})
     options = {k: kw.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl") if k in kw}
-    sig = _signature(kind, block_m, predecode)
+    sig = _signature(kind, block_m, predecode, block_n)
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in _ALIGNED[kind]}
     return compile_report(fn, sig, kw, attrs, options, kind, block_m, keep)
 
@@ -176,14 +184,14 @@ def compile_report(fn, signature: dict, constexprs: dict, attrs: dict, options: 
 
 
 def main(argv: list[str]) -> None:
-    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON KEEP R E T K H I
+    """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON KEEP BLOCK_N R E T K H I
     LAYOUT_BLOCK_M FORMAT``: one report as a JSON line (what ``compile_gluon_phase`` reads back from its child)."""
     from megamoe.layout import Layout
 
-    kind, bm, clamp, predecode, overrides, keep, *dims, fmt = argv
+    kind, bm, clamp, predecode, overrides, keep, block_n, *dims, fmt = argv
     L = Layout(*(int(v) for v in dims), format=fmt)
     report = compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode)), json.loads(overrides),
-                                 bool(int(keep)))
+                                 bool(int(keep)), int(block_n))
     print(json.dumps(dataclasses.asdict(report)))
 
 

@@ -376,11 +376,17 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
                         cuda) == "fp8_ws"  # (the FP8 format's own threshold; FP4_WS_MIN_EXPECTED + 1 is swap-AB there)
     # one EP8 rank's share of V4-Pro (48 experts, top-6): T / 8 expected tokens per expert
     assert mf.FP4_WS_MIN_EXPECTED == 0 and mf.FP4_BLOCK64_MAX_EXPECTED == 32
-    picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m)
+    picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m,
+                 mf.fused_config(L, t, 1, cuda, "hopper").rs_block_n)
              for t in (8, 16, 24, 128, 256, 264, 512, 2048, 8192)}
-    assert picks == {8: ("fp4_ws", 64), 16: ("fp4_ws", 64), 24: ("fp4_ws", 64), 128: ("fp4_ws", 64),
-                     256: ("fp4_ws", 64), 264: ("fp4_ws", 128), 512: ("fp4_ws", 128), 2048: ("fp4_ws", 128),
-                     8192: ("fp4_ws", 128)}
+    # (the register-operand tile at block 64, up to FP4_RS_MAX_EXPECTED, its token chunk by fp4_rs_block_n)
+    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 32
+    assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 64, 32),
+                     256: ("fp4_ws", 64, 32), 264: ("fp4_ws", 128, 0), 512: ("fp4_ws", 128, 0),
+                     2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)
+    assert mf.fused_config(L, 128, 1, cuda, "hopper").rs_block_n == 0
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)
     # the FP8 format on the same device: swap-AB up to FP8_SWAP_MAX_EXPECTED, then the Gluon phase (64-row tiles up
     # to FP8_WS_BLOCK64_MAX_EXPECTED)
     F = Layout(1, 48, 8192, 6, 7168, 3072, 128, "fp8")
@@ -398,6 +404,51 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
         meta = kernel_meta(L, FusedConfig(bm, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False,
                            has_stats=False, timeline=False)
         assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm
+
+
+@pytest.mark.parametrize("block_n", [8, 32])
+def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
+    """The register-operand tile's call on a CPU rank ("fp4_ws" at block 64 with ``rs_block_n``): its host code --
+    the TMA descriptors ([block_n, 32] token boxes, [64, 32] packed weight boxes, [64] scale words), its keywords,
+    the per-call weight-row maxima -- with the phase's torch model in place of the Gluon launch (the same numerics
+    as the decode-partition tile: bit-exact against ``problem.reference(numerics="hopper")``, twice). The row maxima
+    equal each weight row's largest scale byte computed another way, and follow the scales when they change in
+    place."""
+    import megamoe.fused as mf
+    from megamoe.kernels import gemm_fp4_rs as krs
+
+    cfg = dataclasses.replace(_fp4_ws_config(64), rs_block_n=block_n)
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
+    descs, maxima = [], []
+    real_descs, real_max = mf._fp4_rs_descriptors, mf._fp4_row_maxima
+    monkeypatch.setattr(mf, "_fp4_rs_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    monkeypatch.setattr(mf, "_fp4_row_maxima", lambda c: maxima.append((c, real_max(c))) or maxima[-1][1])
+    _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[64, 32]] * 2 + [[64]] * 2
+    c, (r1, r2) = maxima[-1]
+    for w, r in zip((c.l1, c.l2), (r1, r2)):
+        El, N, KW = w[1].shape
+        bytes_ = torch.stack([(w[1] >> (8 * j)) & 0xFF for j in range(4)], dim=-1)  # [El, N, KW, 4]
+        assert torch.equal(r.view(El, N).long(), bytes_.amax(dim=(2, 3)).long())
+    before = r1.clone()
+    w1_sf = c.l1[1]
+    w1_sf[0, 0, 0] = 0x84848484 - 2**32  # a larger exponent (0x84) in row 0 of expert 0: the next maxima see it
+    r1b, _ = real_max(c)
+    assert r1b[0].item() == 0x84 and torch.equal(r1b[1:], before[1:])
+    kw = mf._fp4_rs_constexprs(c.sb, 64, block_n, False)
+    assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in krs.fp4_rs_gemm_phase_kernel.params
+                                                              if p.is_constexpr}
+    assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.FP4_RS_MAXNREG and kw["BM"] == 64
+
+
+def test_fp4_rs_config_errors():
+    """A register-operand tile asked for where it cannot run is refused by name before any launch."""
+    L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    for cfg in (FusedConfig(128, 1, numerics="hopper", kind="fp4_ws", rs_block_n=16),
+                FusedConfig(64, 1, numerics="hopper", kind="fp4_ws", rs_block_n=12),
+                FusedConfig(64, 1, numerics="hopper", kind="hopper", rs_block_n=16)):
+        with pytest.raises(ValueError, match="rs_block_n"):
+            kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
 
 
 @pytest.mark.parametrize("block_m", [128, 64])

@@ -35,6 +35,7 @@ def _force_fp4_ws(monkeypatch, block_m=None):
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)  # the decode-partition tile (test_fp4_rs_gpu.py: the other)
     if block_m is not None:
         monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf") if block_m == 64 else -1)
 
@@ -74,6 +75,7 @@ def test_fp4_ws_block64_one_ep8_rank(num_tokens, monkeypatch):
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)  # the decode-partition tile at block 64
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
@@ -143,6 +145,7 @@ def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     from megamoe.testing import assert_moe_close
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)  # the decode-partition tile (test_fp4_rs_gpu captures the other)
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, seed=5)
     sb = SymmBuffer.local(1, 48, num_tokens, 6, 7168, 3072, block_m=128, device="cuda")[0]

@@ -1,0 +1,368 @@
+"""The GEMM phase of the fused FP8 x FP4 path with the FP4 decode **in the math warps**, straight into wgmma's
+register A operand (tile variant ``rs``, ``FusedConfig(kind="fp4_ws", rs_block_n=BN)``): both grouped GEMMs of
+one rank in one persistent, warp-specialised Gluon launch between the front and back launches of
+:func:`megamoe.kernels.fused.fused_mega_moe_kernel`, as :mod:`megamoe.kernels.gemm_fp4_ws`, for calls with few
+tokens per expert.
+
+Why: :mod:`megamoe.kernels.gemm_fp4_ws` decodes FP4 in separate warps into an e4m3 shared-memory stage the MMA
+reads; at few tokens per expert the whole call is bound by that decode and streams ~1.8-1.96 TB/s of FP4 (issue #7).
+``results/probes/fp4_rs_probe.py`` measured the alternative CUTLASS's mixed-input Hopper GEMMs use: swap-AB, the
+**weights on the MMA's M as a register operand** (``wgmma`` "RS"), decoded by the warps that issue the MMA, the
+tokens (8-32) on N from shared memory. No decoded stage, no second set of warps to hand it over; with a loader
+warp, ``maxnreg`` 64 and 4 CTAs an SM the GEMM alone streamed 2.5 TB/s of FP4 (``DECODE`` 2, the split packing this
+kernel reads; 2.7-2.9 TB/s with 8 tokens).
+
+Numerics: those of ``gemm_fp4_ws`` (``megamoe.reference`` with ``numerics="hopper"``; per-tile torch twin
+:mod:`megamoe.gemm_phase`): every operand an e4m3 value folded to one power of two per row over all of K, each
+128-wide K block one wgmma chain into a fresh register tile added into the float32 accumulator, the weight rows'
+and tokens' powers of two applied in the epilogue. The weight fold is the same table lookup (``_fold_table``,
+``_decode_prmt``). The L2 A operand (tokens of the L2 pool) is folded per token relative to the largest of its I / 128
+per-128 exponents, here by the math warps in the stage itself before its MMAs.
+
+Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
+expert, valid rows)), L1 tiles first. A CTA walks tiles ``pid, pid + grid, ...``; a tile is up to
+``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of 64 weight rows (the wgmma M of
+one warpgroup) over all of K, one after another (one [64, BN] accumulator live: the register budget of 4 CTAs an
+SM). L1: 256 weight rows = the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows
+hold whole gate / up pairs: SwiGLU per chain, in registers), each chain's activations (float32, times the top-k
+weight) stashed in shared memory ``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the
+stash, the bytes and scale words into the L2 pool, and the tile's two arrival bits (as ``gemm_fp4_ws`` at BM 64).
+L2: each chain's 64 hidden columns are final: bf16 into the source ranks' combine buffers. An L2 tile's loader and
+math first wait for the block's full arrival mask (its per-token fold maximum needs every L1 tile of the block).
+
+Roles (``gl.warp_specialize``): the math warpgroup (the default partition, 4 warps) and a loader warp, which per
+(chunk, chain, K block) TMA's the stage: packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K ``[0, 64)`` and
+``[64, 128)`` in the split packing of ``transform_weights_for_mega_moe``: box ``c`` byte ``j`` = K ``64c + j`` low
+nibble, ``64c + 32 + j`` high), the tokens ``[BN, 128]`` as four ``[BN, 32]`` boxes (one per K=32 MMA), the chain
+rows' 64 UE8M0 scale words of the K block. The tokens are re-loaded per chain (from L2: 0.5 / 1 / 2 KB a stage at
+BN 8 / 16 / 32, against 4 KB of weights). The weight rows' largest exponents (the fold's reference) come from
+``rmax1`` / ``rmax2`` (uint8 per weight row, made per call by ``megamoe.fused._fp4_row_maxima``).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX
+from megamoe.kernels.fused import _pow2_f32
+from megamoe.kernels.gemm import swiglu
+from megamoe.kernels.gemm_fp4_ws import _decode_prmt, _fold_table, _full_mask, _wait_mask
+from megamoe.kernels.gemm_fp8_ws import (
+    BK,
+    _fence_proxy_async_global,
+    _l1_publish,
+    _round_bf16,
+    _tile,
+    _to_bf16_bits,
+    _to_e4m3,
+)
+from megamoe.kernels.numerics import ceil_ue8m0
+
+RS_ROWS = gl.constexpr(64)  #: weight rows of a chain: the wgmma M of one warpgroup
+RS_CHAINS = gl.constexpr(4)  #: chains of a 256-row tile (the L1 tile's 128 intermediate columns)
+
+
+@gluon.jit
+def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s):
+    """TMA of one stage ``s`` (completing on ``bar``, whose byte count the caller set): K block ``kb`` of the 64
+    packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes), of the ``BN`` tokens from pool row ``a_row``
+    (four ``[BN, 32]`` e4m3 boxes), and the rows' 64 scale words from flat word ``s_word``."""
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(w_desc, [w_row, kb * 64 + 32 * c], bar, wp.index(2 * s + c))
+    for j in gl.static_range(4):
+        tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK + 32 * j], bar, ab.index(4 * s + j))
+    tma.async_copy_global_to_shared(s_desc, [s_word], bar, sw.index(s))
+
+
+@gluon.jit
+def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr):
+    """The four K=32 register operands (e4m3 ``[64, 32]`` in ``dot_a``) of ring stage ``s``: its two packed boxes
+    through the fold tables of ``word`` (the rows' scale words of the K block: four UE8M0 group bytes) and ``rm``
+    (the rows' largest exponents), as ``gemm_fp4_ws._decode_rows``."""
+    t00, t01 = _fold_table(lut, word, rm, 0)
+    t10, t11 = _fold_table(lut, word, rm, 1)
+    t20, t21 = _fold_table(lut, word, rm, 2)
+    t30, t31 = _fold_table(lut, word, rm, 3)
+    g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+    g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+    return g0, g1, g2, g3
+
+
+@gluon.jit
+def _chain_rows(tile_row, nt, q):
+    """The first weight row of chain ``q`` of n-tile ``nt`` (``tile_row``: the expert's first row)."""
+    return tile_row + nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS
+
+
+@gluon.jit
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tiles, num_l1,
+                    num_tiles, l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr,
+                    BM: gl.constexpr, STAGES: gl.constexpr):
+    """TMA producer (1 warp): every stage of every (tile, chunk, chain, K block) in the math's order. An L2 tile
+    first waits for its block's full arrival mask (acquire) and fences the generic-proxy L1 stores before its TMA
+    reads; L1 tiles do not wait (the front launch landed the rows)."""
+    BN: gl.constexpr = a1_desc.block_type.shape[0]
+    nbytes: gl.constexpr = (2 * w1_desc.block_type.nbytes + 4 * a1_desc.block_type.nbytes
+                            + ws1_desc.block_type.nbytes)
+    full = _full_mask(I // 128)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # the rank's heartbeat (see gemm_fp8_ws)
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            N = H
+            _wait_mask(l2_mask + b, full, state, timeout_ns)
+            _fence_proxy_async_global()  # the L1 epilogues' generic stores, then this warp's TMA reads
+        else:
+            KB = H // BK
+            N = 2 * I
+        for c in range((valid + BN - 1) // BN):
+            a_row = b * BM + c * BN
+            for q in range(RS_CHAINS):
+                w_row = _chain_rows(e * N, nt, q)
+                for kb in range(KB):
+                    s = it % STAGES
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase -1
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, nbytes)
+                    s_word = (e * KB + kb) * N + w_row - e * N  # the MN-major [El][K/128][N] words
+                    if is_l2:
+                        _issue_stage(w2_desc, a2_desc, ws2_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s)
+                    else:
+                        _issue_stage(w1_desc, a1_desc, ws1_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s)
+                    it += 1
+
+
+@gluon.jit
+def _fold_tokens(ab, s, s_mx, s_kb, FL: gl.constexpr):
+    """L2: the stage's four token boxes ``[BN, 32]`` e4m3 folded in place per token, ``e4m3(a * 2^(s_kb - s_mx))``
+    through fp16 (exact for every value that survives into e4m3, as ``gemm_fp4_ws._fold_a_rows``); ``s_mx`` /
+    ``s_kb`` int32 ``[BN]`` in ``SliceLayout(1, FL)``. Then ``fence.proxy.async`` and a warpgroup barrier: the
+    wgmma (async proxy) of every warp reads what all four stored."""
+    scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
+    for j in gl.static_range(4):
+        v = ab.index(4 * s + j)
+        v.store((v.load(FL).to(gl.float16) * scale).to(gl.float8e4nv))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _l1_chain_epilogue(acc, stash, q: gl.constexpr, topk_w, clamp, HAS_CLAMP: gl.constexpr):
+    """Chain ``q`` of an L1 tile: ``acc`` float32 ``[64, BN]`` (weight rows x tokens, scaled), rows interleaved by
+    8 (``16 j + i`` gate and ``16 j + 8 + i`` up of intermediate column ``8 j + i``) -> bf16 round, clamp, SwiGLU,
+    times the tokens' top-k weights (``topk_w`` float32 ``[BN]``, 0 past the chunk's real tokens) -> rows ``[32 q,
+    +32)`` of ``stash`` (float32 ``[128, BN]`` shared memory)."""
+    BN: gl.constexpr = acc.shape[1]
+    g, u = gl.split(gl.permute(gl.reshape(acc, [4, 2, 8, BN]), (0, 2, 3, 1)))
+    gate = _round_bf16(gl.reshape(g, [32, BN]))
+    up = _round_bf16(gl.reshape(u, [32, BN]))
+    if HAS_CLAMP:
+        gate = gl.minimum(gate, clamp)
+        up = gl.minimum(gl.maximum(up, -clamp), clamp)
+    act = swiglu(gate, up, False)
+    L: gl.constexpr = act.type.layout
+    act = act * gl.expand_dims(gl.convert_layout(topk_w, gl.SliceLayout(0, L)), 0)
+    stash.slice(32 * q, 32).store(act)
+
+
+@gluon.jit
+def _l1_requant(stash, buf, a_row, nt, nv, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
+                SP: gl.constexpr, QL: gl.constexpr):
+    """The chunk's 128 intermediate columns x ``BN`` tokens (``stash``, complete) requantised per token as
+    ``gemm_fp8_ws._l1_epilogue`` with ``UE8M0``: ``amax = max(|act|, 1e-4)``, scale ``2^ceil(log2(amax / 448))``,
+    the bytes ``act`` times its exact inverse into L2 pool rows ``[a_row, a_row + nv)``, columns ``[128 nt, +128)``,
+    the scale as a word of four equal UE8M0 bytes at ``L2_SF[nt SP + row]``. ``QL``: ``[128, BN]`` with 16 (8 at BN
+    8) consecutive columns of one token a thread (one 16-byte store)."""
+    BN: gl.constexpr = stash.shape[1]
+    act = stash.load(QL)
+    amax = gl.maximum(gl.max(gl.abs(act), axis=0), AMAX_FLOOR)
+    _, sbyte = ceil_ue8m0(amax / FP8_MAX)
+    inv = gl.expand_dims(((254 - sbyte) << 23).to(gl.float32, bitcast=True), 0)  # exact 1 / scale
+    q = _to_e4m3(act * inv)
+    col = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
+    tok = gl.arange(0, BN, layout=gl.SliceLayout(0, QL))
+    ok = tok < nv
+    row = a_row + tok
+    out = (buf + OFF_L2).to(gl.pointer_type(gl.uint8)) + gl.expand_dims(row.to(gl.int64) * I + nt * 128, 0) \
+        + gl.expand_dims(col, 1)
+    gl.store(out, q, mask=gl.expand_dims(ok, 0))
+    gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.int32)) + nt * SP + row, sbyte * 0x01010101, mask=ok)
+
+
+@gluon.jit
+def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
+                       T: gl.constexpr, H: gl.constexpr, SL: gl.constexpr):
+    """Chain of an L2 tile: ``acc`` float32 ``[64, BN]`` (hidden columns ``[n0, n0 + 64)`` x the chunk's tokens,
+    scaled) as bf16 into ``combine[slot][token]`` of each pool row's source rank (``gemm_fp8_ws._l2_epilogue``
+    transposed: ``SL`` holds 8 consecutive columns of one token a thread, one 16-byte store)."""
+    BN: gl.constexpr = acc.shape[1]
+    v = gl.convert_layout(_to_bf16_bits(acc), SL)
+    r = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, SL))
+    tok = gl.arange(0, BN, layout=gl.SliceLayout(0, SL))
+    ok = tok < nv
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (a_row + tok) * 3
+    src = gl.load(meta, mask=ok, other=0)
+    token = gl.load(meta + 1, mask=ok, other=0)
+    slot = gl.load(meta + 2, mask=ok, other=0)
+    # sym_map: the same byte offset in the source rank's buffer (bases 16-byte aligned: the delta in int16s is a
+    # multiple of 8, written so the compiler sees it)
+    delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 16 * 8
+    dst_col = (slot * T + token).to(gl.int64) * H + n0 + delta
+    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_col, 0) + gl.expand_dims(r, 1)
+    gl.store(dst, v, mask=gl.expand_dims(ok, 0))
+
+
+@gluon.jit
+def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tiles, num_l1,
+                    num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
+                    OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
+                    OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
+                    KW2_PAD: gl.constexpr):
+    """The math warpgroup (module docstring): per stage the decode into the register A operand, four wgmmas (one
+    fresh chain a K block), the stage released once they are done, the chain's partial sum added into its float32
+    accumulator; per chain the epilogue, per L1 chunk the requant, per L1 tile its arrival bits."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    # register layouts of the [BN, 32] token boxes (the L2 fold: each element in one thread) and of the
+    # [KW2_PAD, BN] scale words of a chunk's tokens
+    FL: gl.constexpr = gl.BlockedLayout([1, BN // 4], [BN // 4, 128 // BN], [4, 1], [1, 0])
+    KL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BN if BN < 32 else 1, BN if BN < 32 else 32], [4, 1], [1, 0])
+    if BN == 8:  # the stores' layouts: a token's consecutive columns in one thread (dim 0 fastest)
+        QL: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+        SL: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
+    else:
+        QL: gl.constexpr = gl.BlockedLayout([16, BN // 16], [8, 4], [1, 4], [0, 1])
+        SL: gl.constexpr = gl.BlockedLayout([8, BN // 16], [8, 4], [1, 4], [0, 1])
+    rows_a = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, dot_a))
+    rows_m = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, mma))
+    tok_m = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    tok_f = gl.arange(0, BN, layout=gl.SliceLayout(1, FL))
+    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
+    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
+    l1_w = (buf + OFF_L1_W).to(gl.pointer_type(gl.float32))
+    full = _full_mask(I // 128)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, nt, e, valid = _tile(tiles, t)
+        is_l2 = t >= num_l1
+        if is_l2:
+            KB = I // BK
+            N = H
+            rmax = rmax2
+            _wait_mask(l2_mask + b, full, state, timeout_ns)  # (acquire: the L1 epilogues' scale words below)
+        else:
+            KB = H // BK
+            N = 2 * I
+            rmax = rmax1
+        for c in range((valid + BN - 1) // BN):
+            a_row = b * BM + c * BN
+            nv = valid - c * BN  # real tokens of the chunk (the first nv of its BN; may exceed BN)
+            s_mx = gl.zeros([BN], gl.int32, gl.SliceLayout(1, FL))  # (defined on both branches: L1 does not fold)
+            topk_w = gl.zeros([BN], gl.float32, gl.SliceLayout(0, mma))
+            if is_l2:  # per token the largest of its I / 128 exponents: the fold's reference and its scale
+                kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
+                tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
+                words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
+                                mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=0)
+                smax = gl.max(words & 0xFF, axis=0)
+                s_mx = gl.convert_layout(smax, gl.SliceLayout(1, FL))
+                ts = _pow2_f32(gl.convert_layout(smax, gl.SliceLayout(0, mma)) - 127)
+            else:  # the front launch's folded scale word of each pool row
+                word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
+                ts = _pow2_f32((word & 0xFF) - 127)
+                topk_w = gl.load(l1_w + a_row + tok_m, mask=tok_m < nv, other=0.0)
+            for q in gl.static_range(RS_CHAINS):
+                w_row = _chain_rows(e * N, nt, q)
+                rm = gl.load(rmax + w_row + rows_a).to(gl.int32)
+                acc = gl.zeros([RS_ROWS, BN], gl.float32, mma)
+                for kb in range(KB):
+                    s = it % STAGES
+                    s_kb = s_mx
+                    if is_l2:  # this K block's exponent of each token (tokens past nv fold by 1)
+                        s_kb = gl.load(l2_sf + kb * SP + a_row + tok_f, mask=tok_f < nv, other=0) & 0xFF
+                        s_kb = gl.where(tok_f < nv, s_kb, s_mx)
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    if is_l2:
+                        _fold_tokens(ab, s, s_mx, s_kb, FL)
+                    word = sw.index(s).load(gl.SliceLayout(1, dot_a))
+                    g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
+                    dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
+                    dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+                    dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+                    dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc = acc + part
+                    it += 1
+                # the powers of two: weight rows (the fold reference of each row), tokens (exact: the order is free)
+                rs = _pow2_f32(gl.load(rmax + w_row + rows_m).to(gl.int32) - 127)
+                acc = acc * gl.expand_dims(rs, 1) * gl.expand_dims(ts, 0)
+                if is_l2:
+                    _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS,
+                                       nv, OFF_META, OFF_COMBINE, T, H, SL)
+                else:
+                    _l1_chain_epilogue(acc, stash, q, topk_w, clamp, HAS_CLAMP)
+            if not is_l2:
+                gl.thread_barrier()  # every warp's chains are in the stash
+                _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
+                gl.thread_barrier()  # read before the next chunk writes it
+        if not is_l2:
+            _l1_publish(l2_mask, b, nt, 0, 3)  # fence.proxy.async, warpgroup barrier, both bits of the tile
+
+
+@gluon.jit
+def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, buf, rmax1, rmax2, lut, tiles,
+                             buffer_ptrs, me, clamp, timeout_ns,
+                             OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
+                             OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr,
+                             OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
+                             T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
+                             HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
+                             KW2_PAD: gl.constexpr, PDL: gl.constexpr = False):
+    """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
+    e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
+    ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
+    scale words ``[El][K/128][N]`` as flat int32, box ``[64]``. ``rmax1`` / ``rmax2``: uint8 ``[El*2I]`` /
+    ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the front
+    launch's tile table (pool blocks of ``BM`` rows); ``buffer_ptrs``: every rank's buffer base. Launched with
+    ``num_warps`` 4 and ``maxnreg`` 64, several CTAs an SM (``megamoe.fused.FP4_RS_CTAS_PER_SM``)."""
+    if PDL:  # a programmatic dependent of the front launch (megamoe.fused.WS_PDL), as gemm_fp4_ws
+        gdc_wait()
+        gdc_launch_dependents()
+    state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
+    l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
+    progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)
+    num_l1 = gl.load(tiles)
+    num_tiles = num_l1 + gl.load(tiles + 1)
+    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
+        num_tiles = 0
+    BN: gl.constexpr = a1_desc.block_type.shape[0]
+    gl.static_assert((BN == 8) | (BN == 16) | (BN == 32), "token chunks of 8, 16 or 32")
+    gl.static_assert(BM % BN == 0, "a pool block holds whole chunks")
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, RS_ROWS, 32], w1_desc.layout)
+    ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [STAGES, RS_ROWS], ws1_desc.layout)
+    stash = gl.allocate_shared_memory(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
+        mbarrier.init(empty.index(i), count=1)  # the math warpgroup's release
+    fence_async_shared()  # barrier inits visible to the async proxy before first use
+    gl.warp_specialize([
+        (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tiles,
+                           num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
+                           OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES, HAS_CLAMP, KW2_PAD)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tiles,
+                           num_l1, num_tiles, l2_mask, progress, state, timeout_ns, H, I, BM, STAGES)),
+    ], [1], [LOAD_REGS])

@@ -1,0 +1,108 @@
+"""The register-operand FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_rs``: the FP4 decode in the math warps,
+``FusedConfig(kind="fp4_ws", block_m=64, rs_block_n=8 / 16 / 32)``) on a GPU, against
+``problem.reference(numerics="hopper")`` within the FP8-MMA tolerance profile: the small cases of both Gluon phases
+(1, 2 and 4 local ranks, masks, an empty rank, clamp, I / 128 odd, skew, repeated calls) and spread scales at every
+token chunk, one EP8 rank's share of V4-Pro where the host picks the tile itself, 4 local ranks at the real size,
+and a CUDA-graph capture."""
+import pytest
+import torch
+
+from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, gluon_phase_cases, prepare_rank, run_case_local
+
+pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
+
+WS = dict(block_m=128, impl="fused", numerics="hopper")
+CASES = gluon_phase_cases(**WS) + [
+    SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
+                     masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
+]
+
+
+def _layout(case):
+    from megamoe.layout import Layout
+
+    return Layout(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                  case.block_m)
+
+
+def _force_rs(monkeypatch, block_n=None):
+    """Every "hopper" call takes the register-operand tile (pool block 64), with token chunk ``block_n`` (None: the
+    host's choice)."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf"))
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
+    monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
+    if block_n is not None:
+        monkeypatch.setattr(mf, "fp4_rs_block_n", lambda expected: block_n)
+
+
+@pytest.mark.parametrize("block_n", [8, 16, 32])
+@pytest.mark.parametrize("case", CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
+                                             "r2-spread-scales"])
+def test_fp4_rs_small_cases(case, block_n, monkeypatch):
+    """Many token chunks per pool block (up to 64 / ``block_n``), partial chunks, and the cases' masks, empty rank,
+    clamp, odd I / 128, skew, repeated calls and rounding folds, at every token chunk."""
+    import megamoe.fused as mf
+
+    _force_rs(monkeypatch, block_n)
+    cfg = mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, block_n)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN {block_n}")
+
+
+@pytest.mark.parametrize("num_tokens", [8, 32, 128, 256])
+def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
+    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 expected tokens per
+    expert, where the host picks the register-operand tile and its chunk itself; masked rows, two calls."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
+    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, mf.fp4_rs_block_n(num_tokens * 6 / 48))
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
+
+
+def test_fp4_rs_real_size_four_local_ranks(monkeypatch):
+    """384 experts of V4-Pro on 4 local ranks, skewed routing (many chunks and blocks per expert), an empty rank."""
+    _force_rs(monkeypatch, 16)
+    case = MoECase(num_ranks=4, num_tokens=[1024, 0, 512, 77], masked_ratio=0.1, num_calls=2, seed=3,
+                   routing="skewed", impl="fused", numerics="hopper", hidden=7168, intermediate=3072,
+                   num_experts=384, num_topk=6, block_m=128)
+    assert_reports(run_case_local(case, device="cuda"), "hopper fused (FP4 register-operand tile) real r4")
+
+
+def test_fp4_rs_cuda_graph_capture_and_replay(monkeypatch):
+    """The launches (front, row maxima, the register-operand phase, back) captured in a CUDA graph and replayed
+    three times at one EP8 rank's share of V4-Pro, T = 32."""
+    import megamoe.fused as mf
+    from megamoe.kernels.symm import check_barrier_state
+    from megamoe.ops import fp8_fp4_mega_moe
+    from megamoe.symm import SymmBuffer
+    from megamoe.testing import assert_moe_close
+
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    case = MoECase(num_ranks=1, num_tokens=32, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, seed=5)
+    sb = SymmBuffer.local(1, 48, 32, 6, 7168, 3072, block_m=128, device="cuda")[0]
+    cfg = mf.fused_config(sb.layout, 32, 1, sb.buffer.device, "hopper")
+    assert cfg.rs_block_n > 0
+    problem = case.problem(device="cuda")
+    y, l1, l2, _ = prepare_rank(sb, problem, 0)
+    ref = problem.reference(numerics="hopper")[0]
+    fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # warm-up: compiles, caches
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(y, ref, accumulation="fp8_mma")
+    check_barrier_state(sb)
+    sb.destroy()
