@@ -28,6 +28,8 @@
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
 #                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
+#   gputests_rs    tests/gpu/test_fp4_rs_gpu.py (the register-operand FP4 tile; stops at the first failure)
+#   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -73,6 +75,10 @@ step_gputests_1() { $PY -m pytest -q -rfE $GPUTESTS_1; }
 step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $GPUTESTS_1); }
 
 step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
+
+step_gputests_rs() { $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py; }
+
+step_layer_rs() { $PY -m megamoe.bench --suite layer --tokens 8,32,128,256 --out "$OUT"; }
 
 step_gputests_quick() {
     $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
