@@ -7,7 +7,8 @@ torch profiler's kernel records of 5 calls after 3 warm-up calls (median per lau
 Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   FRONT_PROGRAMS           the front launch's programs (``FusedConfig.programs_per_rank``; default one an SM)
   BACK_PROGRAMS_PER_SM     ``WS_BACK_PROGRAMS_PER_SM`` (a fraction gives that share of the SMs one program each)
-  FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED   the tile thresholds
+  FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED, FP4_RS_MAX_EXPECTED   the tile
+                           thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> None:
     tokens = [int(t) for t in argv[1].split(",")]
     fmt = argv[2] if len(argv) > 2 else "fp8"
     overrides = {}
-    for name in ("FP8_WS_MIN_EXPECTED", "FP8_WS_BLOCK64_MAX_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED"):
+    for name in ("FP8_WS_MIN_EXPECTED", "FP8_WS_BLOCK64_MAX_EXPECTED", "FP4_BLOCK64_MAX_EXPECTED",
+                 "FP4_RS_MAX_EXPECTED"):
         if name in os.environ:
             overrides[name] = float(os.environ[name])
     if "BACK_PROGRAMS_PER_SM" in os.environ:
