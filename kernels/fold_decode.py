@@ -146,3 +146,15 @@ def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.conste
         tl.store(row_exp + e * N + rows, rmax)
     else:
         tl.store(row_exp + e * N + rows, rmax, mask=(split + 0 * rows) == 0)
+
+
+@triton.jit
+def row_maxima_kernel(sf, out, N: tl.constexpr, KW: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+    """Each weight row's largest UE8M0 byte over all K (the fold's reference, ``s_row``), uint8 ``out`` ``[El, N]``,
+    from the transformed int32 scales ``sf`` (MN-major ``[El][KW][N]``, four group bytes a word): one program per
+    (expert, ``BN`` rows), ``CHUNK`` words a row a step (``_row_exponent_max_chunked``; the loads coalesced along N).
+    Without the weights themselves: one read of the scales (1/16 of the FP4 bytes)."""
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = _row_exponent_max_chunked(sf + e.to(tl.int64) * KW * N, rows, N, KW, CHUNK)
+    tl.store(out + e.to(tl.int64) * N + rows, m.to(tl.uint8))

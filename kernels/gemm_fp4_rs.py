@@ -20,7 +20,9 @@ and tokens' powers of two applied in the epilogue. The weight fold is the same t
 per-128 exponents, here by the math warps in the stage itself before its MMAs.
 
 Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
-expert, valid rows)), L1 tiles first. A CTA walks tiles ``pid, pid + grid, ...``; a tile is up to
+expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
+``pid, pid + grid, ...`` walk left ~18 % of the work on the busiest CTAs at 4 CTAs an SM: tiles of 224 stages
+over 528 CTAs). A tile is up to
 ``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of 64 weight rows (the wgmma M of
 one warpgroup) over all of K, one after another (one [64, BN] accumulator live: the register budget of 4 CTAs an
 SM). L1: 256 weight rows = the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows
@@ -101,18 +103,25 @@ def _chain_rows(tile_row, nt, q):
 
 
 @gluon.jit
-def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tiles, num_l1,
-                    num_tiles, l2_mask, progress, state, timeout_ns, H: gl.constexpr, I: gl.constexpr,
-                    BM: gl.constexpr, STAGES: gl.constexpr):
-    """TMA producer (1 warp): every stage of every (tile, chunk, chain, K block) in the math's order. An L2 tile
-    first waits for its block's full arrival mask (acquire) and fences the generic-proxy L1 stores before its TMA
-    reads; L1 tiles do not wait (the front launch landed the rows)."""
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
+                    tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
+                    H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+    """TMA producer (1 warp): takes the rank's next tile from the counter ``sched`` (``atomic_add``: tiles in table
+    order, L1 first, each to the CTA that is free first), hands it to the math partition (``_post_tile``), then
+    every stage of its (chunk, chain, K block)s in the math's order. An L2 tile first waits for its block's full
+    arrival mask (acquire) and fences the generic-proxy L1 stores before its TMA reads; L1 tiles do not wait (the
+    front launch landed the rows). The L1 tiles it waits for were all taken before it, by CTAs that are resident
+    and finish them: no dead-lock."""
     BN: gl.constexpr = a1_desc.block_type.shape[0]
     nbytes: gl.constexpr = (2 * w1_desc.block_type.nbytes + 4 * a1_desc.block_type.nbytes
                             + ws1_desc.block_type.nbytes)
     full = _full_mask(I // 128)
+    TL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     it = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    j = 0
+    t = gl.atomic_add(sched, 1, sem="relaxed", scope="gpu")
+    while t < num_tiles:
+        _post_tile(tile_s, tile_full, tile_empty, j, t, TL)
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # the rank's heartbeat (see gemm_fp8_ws)
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
@@ -139,6 +148,31 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
                     else:
                         _issue_stage(w1_desc, a1_desc, ws1_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s)
                     it += 1
+        j += 1
+        t = gl.atomic_add(sched, 1, sem="relaxed", scope="gpu")
+    _post_tile(tile_s, tile_full, tile_empty, j, num_tiles, TL)  # no more: the math partition stops
+
+
+@gluon.jit
+def _post_tile(tile_s, tile_full, tile_empty, j, t, TL: gl.constexpr):
+    """The loader hands tile ``t`` (its ``j``-th; ``num_tiles``: none left) to the math partition through slot
+    ``j % 2`` of ``tile_s`` (int32 shared memory ``[2, 1]``): wait until the math read the slot's previous tile,
+    store, arrive on ``tile_full``."""
+    slot = j % 2
+    mbarrier.wait(tile_empty.index(slot), ((j // 2) & 1) ^ 1)
+    tile_s.index(slot).store(gl.full([1], t, gl.int32, TL))
+    mbarrier.arrive(tile_full.index(slot), count=1)
+
+
+@gluon.jit
+def _take_tile(tile_s, tile_full, tile_empty, j, TL: gl.constexpr):
+    """The math partition's ``j``-th tile from the loader (``_post_tile``), its slot released after the read."""
+    slot = j % 2
+    mbarrier.wait(tile_full.index(slot), (j // 2) & 1)
+    t = gl.max(tile_s.index(slot).load(TL), axis=0)
+    gl.thread_barrier()  # every warp has read the slot before it is released
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return t
 
 
 @gluon.jit
@@ -222,8 +256,8 @@ def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.co
 
 
 @gluon.jit
-def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tiles, num_l1,
-                    num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
+def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
+                    tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr,
                     OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
@@ -251,8 +285,11 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     l1_w = (buf + OFF_L1_W).to(gl.pointer_type(gl.float32))
     full = _full_mask(I // 128)
+    TL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     it = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    j = 0
+    t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
+    while t < num_tiles:
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
         if is_l2:
@@ -318,11 +355,13 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 gl.thread_barrier()  # read before the next chunk writes it
         if not is_l2:
             _l1_publish(l2_mask, b, nt, 0, 3)  # fence.proxy.async, warpgroup barrier, both bits of the tile
+        j += 1
+        t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
 
 
 @gluon.jit
 def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, buf, rmax1, rmax2, lut, tiles,
-                             buffer_ptrs, me, clamp, timeout_ns,
+                             sched, buffer_ptrs, me, clamp, timeout_ns,
                              OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
                              OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr,
                              OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
@@ -334,7 +373,8 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
     scale words ``[El][K/128][N]`` as flat int32, box ``[64]``. ``rmax1`` / ``rmax2``: uint8 ``[El*2I]`` /
     ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the front
-    launch's tile table (pool blocks of ``BM`` rows); ``buffer_ptrs``: every rank's buffer base. Launched with
+    launch's tile table (pool blocks of ``BM`` rows); ``sched``: an int32 tile counter, 0 at the launch (the host
+    zeroes it); ``buffer_ptrs``: every rank's buffer base. Launched with
     ``num_warps`` 4 and ``maxnreg`` 64, several CTAs an SM (``megamoe.fused.FP4_RS_CTAS_PER_SM``)."""
     if PDL:  # a programmatic dependent of the front launch (megamoe.fused.WS_PDL), as gemm_fp4_ws
         gdc_wait()
@@ -353,16 +393,23 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)
     sw = gl.allocate_shared_memory(gl.int32, [STAGES, RS_ROWS], ws1_desc.layout)
     stash = gl.allocate_shared_memory(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    tile_s = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
         mbarrier.init(empty.index(i), count=1)  # the math warpgroup's release
+    for i in gl.static_range(2):
+        mbarrier.init(tile_full.index(i), count=1)  # the loader posted a tile id
+        mbarrier.init(tile_empty.index(i), count=1)  # the math partition read it
     fence_async_shared()  # barrier inits visible to the async proxy before first use
     gl.warp_specialize([
-        (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tiles,
-                           num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
+        (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
+                           tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
                            OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES, HAS_CLAMP, KW2_PAD)),
-        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tiles,
-                           num_l1, num_tiles, l2_mask, progress, state, timeout_ns, H, I, BM, STAGES)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
+                           tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
+                           timeout_ns, H, I, BM, STAGES)),
     ], [1], [LOAD_REGS])

@@ -92,3 +92,29 @@ def fold_decode(weights, out: torch.Tensor | None = None, row_exp: torch.Tensor 
     fold_decode_kernel[(El * (N // kw["BN"]) * kw["K_SPLIT"],)](w, sf, lut, out, row_exp, **kw)
     return out, row_exp
 
+
+
+#: Rows a program of ``row_maxima`` and scale words a row a step (each lowered to a power of two dividing N, K/128).
+ROW_MAXIMA_ROWS = 128
+ROW_MAXIMA_CHUNK = 8
+
+
+def row_maxima(sf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each weight row's largest UE8M0 scale byte over all K, uint8 ``[El, N]`` (into ``out`` when given), from
+    transformed scales ``sf`` (int32 ``[El, N, K/128]``, memory order ``[El][K/128][N]``): the fold reference the
+    register-operand FP4 tile reads (``megamoe.kernels.gemm_fp4_rs``; ``fold_decode`` writes the same values as
+    int32 ``row_exp``). One Triton launch reading the scales once."""
+    from megamoe.kernels.fold_decode import row_maxima_kernel
+
+    if sf.dtype != torch.int32 or sf.dim() != 3 or not sf.transpose(1, 2).is_contiguous():
+        raise ValueError(f"sf: expected MN-major int32 [El, N, K/128] (memory order [El][K/128][N]), got {sf.dtype} "
+                         f"{tuple(sf.shape)} strides {sf.stride()}")
+    El, N, KW = sf.shape
+    chunk = min(ROW_MAXIMA_CHUNK, KW & -KW)  # (powers of two dividing KW and N)
+    rows = min(ROW_MAXIMA_ROWS, N & -N)
+    if out is None:
+        out = torch.empty((El, N), dtype=torch.uint8, device=sf.device)
+    if out.dtype != torch.uint8 or out.numel() != El * N or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous uint8 with {El * N} elements, got {out.dtype} {tuple(out.shape)}")
+    row_maxima_kernel[(El, N // rows)](sf, out, N, KW, rows, chunk)
+    return out

@@ -778,26 +778,29 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         rmax1, rmax2 = _fp4_row_maxima(c)
+        sched = _buffer_cache(c.sb, "_fp4_rs_sched", 0, lambda: torch.zeros(4, dtype=torch.int32, device=dev))
+        sched.zero_()  # the phase's tile counter (a memset: an interrupted call leaves nothing for the next)
         krs.fp4_rs_gemm_phase_kernel[(FP4_RS_CTAS_PER_SM * sms,)](
-            *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr],
+            *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr], sched,
             c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             **_fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
 
 
 def _fp4_row_maxima(c):
     """Each weight row's largest UE8M0 byte over all of K, uint8 ``(rmax1 [El*2I], rmax2 [El*H])`` (the fold's
-    reference of the register-operand tile), from bound call ``c``'s transformed scales (int32 words of four bytes,
-    MN-major ``[El][K/128][N]``): two reductions into buffers kept per weights, on every call (the scales may have
-    changed in place; ~100 MB of scale bytes for one EP8 rank of V4-Pro)."""
+    reference of the register-operand tile) from bound call ``c``'s transformed scales, by
+    ``megamoe.fold_decode.row_maxima`` into buffers kept per weights, on every call (the scales may have changed in
+    place): one read of the scales, ~100 MB for one EP8 rank of V4-Pro. (As two torch ``amax`` reductions over the
+    byte view this took 181 + 146 us on an H200, more than the phase saved: ``fused_fp8_ws_profile``, session 18.)"""
+    from megamoe.fold_decode import row_maxima
+
     def build():
         return tuple(torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
                      for w in (c.l1, c.l2))
 
     out = _buffer_cache(c.sb, "_fp4_rmax", (c.l1[1].data_ptr(), c.l2[1].data_ptr()), build, limit=0)
     for w, r in zip((c.l1, c.l2), out):
-        El, N = w[1].shape[0], w[1].shape[1]
-        words = w[1].transpose(1, 2)  # [El, K/128, N] contiguous (MN-major)
-        torch.amax(words.contiguous().view(torch.uint8).view(El, -1, N, 4), dim=(1, 3), out=r.view(El, N))
+        row_maxima(w[1], out=r)
     return out
 
 

@@ -28,7 +28,7 @@ import tempfile
 SM90_MAX_SHARED_PER_BLOCK = 232448
 #: Pointer arguments the host passes 16-byte aligned (buffer bases, torch allocations), per kind.
 _ALIGNED = {"fp4_ws": ("buf", "w1_sf", "w2_sf", "lut", "tiles", "buffer_ptrs"),
-            "fp4_rs": ("buf", "rmax1", "rmax2", "lut", "tiles", "buffer_ptrs"),
+            "fp4_rs": ("buf", "rmax1", "rmax2", "lut", "tiles", "sched", "buffer_ptrs"),
             "fp8_ws": ("buf", "w1_sf", "w2_sf", "tiles", "buffer_ptrs")}
 
 
@@ -70,8 +70,8 @@ def _signature(kind: str, bm: int, predecode: bool = False, block_n: int = 0) ->
     specs = ws_descriptor_specs(kind, bm, predecode, block_n)
     sig = {k: f"tensordesc<{dt}{list(box)},{lay!r}>" for k, (dt, box, lay) in specs.items()}
     if kind == "fp4_rs":
-        return dict(sig, buf="*u8", rmax1="*u8", rmax2="*u8", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
-                    me="i32", clamp="fp32", timeout_ns="i64")
+        return dict(sig, buf="*u8", rmax1="*u8", rmax2="*u8", lut="*i32", tiles="*i32", sched="*i32",
+                    buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
     if kind == "fp4_ws":
         return dict(sig, buf="*u8", w1_sf="*i32", w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
                     me="i32", clamp="fp32", timeout_ns="i64")

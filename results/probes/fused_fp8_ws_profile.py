@@ -9,6 +9,7 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   BACK_PROGRAMS_PER_SM     ``WS_BACK_PROGRAMS_PER_SM`` (a fraction gives that share of the SMs one program each)
   FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED, FP4_RS_MAX_EXPECTED   the tile
                            thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
+  FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32) whatever the expectation
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -65,6 +66,9 @@ def main(argv: list[str]) -> None:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
         setattr(mf, name, value)
+    if "FP4_RS_BLOCK_N" in os.environ:  # the register-operand tile's token chunk, whatever the expectation
+        block_n = overrides["FP4_RS_BLOCK_N"] = int(os.environ["FP4_RS_BLOCK_N"])
+        mf.fp4_rs_block_n = lambda expected: block_n
     if "FRONT_PROGRAMS" in os.environ:
         front_programs, config = int(os.environ["FRONT_PROGRAMS"]), mf.fused_config
         mf.fused_config = lambda *a, **k: dataclasses.replace(config(*a, **k), programs_per_rank=front_programs)
