@@ -278,9 +278,13 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 
 #: "fp4_ws" at pool block 64: up to this many expected tokens per local expert the GEMM phase is the
 #: register-operand tile (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
-#: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Not measured on a GPU yet.
+#: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one EP8
+#: rank of V4-Pro, ``results/probes/fused_fp8_ws_profile.py``, GEMM phase alone, session 18 at 50894f9): T = 8 / 32
+#: / 128 (1 / 4 / 16 expected) register-operand 424 / 682 / 861 us (chunk 8 / 16 / 32; at T = 128 chunk 16 1007,
+#: 8 1535) against the decode-partition tile's 534 / ~825 / 827 (T = 32 from the whole call of
+#: ``results/probes/layer_variants/layer_h200_83d4293_second_run.json``): faster up to 4 expected, slower at 16.
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 32
+FP4_RS_MAX_EXPECTED = 4
 #: CTAs of the register-operand tile per SM (each a math warpgroup and a loader warp, ``maxnreg`` FP4_RS_MAXNREG:
 #: 8 warps x 32 x 64 = 16 K registers, so four fit; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3) and
 #: the loader warp's ``setmaxnreg``.
@@ -789,19 +793,30 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
 def _fp4_row_maxima(c):
     """Each weight row's largest UE8M0 byte over all of K, uint8 ``(rmax1 [El*2I], rmax2 [El*H])`` (the fold's
     reference of the register-operand tile) from bound call ``c``'s transformed scales, by
-    ``megamoe.fold_decode.row_maxima`` into buffers kept per weights, on every call (the scales may have changed in
-    place): one read of the scales, ~100 MB for one EP8 rank of V4-Pro. (As two torch ``amax`` reductions over the
-    byte view this took 181 + 146 us on an H200, more than the phase saved: ``fused_fp8_ws_profile``, session 18.)"""
+    ``megamoe.fold_decode.row_maxima`` (one read of the scales: ~100 MB for one EP8 rank of V4-Pro, 71 us on an
+    H200), kept on the buffer and made again only when the scales are other tensors or were changed in place since
+    (torch's version counter of each scale tensor is part of the key; a tensor without one -- made under
+    ``torch.inference_mode`` -- is read on every call). (Two torch ``amax`` reductions over the byte view took
+    181 + 146 us a call: ``fused_fp8_ws_profile``, session 18.)"""
     from megamoe.fold_decode import row_maxima
 
-    def build():
-        return tuple(torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
-                     for w in (c.l1, c.l2))
+    def version(t):
+        try:
+            return t._version
+        except RuntimeError:  # an inference tensor tracks no version: never trust the cached maxima
+            return None
 
-    out = _buffer_cache(c.sb, "_fp4_rmax", (c.l1[1].data_ptr(), c.l2[1].data_ptr()), build, limit=0)
-    for w, r in zip((c.l1, c.l2), out):
-        row_maxima(w[1], out=r)
-    return out
+    def build():
+        return [torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
+                for w in (c.l1, c.l2)] + [None]
+
+    entry = _buffer_cache(c.sb, "_fp4_rmax", (c.l1[1].data_ptr(), c.l2[1].data_ptr()), build, limit=0)
+    key = (version(c.l1[1]), version(c.l2[1]))
+    if entry[2] != key or None in key:
+        for w, r in zip((c.l1, c.l2), entry):
+            row_maxima(w[1], out=r)
+        entry[2] = key
+    return entry[0], entry[1]
 
 
 def _fp4_rs_descriptors(c, L, bm: int, block_n: int):

@@ -153,3 +153,18 @@ def test_fold_decode_rejects_knobs_that_do_not_divide_k(knobs, monkeypatch):
     (w, sf), _ = _weights()
     with pytest.raises(ValueError, match="weights"):
         fold_decode((w, sf))
+
+
+def test_row_maxima_equals_each_rows_largest_scale_byte():
+    """``megamoe.fold_decode.row_maxima`` (the register-operand tile's fold reference) against the bytes' maximum in
+    torch, at an L1-like and an odd shape (K / 128 = 3: one word a step), and its errors name the argument."""
+    from megamoe.fold_decode import row_maxima
+
+    g = torch.Generator().manual_seed(3)
+    for El, N, KW in ((2, 256, 8), (3, 96, 3)):
+        words = torch.randint(-2**31, 2**31 - 1, (El, KW, N), generator=g, dtype=torch.int64).to(torch.int32)
+        sf = words.transpose(1, 2)  # MN-major [El, N, KW]
+        want = torch.stack([(sf.long() >> (8 * j)) & 0xFF for j in range(4)], -1).amax(dim=(2, 3))
+        assert torch.equal(row_maxima(sf).long(), want)
+    with pytest.raises(ValueError, match="sf: expected MN-major int32"):
+        row_maxima(words.contiguous())

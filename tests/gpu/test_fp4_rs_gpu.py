@@ -57,10 +57,13 @@ def test_fp4_rs_small_cases(case, block_n, monkeypatch):
 @pytest.mark.parametrize("num_tokens", [8, 32, 128, 256])
 def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 expected tokens per
-    expert, where the host picks the register-operand tile and its chunk itself; masked rows, two calls."""
+    expert with the token chunk the host picks (8 / 16 / 32 / 32); the host itself takes the register-operand tile
+    up to FP4_RS_MAX_EXPECTED (T = 8, 32), above it the tile is forced; masked rows, two calls."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    if num_tokens * 6 / 48 > mf.FP4_RS_MAX_EXPECTED:
+        monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
