@@ -236,7 +236,8 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = No
                 timing = _timing_fields(run, graph=impl == "fused")  # (the staged path is not graph-tested)
                 if impl == "fused":  # which tile family and pool block megamoe.fused.fused_config chose for this call
                     cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
-                    base_impl = {"tile_kind": cfg.kind, "tile_block_m": cfg.block_m, "tile_predecode": cfg.predecode}
+                    base_impl = {"tile_kind": cfg.kind, "tile_block_m": cfg.block_m, "tile_predecode": cfg.predecode,
+                                 "tile_rs_block_n": cfg.rs_block_n}
                 else:
                     base_impl = {}
                 rows.append({**base, **base_impl, "impl": impl, "numerics": numerics, "us": ms * 1e3, **timing,

@@ -53,7 +53,8 @@ def _us(row: dict | None) -> str:
 def _tile(row: dict | None) -> str:
     if row is None:
         return "–"
-    return f"{row['tile_kind']} {row['tile_block_m']}" + (", predecoded" if row.get("tile_predecode") else "")
+    return (f"{row['tile_kind']} {row['tile_block_m']}" + (", predecoded" if row.get("tile_predecode") else "")
+            + (f", register A (chunk {row['tile_rs_block_n']})" if row.get("tile_rs_block_n") else ""))
 
 
 def speed_table(result: dict, routing: str = "uniform") -> str:
