@@ -53,3 +53,22 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
     # (fp8_ws's pull partition spills 8 B a pulled row in its copy loop at 40 registers: known, not a K loop)
     for first, last, n, ops in mma_loops + decode_loops:
         assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n", [8, 16, 32])
+def test_fp4_rs_phase_compiles_for_four_ctas_an_sm(block_n):
+    """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's
+    keywords: within ``maxnreg`` FP4_RS_MAXNREG and a quarter of an SM's shared memory (FP4_RS_CTAS_PER_SM CTAs must
+    fit: the counter hands tiles to whichever is free, an L2 tile waits for L1 tiles of other CTAs), wgmma in its K
+    loops, no spill inside them (88 B spilled once a chunk at block_n 32, Triton 3.6)."""
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    r = compile_gluon_phase("fp4_rs", layout, 64, block_n=block_n, has_clamp=True)
+    assert r.registers <= mf.FP4_RS_MAXNREG
+    per_sm = mf._SM90_LIMITS["shared_memory_per_multiprocessor"]
+    assert mf.FP4_RS_CTAS_PER_SM * (r.shared + 1024) <= per_sm, r.shared
+    assert r.spill_stores <= 96, r.spill_stores
+    mma_loops = [lp for lp in _innermost(r.loops) if lp[3].get("QGMMA")]
+    assert mma_loops and all(lp[3].get("PRMT", 0) >= 32 for lp in mma_loops)  # the decode is in the MMA's loop
+    for first, last, n, ops in mma_loops:
+        assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
