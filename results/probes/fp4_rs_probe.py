@@ -47,7 +47,12 @@ back launches (``results/probes/layer_variants/layer_h200_83d4293_second_run.jso
 860 / 871 us), so a tile kind built on this loop (2.4-2.5 TB/s for the GEMMs alone) would bring those calls to an
 estimated ~460 / 720 / 730 us, 0.83 / – / 0.90x DeepGEMM's, not yet issue #7's 0.8x. Not built this session.
 
-Next (offline only so far, Triton 3.6 for sm_90a): ``DECODE`` 3's register-order packing takes the plain loop's K
+Session 18 (rows at 96e579a): in the warp-specialised kernel ``DECODE`` 3 (register order) 287 / 149 us at 16 tokens,
+252 / 132 at 8 (L1 / L2: 2.97 / 2.85 TB/s), against ``DECODE`` 2's 301 / 156 and 274 / 145: ~8 % more, for a second
+packing of the weights. The tile kind this probe led to is ``megamoe.kernels.gemm_fp4_rs`` (``DECODE`` 2's split
+packing, no copy of the weights).
+
+Offline (Triton 3.6 for sm_90a): ``DECODE`` 3's register-order packing takes the plain loop's K
 body from 216 to 176 SASS instructions a thread (PRMT 36 -> 20, LOP3 37 -> 29, LEA 36 -> 20; 52 registers, no
 spill), BM 8 to 166; the warp-specialised kernel compiles with it at ``maxnreg`` 64 without spill (38628 B of shared
 memory at BM 16, 32484 at BM 8). ``CONFIGS`` holds those rows for the next device call.
