@@ -106,6 +106,18 @@ def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr):
 
 
 @gluon.jit
+def _k_block_chain(g0, g1, g2, g3, ab, s, like):
+    """One K block's fresh wgmma chain: the four K=32 register operands ``g0..g3`` (e4m3 ``[64, 32]``) times ring
+    stage ``s``'s four token boxes (``ab``: ``[BN, 32]`` each, the MMA's B operand, transposed views), waited for;
+    returns the float32 ``[64, BN]`` partial sum (``like``: a tile of its layout, overwritten: ``use_acc=False``)."""
+    dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), like, use_acc=False, is_async=True)
+    dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+    dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+    dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+
+
+@gluon.jit
 def _chain_rows(tile_row, nt, q):
     """The first weight row of chain ``q`` of n-tile ``nt`` (``tile_row``: the expert's first row)."""
     return tile_row + nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS
@@ -343,11 +355,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                         _fold_tokens(ab, s, s_mx, s_kb, FL)
                     word = sw.index(s).load(gl.SliceLayout(1, dot_a))
                     g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
-                    dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
-                    dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
-                    dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
-                    dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+                    part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc = acc + part
                     it += 1

@@ -57,6 +57,13 @@ class MoECase:
     def max_tokens(self) -> int:
         return self.num_max_tokens_per_rank or max(1, max(self.tokens()))
 
+    def layout(self):
+        """The :class:`~megamoe.layout.Layout` of the case's buffers (what ``fused_config`` is asked about)."""
+        from megamoe.layout import Layout
+
+        return Layout(self.num_ranks, self.num_experts, self.max_tokens(), self.num_topk, self.hidden,
+                      self.intermediate, self.block_m, format=self.format)
+
     def problem(self, device="cpu") -> Problem:
         """The case's inputs and weights in its format (a :class:`~megamoe.testing_fp8.Fp8Problem` for ``"fp8"``)."""
         make = make_fp8_problem if self.format == "fp8" else make_problem
@@ -111,6 +118,15 @@ def gluon_phase_cases(**common) -> list[MoECase]:
                 hidden=512, intermediate=640, **common),
         MoECase(num_ranks=2, num_topk=3, num_tokens=[229, 13], hidden=1024, intermediate=512, routing="skewed",
                 num_calls=3, **common),
+    ]
+
+
+def fp4_gluon_phase_cases(**common) -> list[MoECase]:
+    """``gluon_phase_cases`` and, for the FP8 x FP4 format's Gluon tiles, two skewed ranks with spread scales (the
+    folds round), masks, a clamp and two calls."""
+    return gluon_phase_cases(**common) + [
+        SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
+                         masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **common),
     ]
 
 

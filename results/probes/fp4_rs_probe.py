@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 
 from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT  # noqa: E402
+from megamoe.kernels.gemm_fp4_rs import _k_block_chain  # noqa: E402
 from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt, _fold_table  # noqa: E402
 
 #: ``DECODE`` 3: the decode for a register-order packing of the nibbles (this probe's only; the weights' transform
@@ -210,11 +211,7 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
             g1 = g0
             g2 = wp.index(2 * s + 1).load(dot_a).to(gl.float8e4nv, bitcast=True)
             g3 = g2
-        dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
-        dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
-        dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
-        dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+        part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
         acc = acc + part
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -282,11 +279,7 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
                 if kb > 0:
                     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
             else:
-                dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=False, is_async=True)
-                dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
-                dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
-                dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+                part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + part
             it += 1

@@ -7,22 +7,13 @@ and a CUDA-graph capture."""
 import pytest
 import torch
 
-from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, gluon_phase_cases, prepare_rank, run_case_local
+from megamoe.cases import MoECase, assert_reports, fp4_gluon_phase_cases, prepare_rank, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
 WS = dict(block_m=128, impl="fused", numerics="hopper")
-CASES = gluon_phase_cases(**WS) + [
-    SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
-                     masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
-]
+CASES = fp4_gluon_phase_cases(**WS)
 
-
-def _layout(case):
-    from megamoe.layout import Layout
-
-    return Layout(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
-                  case.block_m)
 
 
 def _force_rs(monkeypatch, block_n=None):
@@ -49,7 +40,7 @@ def test_fp4_rs_small_cases(case, block_n, monkeypatch):
     import megamoe.fused as mf
 
     _force_rs(monkeypatch, block_n)
-    cfg = mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, block_n)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN {block_n}")
 
@@ -66,7 +57,7 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
         monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
-    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), num_tokens, 1, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, mf.fp4_rs_block_n(num_tokens * 6 / 48))
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
 

@@ -7,7 +7,7 @@ warpgroups, one decode partition) and 64 (one math warpgroup, two decode partiti
 import pytest
 import torch
 
-from megamoe.cases import MoECase, SpreadScalesCase, assert_reports, gluon_phase_cases, prepare_rank, run_case_local
+from megamoe.cases import MoECase, assert_reports, fp4_gluon_phase_cases, prepare_rank, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
@@ -15,17 +15,8 @@ REAL = dict(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, block_m
 WS = dict(block_m=128, impl="fused", numerics="hopper")
 
 
-CASES = gluon_phase_cases(**WS) + [
-    SpreadScalesCase(num_ranks=2, num_topk=3, num_experts=6, num_tokens=[300, 90], hidden=512, intermediate=384,
-                     masked_ratio=0.1, activation_clamp=0.5, num_calls=2, seed=21, **WS),
-]
+CASES = fp4_gluon_phase_cases(**WS)
 
-
-def _layout(case):
-    from megamoe.layout import Layout
-
-    return Layout(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
-                  case.block_m)
 
 
 def _force_fp4_ws(monkeypatch, block_m=None):
@@ -50,7 +41,7 @@ def test_fp4_ws_small_cases(case, block_m, monkeypatch):
     import megamoe.fused as mf
 
     _force_fp4_ws(monkeypatch, block_m)
-    cfg = mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m) == ("fp4_ws", block_m)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) small, block {block_m}")
 
@@ -63,7 +54,7 @@ def test_fp4_ws_real_size(num_ranks, num_tokens, monkeypatch):
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     case = MoECase(num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
                    routing="skewed" if num_ranks > 1 else "uniform", impl="fused", numerics="hopper", **REAL)
-    assert mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda"), "hopper").kind == "fp4_ws"
+    assert mf.fused_config(case.layout(), num_tokens[0], num_ranks, torch.device("cuda"), "hopper").kind == "fp4_ws"
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks}")
 
 
@@ -78,7 +69,7 @@ def test_fp4_ws_block64_one_ep8_rank(num_tokens, monkeypatch):
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)  # the decode-partition tile at block 64
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
-    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), num_tokens, 1, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m) == ("fp4_ws", 64)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) block 64 T={num_tokens}")
 
@@ -92,7 +83,7 @@ def test_fp4_ws_real_size_block64_forced(num_ranks, num_tokens, monkeypatch):
     _force_fp4_ws(monkeypatch, 64)
     case = MoECase(num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
                    routing="skewed", impl="fused", numerics="hopper", **REAL)
-    cfg = mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m) == ("fp4_ws", 64)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 Gluon GEMM phase) real r{num_ranks} b64")
 
@@ -108,7 +99,7 @@ def test_fp4_ws_predecoded(num_ranks, num_tokens, block_m, monkeypatch):
     monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", -1)
     case = MoECase(num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
                    routing="skewed" if num_ranks > 1 else "uniform", impl="fused", numerics="hopper", **REAL)
-    cfg = mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
+    cfg = mf.fused_config(case.layout(), num_tokens[0], num_ranks, torch.device("cuda"), "hopper")
     assert (cfg.kind, cfg.block_m, cfg.predecode) == ("fp4_ws", block_m, True)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 predecoded) r{num_ranks} b{block_m}")
 

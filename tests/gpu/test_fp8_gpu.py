@@ -37,7 +37,7 @@ def test_fp8_real_size_one_rank(impl, num_tokens):
 
     case = MoECase(format="fp8",
                    num_ranks=1, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=1, impl=impl, **REAL)
-    cfg = mf.fused_config(_layout(case), num_tokens, 1, torch.device("cuda"))
+    cfg = mf.fused_config(case.layout(), num_tokens, 1, torch.device("cuda"))
     assert (cfg.kind, cfg.block_m) == {128: ("fp8_swap", 32), 1024: ("fp8_ws", 64), 4096: ("fp8_ws", 128)}[num_tokens]
     assert_reports(run_case_local(case, device="cuda"), f"fp8 {impl} real r1")
 
@@ -49,12 +49,6 @@ WS_CASES = gluon_phase_cases(**WS) + [
             hidden=512, intermediate=384, num_calls=2, **WS),  # 50 expected tokens per expert (block 64: below)
 ]
 
-
-def _layout(case):
-    from megamoe.layout import Layout
-
-    return Layout(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
-                  case.block_m, format=case.format)
 
 
 def _force_ws(monkeypatch):
@@ -72,7 +66,7 @@ def test_fp8_ws_small_cases(case, monkeypatch):
     _force_ws(monkeypatch)
     import megamoe.fused as mf
 
-    assert mf.fused_config(_layout(case), 300, case.num_ranks, torch.device("cuda")).kind == "fp8_ws"
+    assert mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda")).kind == "fp8_ws"
     case.impl = "fused"
     assert_reports(run_case_local(case, device="cuda"), "fp8 fused (Gluon GEMM phase) small")
 
@@ -86,7 +80,7 @@ def test_fp8_ws_block64_forced(monkeypatch):
 
     monkeypatch.setattr(mf, "FP8_WS_BLOCK64_MAX_EXPECTED", float("inf"))
     case = WS_CASES[-1]
-    cfg = mf.fused_config(_layout(case), 100, case.num_ranks, torch.device("cuda"))
+    cfg = mf.fused_config(case.layout(), 100, case.num_ranks, torch.device("cuda"))
     assert (cfg.kind, cfg.block_m) == ("fp8_ws", 64)
     case.impl = "fused"
     assert_reports(run_case_local(case, device="cuda"), "fp8 fused (Gluon GEMM phase, 64-row tile) small")
@@ -99,7 +93,7 @@ def test_fp8_ws_real_size(num_ranks, num_tokens):
 
     case = MoECase(format="fp8", num_ranks=num_ranks, num_tokens=num_tokens, masked_ratio=0.1, num_calls=2, seed=3,
                    routing="skewed" if num_ranks > 1 else "uniform", impl="fused", **REAL)
-    assert mf.fused_config(_layout(case), num_tokens[0], num_ranks, torch.device("cuda")).kind == "fp8_ws"
+    assert mf.fused_config(case.layout(), num_tokens[0], num_ranks, torch.device("cuda")).kind == "fp8_ws"
     assert_reports(run_case_local(case, device="cuda"), f"fp8 fused (Gluon GEMM phase) real r{num_ranks}")
 
 
