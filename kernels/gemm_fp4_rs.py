@@ -283,7 +283,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
-                    KW2_PAD: gl.constexpr, PROBE: gl.constexpr):
+                    KW2_PAD: gl.constexpr):
     """The math warpgroup (module docstring): per stage the decode into the register A operand, four wgmmas (one
     fresh chain a K block), the stage released once they are done, the chain's partial sum added into its float32
     accumulator; per chain the epilogue, per L1 chunk the requant, per L1 tile its arrival bits."""
@@ -351,17 +351,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                         s_kb = gl.load(l2_sf + kb * SP + a_row + tok_f, mask=tok_f < nv, other=0) & 0xFF
                         s_kb = gl.where(tok_f < nv, s_kb, s_mx)
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    if (PROBE & 1) == 0:
-                        if is_l2:
-                            _fold_tokens(ab, s, s_mx, s_kb, FL)
-                    if (PROBE & 4) == 0:
-                        word = sw.index(s).load(gl.SliceLayout(1, dot_a))
-                        g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
-                    else:  # timing only: the packed bytes as operands
-                        g0 = wp.index(2 * s).load(dot_a).to(gl.float8e4nv, bitcast=True)
-                        g1 = g0
-                        g2 = wp.index(2 * s + 1).load(dot_a).to(gl.float8e4nv, bitcast=True)
-                        g3 = g2
+                    if is_l2:
+                        _fold_tokens(ab, s, s_mx, s_kb, FL)
+                    word = sw.index(s).load(gl.SliceLayout(1, dot_a))
+                    g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
                     part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc = acc + part
@@ -370,19 +363,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 rs = _pow2_f32(gl.load(rmax + w_row + rows_m).to(gl.int32) - 127)
                 acc = acc * gl.expand_dims(rs, 1) * gl.expand_dims(ts, 0)
                 if is_l2:
-                    if (PROBE & 2) == 0:
-                        _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row,
-                                           nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS, nv, OFF_META, OFF_COMBINE, T, H,
-                                           SL)
-                    else:  # timing only: the chain's sums kept (in the stash), no global store
-                        stash.slice(0, RS_ROWS).store(acc)
+                    _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS,
+                                       nv, OFF_META, OFF_COMBINE, T, H, SL)
                 else:
                     _l1_chain_epilogue(acc, stash, q, topk_w, clamp, HAS_CLAMP)
-            if (PROBE & 2) == 0:
-                if not is_l2:
-                    gl.thread_barrier()  # every warp's chains are in the stash
-                    _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
-                    gl.thread_barrier()  # read before the next chunk writes it
+            if not is_l2:
+                gl.thread_barrier()  # every warp's chains are in the stash
+                _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
+                gl.thread_barrier()  # read before the next chunk writes it
         if not is_l2:
             _l1_publish(l2_mask, b, nt, 0, 3)  # fence.proxy.async, warpgroup barrier, both bits of the tile
         j += 1
@@ -397,7 +385,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                              OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                              T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
                              HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             KW2_PAD: gl.constexpr, PDL: gl.constexpr = False, PROBE: gl.constexpr = 0):
+                             KW2_PAD: gl.constexpr, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
@@ -439,7 +427,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
         (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                            tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF,
                            OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES,
-                           HAS_CLAMP, KW2_PAD, PROBE)),
+                           HAS_CLAMP, KW2_PAD)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, BM, STAGES)),

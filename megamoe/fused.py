@@ -853,8 +853,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
-        LOAD_REGS=FP4_RS_LOAD_REGS, KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128), PROBE=0,
-        num_warps=4,
+        LOAD_REGS=FP4_RS_LOAD_REGS, KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128), num_warps=4,
         maxnreg=FP4_RS_MAXNREG, **_pdl_keywords())
 
 

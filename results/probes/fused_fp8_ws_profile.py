@@ -66,10 +66,6 @@ def main(argv: list[str]) -> None:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
         setattr(mf, name, value)
-    if "FP4_RS_PROBE" in os.environ:  # timing-only knobs of the register-operand tile (wrong results)
-        knob = overrides["FP4_RS_PROBE"] = int(os.environ["FP4_RS_PROBE"])
-        keywords = mf.fp4_rs_keywords
-        mf.fp4_rs_keywords = lambda *a, **k: dict(keywords(*a, **k), PROBE=knob)
     if "FP4_RS_BLOCK_N" in os.environ:  # the register-operand tile's token chunk, whatever the expectation
         block_n = overrides["FP4_RS_BLOCK_N"] = int(os.environ["FP4_RS_BLOCK_N"])
         mf.fp4_rs_block_n = lambda expected: block_n
