@@ -19,7 +19,8 @@
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
 #                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
-#   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s)
+#   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s;
+#                  120 s with the kit in session 18)
 # At most 8 files come back from $OUT: logs go to the output, whose last 12,000 characters come back.
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
 #   clocks         clock_probe.py: SM clock, power, throttle reasons while the fused call runs eager / as a graph, with
@@ -28,8 +29,10 @@
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
 #                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
-#   gputests_rs    tests/gpu/test_fp4_rs_gpu.py (the register-operand FP4 tile; stops at the first failure)
-#   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json)
+#   gputests_rs    tests/gpu/test_fp4_rs_gpu.py (the register-operand FP4 tile; stops at the first failure; 21 tests
+#                  in 123-163 s, session 18)
+#   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json;
+#                  56 s, session 18)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
