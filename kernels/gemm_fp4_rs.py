@@ -69,6 +69,7 @@ from megamoe.kernels.gemm import swiglu
 from megamoe.kernels.gemm_fp4_ws import _decode_prmt, _fold_table, _full_mask, _wait_mask
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
+    _combine_rows,
     _fence_proxy_async_global,
     _l1_publish,
     _round_bf16,
@@ -267,14 +268,7 @@ def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.co
     r = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, SL))
     tok = gl.arange(0, BN, layout=gl.SliceLayout(0, SL))
     ok = tok < nv
-    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (a_row + tok) * 3
-    src = gl.load(meta, mask=ok, other=0)
-    token = gl.load(meta + 1, mask=ok, other=0)
-    slot = gl.load(meta + 2, mask=ok, other=0)
-    # sym_map: the same byte offset in the source rank's buffer (bases 16-byte aligned: the delta in int16s is a
-    # multiple of 8, written so the compiler sees it)
-    delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 16 * 8
-    dst_col = (slot * T + token).to(gl.int64) * H + n0 + delta
+    dst_col = _combine_rows(buf, buffer_ptrs, me, a_row + tok, ok, n0, OFF_META, T, H)
     dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_col, 0) + gl.expand_dims(r, 1)
     gl.store(dst, v, mask=gl.expand_dims(ok, 0))
 

@@ -414,16 +414,25 @@ def _l2_epilogue(acc, buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.conste
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, S))
     c = gl.arange(0, HN, layout=gl.SliceLayout(0, S))
     ok = r < valid
-    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + (row0 + r) * 3
+    dst_row = _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H)
+    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
+    gl.store(dst, v, mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _combine_rows(buf, buffer_ptrs, me, pool_rows, ok, n0, OFF_META: gl.constexpr, T: gl.constexpr,
+                  H: gl.constexpr):
+    """Where pool rows' L2 outputs go: per row (int32 ``pool_rows``, ``ok`` the real ones) the int16 offset, from
+    this rank's combine buffer, of column ``n0`` of ``combine[slot][token]`` in the row's **source** rank's buffer
+    (``token_src_metadata``: source rank, token, top-k slot). ``sym_map``: the same byte offset in the source rank's
+    buffer; bases are 16-byte aligned, so the delta in int16s is a multiple of 8, written so the compiler sees it
+    (16-byte stores). int64, the layout of ``pool_rows``."""
+    meta = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + pool_rows * 3
     src = gl.load(meta, mask=ok, other=0)
     token = gl.load(meta + 1, mask=ok, other=0)
     slot = gl.load(meta + 2, mask=ok, other=0)
-    # sym_map: the same byte offset in the source rank's buffer; bases are 16-byte aligned, so the delta in int16s
-    # is a multiple of 8, written so the compiler sees it (16-byte stores)
     delta = (gl.load(buffer_ptrs + src, mask=ok, other=0) - gl.load(buffer_ptrs + me)) // 16 * 8
-    dst_row = (slot * T + token).to(gl.int64) * H + n0 + delta
-    dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
-    gl.store(dst, v, mask=gl.expand_dims(ok, 1))
+    return (slot * T + token).to(gl.int64) * H + n0 + delta
 
 
 @gluon.jit
