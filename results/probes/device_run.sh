@@ -33,6 +33,9 @@
 #                  in 123-163 s, session 18)
 #   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json;
 #                  56 s, session 18)
+#   rs_sweep       fused_fp8_ws_profile.py: the register-operand tile's GEMM phase at T = 8, 32, 128, 256 (forced past
+#                  FP4_RS_MAX_EXPECTED; chunks 16 / 32 forced at 128, 256) and the decode-partition tile's (-> $OUT/
+#                  rs_sweep.jsonl): where the threshold belongs (not yet timed)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -82,6 +85,18 @@ step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
 step_gputests_rs() { $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py; }
 
 step_layer_rs() { $PY -m megamoe.bench --suite layer --tokens 8,32,128,256 --out "$OUT"; }
+
+step_rs_sweep() {  # the register-operand tile's phase at T = 8..256 whatever the threshold, chunks as the host picks
+    # them and forced to 16 / 32 (-> $OUT/rs_sweep.jsonl; est. 1-2 min)
+    local bn
+    FP4_RS_MAX_EXPECTED=1000 $PY results/probes/fused_fp8_ws_profile.py 8,32,128,256 fp8_fp4 >>"$OUT/rs_sweep.jsonl" \
+        || return 1
+    for bn in 16 32; do
+        FP4_RS_MAX_EXPECTED=1000 FP4_RS_BLOCK_N=$bn $PY results/probes/fused_fp8_ws_profile.py 128,256 fp8_fp4 \
+            >>"$OUT/rs_sweep.jsonl" || return 1
+    done
+    FP4_RS_MAX_EXPECTED=-1 $PY results/probes/fused_fp8_ws_profile.py 8,32,128,256 fp8_fp4 >>"$OUT/rs_sweep.jsonl"
+}
 
 step_gputests_quick() {
     $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
