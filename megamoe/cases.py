@@ -130,6 +130,27 @@ def fp4_gluon_phase_cases(**common) -> list[MoECase]:
     ]
 
 
+def assert_cuda_graph_replays(sb: SymmBuffer, problem: Problem, numerics: str = "hopper", replays: int = 3) -> None:
+    """Rank 0's FP8 x FP4 fused call on ``sb`` (one local rank, a GPU): warmed up (compiles, fills the host caches),
+    captured in a CUDA graph, replayed ``replays`` times on a NaN-poisoned output, each replay within the FP8-MMA
+    tolerance of ``problem.reference(numerics=...)``; then the workspace's barrier state checked clean."""
+    from megamoe.kernels.symm import check_barrier_state
+    from megamoe.testing import assert_moe_close
+
+    y, l1, l2, _ = prepare_rank(sb, problem, 0)
+    ref = problem.reference(numerics=numerics)[0]
+    fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
+    for _ in range(replays):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(y, ref, accumulation="fp8_mma")
+    check_barrier_state(sb)
+
+
 def expected_recv_counts(problem: Problem, rank: int) -> torch.Tensor:
     """int32 [El]: (token, slot) pairs every rank routes to each of ``rank``'s local experts."""
     El = problem.num_local_experts

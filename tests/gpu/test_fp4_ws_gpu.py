@@ -7,7 +7,7 @@ warpgroups, one decode partition) and 64 (one math warpgroup, two decode partiti
 import pytest
 import torch
 
-from megamoe.cases import MoECase, assert_reports, fp4_gluon_phase_cases, prepare_rank, run_case_local
+from megamoe.cases import MoECase, assert_cuda_graph_replays, assert_reports, fp4_gluon_phase_cases, run_case_local
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
@@ -130,10 +130,7 @@ def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     capture) and replayed three times, at one EP8 rank's share of V4-Pro (48 experts, T = 2048: pool block 128;
     T = 256: block 64)."""
     import megamoe.fused as mf
-    from megamoe.kernels.symm import check_barrier_state
-    from megamoe.ops import fp8_fp4_mega_moe
     from megamoe.symm import SymmBuffer
-    from megamoe.testing import assert_moe_close
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)  # the decode-partition tile (test_fp4_rs_gpu captures the other)
@@ -142,19 +139,7 @@ def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     sb = SymmBuffer.local(1, 48, num_tokens, 6, 7168, 3072, block_m=128, device="cuda")[0]
     cfg = mf.fused_config(sb.layout, num_tokens, 1, sb.buffer.device, "hopper")
     assert (cfg.kind, cfg.block_m) == ("fp4_ws", block_m)
-    problem = case.problem(device="cuda")
-    y, l1, l2, _ = prepare_rank(sb, problem, 0)
-    ref = problem.reference(numerics="hopper")[0]
-    fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # warm-up: compiles, caches
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_moe_close(y, ref, accumulation="fp8_mma")
-    check_barrier_state(sb)
+    assert_cuda_graph_replays(sb, case.problem(device="cuda"))
     sb.destroy()
 
 
