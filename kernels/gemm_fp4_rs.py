@@ -43,16 +43,16 @@ BN 8 / 16 / 32, against 4 KB of weights). The weight rows' largest exponents (th
 ``rmax1`` / ``rmax2`` (uint8 per weight row, ``megamoe.fused._fp4_row_maxima``: made again when the scales change).
 
 Measured on an H200 (one EP8 rank of V4-Pro, session 18; ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9 and
-4122266): the GEMM phase alone 424 / 682 / 861 us at T = 8 / 32 / 128 (chunks 8 / 16 / 32; the decode-partition
-tile 534 / ~825 / 827), so the host takes it up to 4 expected tokens per expert (``FP4_RS_MAX_EXPECTED``); whole
-call 469 / 727 us at T = 8 / 32, 0.86x DeepGEMM's time at T = 8 in the same run (``results/layer_h200.json``). The
-GEMMs stream ~2.3 TB/s of FP4 at T = 8 against the probe's 2.7-2.9 for the bare loop at 8 tokens. Timing knobs
-(``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 / 32) put 63 / 62 us of the phase's 443 / 686 in the L2 token
-fold as first built (in every L2 stage: per chain and per n-tile, 112 times per token and K block), ~100 / 75 in
-the FP4 decode, none in the epilogues' global stores. On this branch the fold is once per pool block (``_l1_done``;
-NOT yet run on a GPU). Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104 math / 40 loader), 37.6 / 48.9 /
-54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K loop 195-207 SASS instructions a thread
-(249-305 with the per-stage fold), no spill in it.
+4122266): the GEMM phase alone (``results/probes/fp4_rs_profile_h200.jsonl``) 424 / 682 / 861 us at T = 8 / 32 / 128
+(chunks 8 / 16 / 32; the decode-partition tile 534 / ~825 / 827), so the host takes it up to 4 expected tokens per
+expert (``FP4_RS_MAX_EXPECTED``); whole call 469 / 727 us at T = 8 / 32, 0.86x DeepGEMM's time at T = 8 in the same
+run (``results/layer_h200.json``). The GEMMs stream ~2.3 TB/s of FP4 at T = 8 against the probe's 2.7-2.9 for the
+bare loop at 8 tokens. Timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 / 32) put 63 / 62 us of the
+phase's 443 / 686 in the L2 token fold as first built (in every L2 stage: per chain and per n-tile, 112 times per
+token and K block), ~100 / 75 in the FP4 decode, none in the epilogues' global stores. On this branch the fold is
+once per pool block (``_l1_done``; NOT yet run on a GPU). Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104
+math / 40 loader), 37.6 / 48.9 / 54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K loop 195-207
+SASS instructions a thread (249-305 with the per-stage fold), no spill in it.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -279,7 +279,7 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: "fp4_ws" at pool block 64: up to this many expected tokens per local expert the GEMM phase is the
 #: register-operand tile (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
 #: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one EP8
-#: rank of V4-Pro, ``results/probes/fused_fp8_ws_profile.py``, GEMM phase alone, session 18 at 50894f9): T = 8 / 32
+#: rank of V4-Pro, GEMM phase alone, ``results/probes/fp4_rs_profile_h200.jsonl``, session 18 at 50894f9): T = 8 / 32
 #: / 128 (1 / 4 / 16 expected) register-operand 424 / 682 / 861 us (chunk 8 / 16 / 32; at T = 128 chunk 16 1007,
 #: 8 1535) against the decode-partition tile's 534 / ~825 / 827 (T = 32 from the whole call of
 #: ``results/probes/layer_variants/layer_h200_83d4293_second_run.json``): faster up to 4 expected, slower at 16.
@@ -797,7 +797,7 @@ def _fp4_row_maxima(c):
     H200), kept on the buffer and made again only when the scales are other tensors or were changed in place since
     (torch's version counter of each scale tensor is part of the key; a tensor without one -- made under
     ``torch.inference_mode`` -- is read on every call). (Two torch ``amax`` reductions over the byte view took
-    181 + 146 us a call: ``fused_fp8_ws_profile``, session 18.)"""
+    181 + 146 us a call: ``results/probes/fp4_rs_profile_h200.jsonl``.)"""
     from megamoe.fold_decode import row_maxima
 
     def version(t):
