@@ -17,7 +17,8 @@ Numerics: those of ``gemm_fp4_ws`` (``megamoe.reference`` with ``numerics="hoppe
 128-wide K block one wgmma chain into a fresh register tile added into the float32 accumulator, the weight rows'
 and tokens' powers of two applied in the epilogue. The weight fold is the same table lookup (``_fold_table``,
 ``_decode_prmt``). The L2 A operand (tokens of the L2 pool) is folded per token relative to the largest of its I / 128
-per-128 exponents, here by the math warps in the stage itself before its MMAs.
+per-128 exponents, here **once per pool block**, in place in the L2 pool, by the L1 tile that completes the block
+(``_l1_done``, ``_fold_block``).
 
 Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
 expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
@@ -28,9 +29,10 @@ one warpgroup) over all of K, one after another (one [64, BN] accumulator live: 
 SM). L1: 256 weight rows = the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows
 hold whole gate / up pairs: SwiGLU per chain, in registers), each chain's activations (float32, times the top-k
 weight) stashed in shared memory ``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the
-stash, the bytes and scale words into the L2 pool, and the tile's two arrival bits (as ``gemm_fp4_ws`` at BM 64).
-L2: each chain's 64 hidden columns are final: bf16 into the source ranks' combine buffers. An L2 tile's loader and
-math first wait for the block's full arrival mask (its per-token fold maximum needs every L1 tile of the block).
+stash, the bytes and scale words into the L2 pool, and the tile's even arrival bit ``2 nt``; the tile that sets the
+block's last even bit folds the block's L2 rows and then sets all odd bits. L2: each chain's 64 hidden columns are
+final: bf16 into the source ranks' combine buffers. An L2 tile's loader and math first wait for the block's full
+arrival mask (every L1 tile of the block, and the fold).
 
 Roles (``gl.warp_specialize``): the math warpgroup (the default partition, 4 warps) and a loader warp, which per
 (chunk, chain, K block) TMA's the stage: packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K ``[0, 64)`` and
@@ -46,11 +48,11 @@ Measured on an H200 (one EP8 rank of V4-Pro, session 18; ``tests/gpu/test_fp4_rs
 expert (``FP4_RS_MAX_EXPECTED``); whole call 469 / 727 us at T = 8 / 32, 0.86x DeepGEMM's time at T = 8 in the same
 run (``results/layer_h200.json``). The GEMMs stream ~2.3 TB/s of FP4 at T = 8 against the probe's 2.7-2.9 for the
 bare loop at 8 tokens. Timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 / 32) put 63 / 62 us of the
-phase's 443 / 686 in the L2 token fold (done in every L2 stage: per chain and per n-tile, 112 times per token and K
-block), ~100 / 75 in the FP4 decode, none in the epilogues' global stores. Folding once per pool block instead is on
-branch ``wip/fp4-rs-block-fold`` (offline-compiled, not yet run on a GPU). Offline sm_90a (Triton 3.6): 64 registers
-(setmaxnreg 104 math / 40 loader), 37.6 / 48.9 / 54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K
-loop ~250-305 SASS instructions a thread, no spill in it.
+phase's 443 / 686 in the L2 token fold as first built (in every L2 stage: per chain and per n-tile, 112 times per
+token and K block), ~100 / 75 in the FP4 decode, none in the epilogues' global stores. On this branch the fold is
+once per pool block (``_l1_done``; NOT yet run on a GPU). Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104
+math / 40 loader), 37.6 / 48.9 / 54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K loop 195-207
+SASS instructions a thread (249-305 with the per-stage fold), no spill in it.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -71,7 +73,6 @@ from megamoe.kernels.gemm_fp8_ws import (
     BK,
     _combine_rows,
     _fence_proxy_async_global,
-    _l1_publish,
     _round_bf16,
     _tile,
     _to_bf16_bits,
@@ -200,18 +201,61 @@ def _take_tile(tile_s, tile_full, tile_empty, j, TL: gl.constexpr):
     return t
 
 
+#: ``[16, 128]`` e4m3 of the L2 pool as ``_fold_block`` reads it: 16 consecutive bytes a thread, one row a warp's
+#: quarter.
+FOLD_ROWS = gl.constexpr(16)
+FB_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+
+
 @gluon.jit
-def _fold_tokens(ab, s, s_mx, s_kb, FL: gl.constexpr):
-    """L2: the stage's four token boxes ``[BN, 32]`` e4m3 folded in place per token, ``e4m3(a * 2^(s_kb - s_mx))``
-    through fp16 (exact for every value that survives into e4m3, as ``gemm_fp4_ws._fold_a_rows``); ``s_mx`` /
-    ``s_kb`` int32 ``[BN]`` in ``SliceLayout(1, FL)``. Then ``fence.proxy.async`` and a warpgroup barrier: the
-    wgmma (async proxy) of every warp reads what all four stored."""
-    scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
-    for j in gl.static_range(4):
-        v = ab.index(4 * s + j)
-        v.store((v.load(FL).to(gl.float16) * scale).to(gl.float8e4nv))
-    fence_async_shared()
-    gl.thread_barrier()
+def _fold_block(buf, row0, valid, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
+                SP: gl.constexpr):
+    """The L2 A operand of one pool block folded **once**, in place in the L2 pool: rows ``[row0, row0 + valid)``,
+    every 128-column block ``kb``, ``e4m3(a * 2^(s_kb - s_max))`` through fp16 (exact for every value that survives
+    into e4m3, as ``gemm_fp4_ws._fold_a_rows``), ``s_max`` the row's largest per-128 exponent (the words at
+    ``L2_SF[kb SP + row]`` stay as the L1 epilogues wrote them: the L2 chains read ``s_max`` from them)."""
+    KB: gl.constexpr = I // 128
+    l2 = (buf + OFF_L2).to(gl.pointer_type(gl.uint8))
+    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
+    r = gl.arange(0, FOLD_ROWS, layout=gl.SliceLayout(1, FB_LAYOUT))
+    col = gl.arange(0, 128, layout=gl.SliceLayout(0, FB_LAYOUT))
+    for r0 in range(0, valid, FOLD_ROWS):
+        ok = r0 + r < valid
+        row = row0 + r0 + r
+        s_mx = gl.zeros([FOLD_ROWS], gl.int32, gl.SliceLayout(1, FB_LAYOUT))
+        for kb in range(KB):
+            s_mx = gl.maximum(s_mx, gl.load(l2_sf + kb * SP + row, mask=ok, other=0) & 0xFF)
+        for kb in range(KB):
+            s_kb = gl.where(ok, gl.load(l2_sf + kb * SP + row, mask=ok, other=0) & 0xFF, s_mx)
+            scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
+            ptr = l2 + gl.expand_dims(row.to(gl.int64) * I + kb * 128, 1) + gl.expand_dims(col, 0)
+            a = gl.load(ptr, mask=gl.expand_dims(ok, 1), other=0).to(gl.float8e4nv, bitcast=True)
+            gl.store(ptr, (a.to(gl.float16) * scale).to(gl.float8e4nv).to(gl.uint8, bitcast=True),
+                     mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _l1_done(l2_mask, b, nt, valid, buf, BM: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
+             I: gl.constexpr, SP: gl.constexpr):
+    """An L1 tile's L2 pool bytes and scales are stored: ``fence.proxy.async`` (TMA reads them later), a warpgroup
+    barrier, then its **even** bit ``2 nt`` OR-ed into the block's arrival mask (acquire-release). The tile that
+    completes the even bits is the block's last: it folds the block's L2 rows once (``_fold_block``; the other
+    tiles' stores were released by their OR and acquired by this one) and then sets every **odd** bit (release).
+    An L2 tile waits for the full mask, i.e. for the fold. (Before: every L2 stage folded its own token boxes, per
+    chain and per n-tile -- 112 times per token and K block; ``results/probes/fp4_rs_knobs_h200.jsonl``: 63 us of
+    the phase's 443 at T = 8.)"""
+    full = _full_mask(I // 128)
+    even = full & 0x5555555555555555
+    mine = gl.to_tensor(1).to(gl.int64) << (2 * nt)
+    _fence_proxy_async_global()
+    gl.thread_barrier()  # every warp has stored and fenced before the one OR
+    old = gl.atomic_or(l2_mask + b, mine, sem="acq_rel", scope="gpu")
+    if ((old | mine) & even) == even:
+        gl.thread_barrier()  # (the acquiring thread's view, to the whole warpgroup)
+        _fold_block(buf, b * BM, valid, OFF_L2, OFF_L2_SF, I, SP)
+        _fence_proxy_async_global()
+        gl.thread_barrier()
+        gl.atomic_or(l2_mask + b, full ^ even, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -286,9 +330,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
     accumulator; per chain the epilogue, per L1 chunk the requant, per L1 tile its arrival bits."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    # register layouts of the [BN, 32] token boxes (the L2 fold: each element in one thread) and of the
-    # [KW2_PAD, BN] scale words of a chunk's tokens
-    FL: gl.constexpr = gl.BlockedLayout([1, BN // 4], [BN // 4, 128 // BN], [4, 1], [1, 0])
+    # the register layout of the [KW2_PAD, BN] scale words of a chunk's tokens
     KL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BN if BN < 32 else 1, BN if BN < 32 else 32], [4, 1], [1, 0])
     if BN == 8:  # the stores' layouts: a token's consecutive columns in one thread (dim 0 fastest)
         QL: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
@@ -299,7 +341,6 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
     rows_a = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, dot_a))
     rows_m = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, mma))
     tok_m = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-    tok_f = gl.arange(0, BN, layout=gl.SliceLayout(1, FL))
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     l1_w = (buf + OFF_L1_W).to(gl.pointer_type(gl.float32))
@@ -323,15 +364,13 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
         for c in range((valid + BN - 1) // BN):
             a_row = b * BM + c * BN
             nv = valid - c * BN  # real tokens of the chunk (the first nv of its BN; may exceed BN)
-            s_mx = gl.zeros([BN], gl.int32, gl.SliceLayout(1, FL))  # (defined on both branches: L1 does not fold)
-            topk_w = gl.zeros([BN], gl.float32, gl.SliceLayout(0, mma))
-            if is_l2:  # per token the largest of its I / 128 exponents: the fold's reference and its scale
+            topk_w = gl.zeros([BN], gl.float32, gl.SliceLayout(0, mma))  # (defined on both branches)
+            if is_l2:  # per token the largest of its I / 128 exponents: the fold's reference, the token's scale
                 kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
                 tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
                 words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
                                 mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=0)
                 smax = gl.max(words & 0xFF, axis=0)
-                s_mx = gl.convert_layout(smax, gl.SliceLayout(1, FL))
                 ts = _pow2_f32(gl.convert_layout(smax, gl.SliceLayout(0, mma)) - 127)
             else:  # the front launch's folded scale word of each pool row
                 word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
@@ -343,13 +382,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 acc = gl.zeros([RS_ROWS, BN], gl.float32, mma)
                 for kb in range(KB):
                     s = it % STAGES
-                    s_kb = s_mx
-                    if is_l2:  # this K block's exponent of each token (tokens past nv fold by 1)
-                        s_kb = gl.load(l2_sf + kb * SP + a_row + tok_f, mask=tok_f < nv, other=0) & 0xFF
-                        s_kb = gl.where(tok_f < nv, s_kb, s_mx)
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    if is_l2:
-                        _fold_tokens(ab, s, s_mx, s_kb, FL)
                     word = sw.index(s).load(gl.SliceLayout(1, dot_a))
                     g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
                     part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
@@ -369,7 +402,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
                 gl.thread_barrier()  # read before the next chunk writes it
         if not is_l2:
-            _l1_publish(l2_mask, b, nt, 0, 3)  # fence.proxy.async, warpgroup barrier, both bits of the tile
+            _l1_done(l2_mask, b, nt, valid, buf, BM, OFF_L2, OFF_L2_SF, I, SP)  # its bit; the last one folds
         j += 1
         t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
 
