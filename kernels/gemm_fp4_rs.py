@@ -42,15 +42,18 @@ rows' 64 UE8M0 scale words of the K block. The tokens are re-loaded per chain (f
 BN 8 / 16 / 32, against 4 KB of weights). The weight rows' largest exponents (the fold's reference) come from
 ``rmax1`` / ``rmax2`` (uint8 per weight row, ``megamoe.fused._fp4_row_maxima``: made again when the scales change).
 
-Measured on an H200 (one EP8 rank of V4-Pro, session 18; ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9 and
-4122266): the GEMM phase alone (``results/probes/fp4_rs_profile_h200.jsonl``) 424 / 682 / 861 us at T = 8 / 32 / 128
-(chunks 8 / 16 / 32; the decode-partition tile 534 / ~825 / 827), so the host takes it up to 4 expected tokens per
-expert (``FP4_RS_MAX_EXPECTED``); whole call 469 / 727 us at T = 8 / 32, 0.86x DeepGEMM's time at T = 8 in the same
-run (``results/layer_h200.json``). The GEMMs stream ~2.3 TB/s of FP4 at T = 8 against the probe's 2.7-2.9 for the
-bare loop at 8 tokens. Timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 / 32) put 63 / 62 us of the
-phase's 443 / 686 in the L2 token fold as first built (in every L2 stage: per chain and per n-tile, 112 times per
-token and K block), ~100 / 75 in the FP4 decode, none in the epilogues' global stores. On this branch the fold is
-once per pool block (``_l1_done``; NOT yet run on a GPU). Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104
+Measured on an H200 (one EP8 rank of V4-Pro; ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9, 4122266 and,
+with the fold once per block, 43f8755). Session 18, the L2 A operand folded in every L2 stage (per chain and per
+n-tile: 112 times per token and K block): GEMM phase 424 / 682 / 861 us at T = 8 / 32 / 128
+(``results/probes/fp4_rs_profile_h200.jsonl``); timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 /
+32) put 63 / 62 us of the phase's 443 / 686 in that fold, ~100 / 75 in the FP4 decode, none in the epilogues' global
+stores. Session 19, the fold once per pool block (``_l1_done``): 401 / 658 / 805 / 1185 us at T = 8 / 32 / 128 / 256
+(chunks 8 / 16 / 32 / 32) against the decode-partition tile's 535 / 824 / 827 / 836
+(``results/probes/rs_sweep_h200.jsonl``), so the host takes it up to 16 expected tokens per expert
+(``FP4_RS_MAX_EXPECTED``; whole calls in ``results/layer_h200.json``). At 32 expected a chunk of 32 tokens is
+decode-bound: the one warpgroup decodes, issues, waits, so the decode is not hidden behind the MMA of its own CTA,
+and the tokens are re-loaded per chain.
+Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104
 math / 40 loader), 37.6 / 48.9 / 54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K loop 195-207
 SASS instructions a thread (249-305 with the per-stage fold), no spill in it.
 """

@@ -279,12 +279,13 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: "fp4_ws" at pool block 64: up to this many expected tokens per local expert the GEMM phase is the
 #: register-operand tile (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
 #: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one EP8
-#: rank of V4-Pro, GEMM phase alone, ``results/probes/fp4_rs_profile_h200.jsonl``, session 18 at 50894f9): T = 8 / 32
-#: / 128 (1 / 4 / 16 expected) register-operand 424 / 682 / 861 us (chunk 8 / 16 / 32; at T = 128 chunk 16 1007,
-#: 8 1535) against the decode-partition tile's 534 / ~825 / 827 (T = 32 from the whole call of
-#: ``results/probes/layer_variants/layer_h200_83d4293_second_run.json``): faster up to 4 expected, slower at 16.
+#: rank of V4-Pro, GEMM phase alone, ``results/probes/rs_sweep_h200.jsonl``, session 19 at 43f8755: the L2 A fold
+#: once per pool block): T = 8 / 32 / 128 / 256 (1 / 4 / 16 / 32 expected) register-operand 401 / 658 / 805 / 1185 us
+#: (chunk 8 / 16 / 32 / 32; chunk 16 at T = 128 / 256: 1000 / 1649) against the decode-partition tile's 535 / 824 /
+#: 827 / 836: faster up to 16 expected, slower at 32. (Session 18, with the fold in every L2 stage: 424 / 682 / 861
+#: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.)
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 4
+FP4_RS_MAX_EXPECTED = 16
 #: CTAs of the register-operand tile per SM (each a math warpgroup and a loader warp, ``maxnreg`` FP4_RS_MAXNREG:
 #: 8 warps x 32 x 64 = 16 K registers, so four fit; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3) and
 #: the loader warp's ``setmaxnreg``.

@@ -380,8 +380,8 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
                  mf.fused_config(L, t, 1, cuda, "hopper").rs_block_n)
              for t in (8, 16, 24, 128, 256, 264, 512, 2048, 8192)}
     # (the register-operand tile at block 64, up to FP4_RS_MAX_EXPECTED, its token chunk by fp4_rs_block_n)
-    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 4
-    assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 64, 0),
+    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 16
+    assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 64, 32),
                      256: ("fp4_ws", 64, 0), 264: ("fp4_ws", 128, 0), 512: ("fp4_ws", 128, 0),
                      2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)
