@@ -438,7 +438,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
         num_tiles = 0
     BN: gl.constexpr = a1_desc.block_type.shape[0]
-    gl.static_assert((BN == 8) | (BN == 16) | (BN == 32), "token chunks of 8, 16 or 32")
+    gl.static_assert((BN == 8) | (BN == 16) | (BN == 32) | (BN == 64), "token chunks of 8, 16, 32 or 64")
     gl.static_assert(BM % BN == 0, "a pool block holds whole chunks")
     wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, RS_ROWS, 32], w1_desc.layout)
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)

@@ -286,29 +286,43 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.)
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 16
-#: CTAs of the register-operand tile per SM (each a math warpgroup and a loader warp, ``maxnreg`` FP4_RS_MAXNREG:
-#: 8 warps x 32 x 64 = 16 K registers, so four fit; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3) and
-#: the loader warp's ``setmaxnreg``.
-FP4_RS_CTAS_PER_SM = 4
-FP4_RS_MAXNREG = 64
+#: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
+#: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 32
+#: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 64, whose ``[128, 64]``
+#: float32 stash alone is 32 KB (four CTAs would leave no room for a second ring stage) and whose two ``[64, 64]``
+#: float32 register tiles need ``maxnreg`` 128.
+FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 4, 64: 2}
+#: The loader warp's ``setmaxnreg`` (the math warpgroup gets the rest).
 FP4_RS_LOAD_REGS = 40
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 
 
+def _fp4_rs_max_expected() -> float:
+    """FP4_RS_MAX_EXPECTED, or -1 when FP4_RS_ENABLED is off."""
+    return FP4_RS_MAX_EXPECTED if FP4_RS_ENABLED else -1.0
+
+
+def fp4_rs_maxnreg(block_n: int) -> int:
+    """``maxnreg`` of the register-operand tile at token chunk ``block_n``: an SM's 64 K registers over its
+    ``FP4_RS_CTAS_PER_SM[block_n]`` CTAs of 8 warps (64 at four CTAs, 128 at two)."""
+    return 65536 // (FP4_RS_CTAS_PER_SM[block_n] * 8 * 32)
+
+
 def fp4_rs_block_n(expected: float) -> int:
-    """Tokens per chunk of the register-operand tile at ``expected`` tokens per local expert: the MMA's N (8, 16
-    or 32). Each chunk streams (and decodes) the tile's weights once, so a chunk should hold most experts' tokens;
-    a wider N costs registers and shared memory, not time, while the decode bounds the tile."""
-    return 8 if expected <= 2 else 16 if expected <= 8 else 32
+    """Tokens per chunk of the register-operand tile at ``expected`` tokens per local expert: the MMA's N (8, 16,
+    32 or 64). Each chunk streams (and decodes) the tile's weights once, so a chunk should hold most experts' tokens;
+    a wider N costs registers and shared memory (chunk 64: half the CTAs an SM), while the decode bounds the tile."""
+    return 8 if expected <= 2 else 16 if expected <= 8 else 32 if expected <= 16 else 64
 
 
-def fp4_rs_stages(block_n: int, ctas_per_sm: int = FP4_RS_CTAS_PER_SM) -> int:
-    """Ring stages of the register-operand tile at token chunk ``block_n``: as many as fit ``ctas_per_sm`` CTAs in
-    an SM's shared memory (a stage: 64 x 64 packed weight bytes, ``block_n`` x 128 token bytes, 64 scale words;
-    plus the ``[128, block_n]`` float32 stash of the L1 requant, barriers and the epilogue's layout scratch),
-    at most FP4_RS_MAX_STAGES."""
-    per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas_per_sm - 1024  # (the driver's 1 KiB a CTA)
+def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
+    """Ring stages of the register-operand tile at token chunk ``block_n``: as many as fit ``ctas_per_sm`` CTAs
+    (default ``FP4_RS_CTAS_PER_SM[block_n]``) in an SM's shared memory (a stage: 64 x 64 packed weight bytes,
+    ``block_n`` x 128 token bytes, 64 scale words; plus the ``[128, block_n]`` float32 stash of the L1 requant,
+    barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
+    ctas = FP4_RS_CTAS_PER_SM[block_n] if ctas_per_sm is None else ctas_per_sm
+    per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas - 1024  # (the driver's 1 KiB a CTA)
     stage = 64 * 64 + block_n * 128 + 64 * 4
     fixed = 128 * block_n * 4 + 64 * block_n * 2 + 512
     return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
@@ -363,13 +377,14 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
         block_m = 64 if expected <= FP8_WS_BLOCK64_MAX_EXPECTED else 128
-    elif kind == "fp4_ws":  # its 64-row tile (one math warpgroup, two decode partitions) at few tokens per expert
-        block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
+    elif kind == "fp4_ws":  # its 64-row tiles (the register-operand tile; the decode-partition tile's one math
+        # warpgroup and two decode partitions) at few tokens per expert
+        block_m = 64 if expected <= max(FP4_BLOCK64_MAX_EXPECTED, _fp4_rs_max_expected()) else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
-    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and FP4_RS_ENABLED
-          and expected <= FP4_RS_MAX_EXPECTED and not predecode else 0)
+    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and not predecode
+          and expected <= _fp4_rs_max_expected() else 0)
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -419,10 +434,11 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
-    if cfg.rs_block_n and (kind != "fp4_ws" or cfg.block_m != 64 or cfg.rs_block_n not in (8, 16, 32)
+    if cfg.rs_block_n and (kind != "fp4_ws" or cfg.block_m != 64 or cfg.rs_block_n not in FP4_RS_CTAS_PER_SM
                            or cfg.predecode):
         raise ValueError(f"FusedConfig rs_block_n={cfg.rs_block_n} (the register-operand FP4 tile) needs "
-                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of 8, 16 or 32; got "
+                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of {', '.join(map(str, FP4_RS_CTAS_PER_SM))};"
+                         f" got "
                          f"kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
     if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
@@ -776,7 +792,7 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
 
 def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
     """One register-operand FP8 x FP4 GEMM phase per local rank (``megamoe.kernels.gemm_fp4_rs``,
-    FP4_RS_CTAS_PER_SM persistent CTAs an SM), after this call's weight-row maxima (``_fp4_row_maxima``)."""
+    ``FP4_RS_CTAS_PER_SM[block_n]`` persistent CTAs an SM), after this call's weight-row maxima (``_fp4_row_maxima``)."""
     from megamoe.kernels import gemm_fp4_rs as krs
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -785,7 +801,7 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
         rmax1, rmax2 = _fp4_row_maxima(c)
         sched = _buffer_cache(c.sb, "_fp4_rs_sched", 0, lambda: torch.zeros(4, dtype=torch.int32, device=dev))
         sched.zero_()  # the phase's tile counter (a memset: an interrupted call leaves nothing for the next)
-        krs.fp4_rs_gemm_phase_kernel[(FP4_RS_CTAS_PER_SM * sms,)](
+        krs.fp4_rs_gemm_phase_kernel[(FP4_RS_CTAS_PER_SM[block_n] * sms,)](
             *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr], sched,
             c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
             **_fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
@@ -849,13 +865,13 @@ def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool) -> dict:
 def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_rs.fp4_rs_gemm_phase_kernel`` for layout
     ``L``, pool block ``bm`` and token chunk ``block_n``: buffer offsets, shapes, ``fp4_rs_stages``, the loader's
-    registers, ``num_warps`` 4 and ``maxnreg`` FP4_RS_MAXNREG."""
+    registers, ``num_warps`` 4 and ``maxnreg`` ``fp4_rs_maxnreg(block_n)``."""
     offs = _offsets(L)
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS, KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128), num_warps=4,
-        maxnreg=FP4_RS_MAXNREG, **_pdl_keywords())
+        maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

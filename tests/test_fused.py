@@ -439,7 +439,7 @@ def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
     kw = mf._fp4_rs_constexprs(c.sb, 64, block_n, False)
     assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in krs.fp4_rs_gemm_phase_kernel.params
                                                               if p.is_constexpr}
-    assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.FP4_RS_MAXNREG and kw["BM"] == 64
+    assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.fp4_rs_maxnreg(block_n) and kw["BM"] == 64
 
 
 def test_fp4_rs_config_errors():

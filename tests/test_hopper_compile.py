@@ -56,18 +56,19 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_n", [8, 16, 32])
-def test_fp4_rs_phase_compiles_for_four_ctas_an_sm(block_n):
+@pytest.mark.parametrize("block_n", [8, 16, 32, 64])
+def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's
-    keywords: within ``maxnreg`` FP4_RS_MAXNREG and a quarter of an SM's shared memory (FP4_RS_CTAS_PER_SM CTAs an
-    SM is what the launch's grid assumes for its speed; a CTA that is not resident takes no tile, so it cannot
+    keywords: within ``maxnreg`` ``fp4_rs_maxnreg(block_n)`` and a share of an SM's shared memory
+    (``FP4_RS_CTAS_PER_SM[block_n]`` CTAs an SM, 4 up to chunk 32, 2 at 64, is what the launch's grid assumes for its
+    speed; a CTA that is not resident takes no tile, so it cannot
     dead-lock the L2 tiles' waits), wgmma in its K loops, no spill inside them (88 B spilled once a chunk at
     block_n 32, Triton 3.6)."""
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
     r = compile_gluon_phase("fp4_rs", layout, 64, block_n=block_n, has_clamp=True)
-    assert r.registers <= mf.FP4_RS_MAXNREG
+    assert r.registers <= mf.fp4_rs_maxnreg(block_n)
     per_sm = mf._SM90_LIMITS["shared_memory_per_multiprocessor"]
-    assert mf.FP4_RS_CTAS_PER_SM * (r.shared + 1024) <= per_sm, r.shared
+    assert mf.FP4_RS_CTAS_PER_SM[block_n] * (r.shared + 1024) <= per_sm, r.shared
     assert r.spill_stores <= 96, r.spill_stores
     mma_loops = [lp for lp in _innermost(r.loops) if lp[3].get("QGMMA")]
     assert mma_loops and all(lp[3].get("PRMT", 0) >= 32 for lp in mma_loops)  # the decode is in the MMA's loop

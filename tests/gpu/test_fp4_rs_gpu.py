@@ -1,5 +1,5 @@
 """The register-operand FP8 x FP4 GEMM phase (``megamoe.kernels.gemm_fp4_rs``: the FP4 decode in the math warps,
-``FusedConfig(kind="fp4_ws", block_m=64, rs_block_n=8 / 16 / 32)``) on a GPU, against
+``FusedConfig(kind="fp4_ws", block_m=64, rs_block_n=8 / 16 / 32 / 64)``) on a GPU, against
 ``problem.reference(numerics="hopper")`` within the FP8-MMA tolerance profile: the small cases of both Gluon phases
 (1, 2 and 4 local ranks, masks, an empty rank, clamp, I / 128 odd, skew, repeated calls) and spread scales at every
 token chunk, one EP8 rank's share of V4-Pro where the host picks the tile itself, 4 local ranks at the real size,
@@ -31,7 +31,7 @@ def _force_rs(monkeypatch, block_n=None):
         monkeypatch.setattr(mf, "fp4_rs_block_n", lambda expected: block_n)
 
 
-@pytest.mark.parametrize("block_n", [8, 16, 32])
+@pytest.mark.parametrize("block_n", [8, 16, 32, 64])
 @pytest.mark.parametrize("case", CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
                                              "r2-spread-scales"])
 def test_fp4_rs_small_cases(case, block_n, monkeypatch):
@@ -45,16 +45,17 @@ def test_fp4_rs_small_cases(case, block_n, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN {block_n}")
 
 
-@pytest.mark.parametrize("num_tokens", [8, 32, 128, 256])
+@pytest.mark.parametrize("num_tokens", [8, 32, 128, 256, 512])
 def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
-    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 expected tokens per
-    expert with the token chunk the host picks (8 / 16 / 32 / 32); the host itself takes the register-operand tile
-    up to FP4_RS_MAX_EXPECTED (T = 8, 32), above it the tile is forced; masked rows, two calls."""
+    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 / 64 expected tokens
+    per expert with the token chunk the host picks (8 / 16 / 32 / 64 / 64); the host itself takes the
+    register-operand tile up to FP4_RS_MAX_EXPECTED, above it the tile is forced; masked rows, two calls."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     if num_tokens * 6 / 48 > mf.FP4_RS_MAX_EXPECTED:
         monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
+        monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(case.layout(), num_tokens, 1, torch.device("cuda"), "hopper")
