@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from megamoe import direct_launch
 from megamoe.env import interpreting
 from megamoe.kernels import fused as kf
 from megamoe.kernels.formats import WS_TILE_M, WS_TILE_N
@@ -328,12 +329,37 @@ def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
     return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
 
 
+_DEVICE_FACTS: dict = {}
+
+
+def _device_facts(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(SMs, compute capability) of CUDA ``device``, read once per device: a call asked torch for them up to seven
+    times, ~90 us of host time under cProfile (``results/probes/fp8_ws_probe_h200.jsonl``, ``"probe": "host"``
+    rows: ``get_device_properties`` 5 calls 59 us, ``get_device_capability`` 2 calls 32 us). (The key holds torch's
+    two functions too, so a test that fakes a device by patching them gets its fake's answers.)"""
+    index = device.index
+    if index is None and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    key = (index, torch.cuda.get_device_properties, torch.cuda.get_device_capability)
+    facts = _DEVICE_FACTS.get(key)
+    if facts is None:
+        where = device if index is None else index
+        facts = _DEVICE_FACTS[key] = (torch.cuda.get_device_properties(where).multi_processor_count,
+                                      tuple(torch.cuda.get_device_capability(where)))
+    return facts
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of CUDA ``device`` (``_device_facts``)."""
+    return _device_facts(device)[0]
+
+
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
     (None = it can)."""
     if interpreting() or device is None or device.type != "cuda":
         return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if _device_facts(device)[1] != (9, 0):
         return "the Gluon GEMM phase uses sm_90 wgmma"
     if layout.block_m < WS_TILE_M.value:
         return f"pool block_m={layout.block_m} < {WS_TILE_M.value} (the Gluon tile's pool rows)"
@@ -388,7 +414,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _sm_count(device)
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
@@ -411,7 +437,7 @@ def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
         return None
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _device_facts(device)[1]
     if (major, minor) < (9, 0):
         return f"compute capability {major}.{minor} < 9.0 (the fused kernel targets Hopper)"
     return None
@@ -436,9 +462,9 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
                          f"tiles), got block_m={cfg.block_m}")
     if cfg.rs_block_n and (kind != "fp4_ws" or cfg.block_m != 64 or cfg.rs_block_n not in FP4_RS_CTAS_PER_SM
                            or cfg.predecode):
+        chunks = ", ".join(map(str, FP4_RS_CTAS_PER_SM))
         raise ValueError(f"FusedConfig rs_block_n={cfg.rs_block_n} (the register-operand FP4 tile) needs "
-                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of {', '.join(map(str, FP4_RS_CTAS_PER_SM))};"
-                         f" got "
+                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of {chunks}; got "
                          f"kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
     if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
@@ -526,7 +552,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
         warps, stages = WARPS_STAGES["hopper"]
         per_sm, maxnreg = PROGRAMS_PER_SM["hopper"]
         programs = cfg.programs_per_rank if interpreting() or dev.type != "cuda" else max(
-            1, per_sm * torch.cuda.get_device_properties(dev).multi_processor_count // len(calls))
+            1, per_sm * _sm_count(dev) // len(calls))
         cfg = replace(cfg, kind="hopper", block_m=min(MAX_BLOCK_M, L.block_m), programs_per_rank=programs,
                       num_warps=warps, num_stages=stages, maxnreg=maxnreg)
     timelines = [None] * len(calls)
@@ -560,7 +586,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
         _check_resident(args, grid, *metas[0], dev)
-    kf.fused_mega_moe_kernel[grid](*args, **meta)
+    direct_launch.launch(kf.fused_mega_moe_kernel, grid, args, meta)
     return timelines if timeline else None
 
 
@@ -750,12 +776,12 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
             run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _sm_count(dev)
     g_back = max(1, int(WS_BACK_PROGRAMS_PER_SM * sms) // len(calls))
     args_back, grid_back = args_for(g_back), (len(calls) * g_back,)
     _check_resident(args, grid, front, front_key, dev)
     _check_resident(args_back, grid_back, back, back_key, dev)
-    kf.fused_mega_moe_kernel[grid](*args, **front)
+    direct_launch.launch(kf.fused_mega_moe_kernel, grid, args, front)
     if kind == "fp4_ws":
         if predecode:  # stream order: the decode pass, then the Gluon phase that reads its output
             for c in calls:
@@ -764,15 +790,15 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
             _launch_fp4_rs(calls, tiles, rank0, L, dev, meta["BM"], rs_block_n)
         else:
             _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode)
-        kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
+        direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
-        kws.fp8_gemm_phase_kernel[(sms,)](
+        direct_launch.launch(kws.fp8_gemm_phase_kernel, (sms,), (
             *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
-            float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            **_ws_constexprs(c.sb, meta["BM"], c.clamp is not None))
-    kf.fused_mega_moe_kernel[grid_back](*args_back, **back)
+            float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
+            _ws_constexprs(c.sb, meta["BM"], c.clamp is not None))
+    direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
 
 
 def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False) -> None:
@@ -780,31 +806,31 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
     ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors)."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _sm_count(dev)
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
-        k4.fp4_gemm_phase_kernel[(sms,)](
+        direct_launch.launch(k4.fp4_gemm_phase_kernel, (sms,), (
             *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr],
-            c.sb.buffer_ptrs,
-            rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            **_fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
+            c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
+            _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
 
 
 def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
     """One register-operand FP8 x FP4 GEMM phase per local rank (``megamoe.kernels.gemm_fp4_rs``,
-    ``FP4_RS_CTAS_PER_SM[block_n]`` persistent CTAs an SM), after this call's weight-row maxima (``_fp4_row_maxima``)."""
+    ``FP4_RS_CTAS_PER_SM[block_n]`` persistent CTAs an SM), after this call's weight-row maxima
+    (``_fp4_row_maxima``)."""
     from megamoe.kernels import gemm_fp4_rs as krs
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _sm_count(dev)
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         rmax1, rmax2 = _fp4_row_maxima(c)
         sched = _buffer_cache(c.sb, "_fp4_rs_sched", 0, lambda: torch.zeros(4, dtype=torch.int32, device=dev))
         sched.zero_()  # the phase's tile counter (a memset: an interrupted call leaves nothing for the next)
-        krs.fp4_rs_gemm_phase_kernel[(FP4_RS_CTAS_PER_SM[block_n] * sms,)](
+        direct_launch.launch(krs.fp4_rs_gemm_phase_kernel, (FP4_RS_CTAS_PER_SM[block_n] * sms,), (
             *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr], sched,
-            c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns,
-            **_fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
+            c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
+            _fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
 
 
 def _fp4_row_maxima(c):

@@ -16,7 +16,10 @@
 #   gputests_2     tests/gpu: everything else (fused one-launch, staged, reliability, symm, PDL; ~38 tests: 27 of them
 #                  took ~170 s in session 14; 36 passed + 4 skipped in 320 s, session 17)
 #   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
-#   gputests_quick the GPU tests of the kinds the bench times (fused FP8 and FP8 x FP4, graph capture; ~120 s)
+#   gputests_quick the GPU tests of the kinds the bench times (fused FP8, both FP8 x FP4 tiles, graph capture; ~120 s
+#                  before the register-operand tile's were added)
+#   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
+#                  with megamoe.direct_launch on and off, and its cProfile (-> $OUT/host.jsonl; not timed)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
 #                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s;
@@ -101,8 +104,11 @@ step_rs_sweep() {  # the register-operand tile's phase at T = 8..512 whatever th
 }
 
 step_gputests_quick() {
-    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py -k "graph or real or block64"
+    $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp4_rs_gpu.py \
+        -k "graph or real or block64 or one_ep8"
 }
+
+step_host() { $PY results/probes/fp8_ws_probe.py host "${HOST_TOKENS:-8,128}" >>"$OUT/host.jsonl"; }
 
 _layer() {  # suite, result file
     $PY -m megamoe.bench --suite "$1" --out "$OUT" || return 1

@@ -50,6 +50,7 @@ import torch
 import megamoe  # noqa: F401  (before triton)
 import megamoe.fused as mf
 import megamoe.kernels as mk
+from megamoe import direct_launch
 from megamoe.bench import _median_ms
 from megamoe.cases import MoECase, prepare_rank
 from megamoe.ops import fp8_fp4_mega_moe
@@ -377,60 +378,14 @@ def probe_lead(tokens=(2048, 8192)):
             _choice_row("lead", T, f"lead {'on' if lead else 'off'}", "fp8", {"FP8_WS_LEAD": lead})
 
 
-class DirectLaunch:
-    """A Triton / Gluon JIT kernel launched through the ``CompiledKernel`` of its first launch per (grid, PHASE):
-    ``JITFunction.run``'s per-launch work (binding ~90 arguments, the specialisation key, the globals check) skipped.
-    ``host``'s experiment on the launches' share of the host time; valid while the arguments' types, alignments and
-    constexprs stay those of the first launch (one buffer and configuration, as in a probe row), so not a library
-    path as it is. The compiled kernel takes every parameter in signature order (constexprs and defaults too), as
-    ``JITFunction.run`` passes them."""
-
-    def __init__(self, jit):
-        import inspect
-
-        self.jit = jit
-        params = inspect.signature(jit.fn).parameters
-        self.names = list(params)
-        self.defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-        self.compiled = {}
-
-    def warmup(self, *args, **kwargs):  # megamoe.fused._check_resident
-        return self.jit.warmup(*args, **kwargs)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            key = (tuple(grid), kwargs.get("PHASE", 0))
-            hit = self.compiled.get(key)
-            if hit is None:
-                kernel = self.jit.warmup(*args, grid=grid, **kwargs)
-                values = {**self.defaults, **kwargs}
-                grid3 = tuple(grid) + (1,) * (3 - len(grid))  # (CompiledKernel's runner reads three dimensions)
-                hit = self.compiled[key] = (kernel[grid3], [values[n] for n in self.names[len(args):]])
-            runner, rest = hit
-            runner(*args, *rest)
-        return launch
-
-
-def _direct_launches(on: bool) -> None:
-    """Install (or remove) :class:`DirectLaunch` for the fused kernel and both Gluon GEMM phases."""
-    import megamoe.kernels.fused as kf
-    import megamoe.kernels.gemm_fp4_ws as k4
-    import megamoe.kernels.gemm_fp8_ws as kws
-
-    for mod, name in ((kf, "fused_mega_moe_kernel"), (k4, "fp4_gemm_phase_kernel"), (kws, "fp8_gemm_phase_kernel")):
-        current = getattr(mod, name)
-        if on and not isinstance(current, DirectLaunch):
-            setattr(mod, name, DirectLaunch(current))
-        elif not on and isinstance(current, DirectLaunch):
-            setattr(mod, name, current.jit)
-
-
 def probe_host(tokens=(128, 512)):
     """Where the host's enqueue time of one eager call goes (session 7's wall-gap probe: 0.66-1.35 ms a call, about
     the GPU time of an FP8 x FP4 call at T <= 128): per T and format, ``host_us`` and the 25 functions of largest
     cumulative time under cProfile over ``HOST_PROFILE_CALLS`` calls (µs per call; each call from an idle stream).
-    On a GPU also the same call with every launch through :class:`DirectLaunch` (``direct``: ``host_us``, ``us``,
-    and ``y`` bitwise equal to the normal launches'), i.e. what Triton's per-launch Python costs of it."""
+    On a GPU also the same call with ``megamoe.direct_launch.ENABLED`` off, every launch through
+    ``JITFunction.run`` (``jit_run``: ``host_us``, ``us``, and ``y`` bitwise equal to the direct launches'; until
+    session 19 the row's ``direct`` was the reverse experiment, a probe-local ``DirectLaunch`` against the library's
+    ``JITFunction.run`` launches)."""
     import cProfile
     import pstats
 
@@ -442,21 +397,21 @@ def probe_host(tokens=(128, 512)):
             call()
             torch.cuda.synchronize()
             host_us = _host_us(call)
-            direct = None
-            if torch.cuda.is_available():  # (the interpreter's kernels have no CompiledKernel)
+            jit_run = None
+            if torch.cuda.is_available():  # (the interpreter's launches always go through JITFunction)
                 want = y.clone()
                 try:
-                    _direct_launches(True)
+                    direct_launch.ENABLED = False
                     y.fill_(float("nan"))
                     call()
                     torch.cuda.synchronize()
-                    direct = dict(host_us=_host_us(call), us=_median_ms(call) * 1e3,
-                                  bitwise_equal=bool(torch.equal(y.view(torch.int16), want.view(torch.int16))))
+                    jit_run = dict(host_us=_host_us(call), us=_median_ms(call) * 1e3,
+                                   bitwise_equal=bool(torch.equal(y.view(torch.int16), want.view(torch.int16))))
                 except Exception as exc:  # reported in the row: the experiment, not the probe, failed
-                    direct = dict(error=repr(exc)[:300])
+                    jit_run = dict(error=repr(exc)[:300])
                 finally:
-                    _direct_launches(False)
-                direct["us_normal"] = _median_ms(call) * 1e3
+                    direct_launch.ENABLED = True
+                jit_run["us_direct"] = _median_ms(call) * 1e3
             prof = cProfile.Profile()
             for _ in range(HOST_PROFILE_CALLS):
                 torch.cuda.synchronize()
@@ -467,7 +422,7 @@ def probe_host(tokens=(128, 512)):
             stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, tottime, cumtime, callers)}
             top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:25]
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
-            emit(probe="host", T=T, format=fmt, kind=cfg.kind, host_us=host_us, direct=direct, top=[
+            emit(probe="host", T=T, format=fmt, kind=cfg.kind, host_us=host_us, jit_run=jit_run, top=[
                 [f"{pathlib.Path(f).name}:{line}({name})", n // HOST_PROFILE_CALLS,
                  round(tot / HOST_PROFILE_CALLS * 1e6, 1), round(cum / HOST_PROFILE_CALLS * 1e6, 1)]
                 for (f, line, name), (n, _, tot, cum, _) in top])

@@ -1,0 +1,95 @@
+"""Launching the fused path's Triton / Gluon kernels without ``JITFunction.run``'s per-launch work.
+
+Why: an eager fused call is 3-4 launches (front, the GEMM phase -- after the weight-row maxima on the
+register-operand tile -- and back) of kernels with 11-17 runtime arguments and 20-70 constexprs. On every launch
+Triton's ``JITFunction.run`` binds them all, builds and hashes a specialisation key with the options, and re-checks
+the kernel's globals: ~60 us a launch on the H200 machine's host. The probe that measured it
+(``results/probes/fp8_ws_probe.py host``, rows ``"probe": "host"`` of ``results/probes/fp8_ws_probe_h200.jsonl``)
+launched every kernel through its first ``CompiledKernel`` instead: host time of an FP8 x FP4 call at T = 128
+393 -> 204 us, at T = 512 355 -> 247, the outputs bitwise equal. At T <= 32 a call's GPU time is 400-700 us, so the
+host's enqueue time decides whether an eager call waits on the host (``megamoe.bench``'s ``host_us``).
+
+How: :func:`launch` keys a launch by (kernel, current device, grid, constexpr and option keywords, one *fact* per
+runtime argument). The first launch of a key goes through ``JITFunction.run`` (compile or disk cache, every check
+of Triton's) and keeps the ``CompiledKernel`` it returns; later launches of the key call that kernel's launcher with
+the arguments in signature order, as ``JITFunction.run`` does. The facts are at least what Triton specialises on,
+so a hit runs the binary Triton would have picked: a tensor's dtype and 16-byte alignment; an int or bool by value
+(Triton: ``== 1``, ``% 16``, its width); a float by type (Triton does not specialise floats); a tensor descriptor's
+dtype, block shape, layout, shape, strides and base alignment; anything else by type and value.
+
+Not re-checked on a hit: the kernel's globals (Triton refuses a launch after a global it reads changed; a module
+constant patched after the first launch is not seen here -- call :func:`clear`). Under Triton's interpreter every
+launch goes through ``JITFunction`` (there is no compiled kernel). ``ENABLED = False`` sends every launch through
+``JITFunction.run`` (``results/probes/fp8_ws_probe.py host`` compares both).
+"""
+from __future__ import annotations
+
+import torch
+
+#: Launch through the cached ``CompiledKernel`` (False: every launch through ``JITFunction.run``).
+ENABLED = True
+_CACHE: dict = {}
+#: Most distinct keys kept (each a compiled kernel's runner and the constexpr tail of its arguments).
+MAX_ENTRIES = 256
+
+
+def clear() -> None:
+    """Forget every cached launch (after patching a kernel's module constant, or to measure the first launch)."""
+    _CACHE.clear()
+
+
+def _fact(a):
+    """What of runtime argument ``a`` the key holds (module docstring)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, (bool, int)):
+        return (type(a), a)
+    if isinstance(a, float):
+        return float
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a TMA tensor descriptor (tl / Gluon)
+        return (type(a), base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
+                tuple(a.strides), getattr(a, "layout", None), getattr(a, "padding", None))
+    return (type(a), a)
+
+
+def _kw_key(kwargs: dict):
+    return tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
+                        for k, v in kwargs.items()))
+
+
+def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``fn[grid](*args, **kwargs)`` (``fn`` a ``triton.jit`` / ``gluon.jit`` kernel; ``args`` its leading runtime
+    arguments, positional; ``kwargs`` the constexprs and launch options), through the cached compiled kernel of
+    an earlier launch with the same key (module docstring)."""
+    from megamoe.env import interpreting
+
+    if not ENABLED or interpreting():
+        fn[grid](*args, **kwargs)
+        return
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    key = (fn, torch.cuda.current_device(), grid3, _kw_key(kwargs), tuple(_fact(a) for a in args))
+    hit = _CACHE.get(key)
+    if hit is None:
+        kernel = fn[grid](*args, **kwargs)  # JITFunction.run: compiles or finds the binary, launches it
+        if hasattr(kernel, "result"):  # (an asynchronous compile's future)
+            kernel = kernel.result()
+        names = fn.arg_names
+        values = {**_defaults(fn), **kwargs}
+        missing = [n for n in names[len(args):] if n not in values]
+        if missing:  # (JITFunction.run would have raised first)
+            raise TypeError(f"{fn.__name__}: no value for {missing}")
+        if len(_CACHE) >= MAX_ENTRIES:
+            _CACHE.clear()
+        _CACHE[key] = (kernel[grid3], tuple(values[n] for n in names[len(args):]))
+        return
+    runner, tail = hit
+    runner(*args, *tail)
+
+
+def _defaults(fn) -> dict:
+    """The defaults of ``fn``'s parameters (``inspect``: what ``JITFunction``'s binder applies)."""
+    import inspect
+
+    return {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
