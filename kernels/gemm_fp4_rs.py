@@ -85,18 +85,22 @@ from megamoe.kernels.numerics import ceil_ue8m0
 
 RS_ROWS = gl.constexpr(64)  #: weight rows of a chain: the wgmma M of one warpgroup
 RS_CHAINS = gl.constexpr(4)  #: chains of a 256-row tile (the L1 tile's 128 intermediate columns)
+RS_PAIR = gl.constexpr(2)  #: chains run side by side on one token stage (one K block of both chains' weight rows)
 
 
 @gluon.jit
 def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s):
-    """TMA of one stage ``s`` (completing on ``bar``, whose byte count the caller set): K block ``kb`` of the 64
-    packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes), of the ``BN`` tokens from pool row ``a_row``
-    (four ``[BN, 32]`` e4m3 boxes), and the rows' 64 scale words from flat word ``s_word``."""
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(w_desc, [w_row, kb * 64 + 32 * c], bar, wp.index(2 * s + c))
+    """TMA of one stage ``s`` (completing on ``bar``, whose byte count the caller set): K block ``kb`` of the
+    ``RS_PAIR`` x 64 packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes a chain: ``wp`` slots ``2 (RS_PAIR
+    s + i) + c``), of the ``BN`` tokens from pool row ``a_row`` (four ``[BN, 32]`` e4m3 boxes, shared by the chains),
+    and each chain's 64 scale words from flat word ``s_word + 64 i`` (``sw`` slot ``RS_PAIR s + i``)."""
+    for i in gl.static_range(RS_PAIR):
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(w_desc, [w_row + RS_ROWS * i, kb * 64 + 32 * c], bar,
+                                            wp.index(2 * (RS_PAIR * s + i) + c))
+        tma.async_copy_global_to_shared(s_desc, [s_word + RS_ROWS * i], bar, sw.index(RS_PAIR * s + i))
     for j in gl.static_range(4):
         tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK + 32 * j], bar, ab.index(4 * s + j))
-    tma.async_copy_global_to_shared(s_desc, [s_word], bar, sw.index(s))
 
 
 @gluon.jit
@@ -142,8 +146,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
     front launch landed the rows). The L1 tiles it waits for were all taken before it, by CTAs that are resident
     and finish them: no dead-lock."""
     BN: gl.constexpr = a1_desc.block_type.shape[0]
-    nbytes: gl.constexpr = (2 * w1_desc.block_type.nbytes + 4 * a1_desc.block_type.nbytes
-                            + ws1_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (RS_PAIR * (2 * w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes)
+                            + 4 * a1_desc.block_type.nbytes)
     full = _full_mask(I // 128)
     TL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     it = 0
@@ -164,8 +168,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
             N = 2 * I
         for c in range((valid + BN - 1) // BN):
             a_row = b * BM + c * BN
-            for q in range(RS_CHAINS):
-                w_row = _chain_rows(e * N, nt, q)
+            for qp in range(RS_CHAINS // RS_PAIR):
+                w_row = _chain_rows(e * N, nt, RS_PAIR * qp)
                 for kb in range(KB):
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase -1
@@ -321,6 +325,22 @@ def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.co
 
 
 @gluon.jit
+def _chain_epilogue(acc, q: gl.constexpr, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf, buffer_ptrs, me,
+                    a_row, nt, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr,
+                    H: gl.constexpr, SL: gl.constexpr, HAS_CLAMP: gl.constexpr):
+    """Chain ``q`` of a chunk done (``acc`` float32 ``[64, BN]``, its weight rows from ``w_row``): the powers of two
+    of its weight rows (the fold reference of each row) and of the tokens (``ts``; exact: the order is free), then
+    the L2 write-back or the L1 SwiGLU into the stash."""
+    rs = _pow2_f32(gl.load(rmax + w_row + rows_m).to(gl.int32) - 127)
+    acc = acc * gl.expand_dims(rs, 1) * gl.expand_dims(ts, 0)
+    if is_l2:
+        _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS, nv, OFF_META,
+                           OFF_COMBINE, T, H, SL)
+    else:
+        _l1_chain_epilogue(acc, stash, q, topk_w, clamp, HAS_CLAMP)
+
+
+@gluon.jit
 def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                     tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns,
                     OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
@@ -379,27 +399,30 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
                 ts = _pow2_f32((word & 0xFF) - 127)
                 topk_w = gl.load(l1_w + a_row + tok_m, mask=tok_m < nv, other=0.0)
-            for q in gl.static_range(RS_CHAINS):
-                w_row = _chain_rows(e * N, nt, q)
-                rm = gl.load(rmax + w_row + rows_a).to(gl.int32)
-                acc = gl.zeros([RS_ROWS, BN], gl.float32, mma)
+            gl.static_assert(RS_PAIR == 2, "the chains of a token stage: two accumulators")
+            for qp in gl.static_range(RS_CHAINS // RS_PAIR):
+                w_row = _chain_rows(e * N, nt, RS_PAIR * qp)  # the pair's first row (the second: + RS_ROWS)
+                rm0 = gl.load(rmax + w_row + rows_a).to(gl.int32)
+                rm1 = gl.load(rmax + w_row + RS_ROWS + rows_a).to(gl.int32)
+                acc0 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
+                acc1 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
                 for kb in range(KB):
                     s = it % STAGES
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    word = sw.index(s).load(gl.SliceLayout(1, dot_a))
-                    g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
-                    part = _k_block_chain(g0, g1, g2, g3, ab, s, acc)
+                    word = sw.index(RS_PAIR * s).load(gl.SliceLayout(1, dot_a))
+                    g0, g1, g2, g3 = _decode_stage(wp, RS_PAIR * s, word, rm0, lut, dot_a)
+                    acc0 = acc0 + _k_block_chain(g0, g1, g2, g3, ab, s, acc0)
+                    word = sw.index(RS_PAIR * s + 1).load(gl.SliceLayout(1, dot_a))
+                    g0, g1, g2, g3 = _decode_stage(wp, RS_PAIR * s + 1, word, rm1, lut, dot_a)
+                    part = _k_block_chain(g0, g1, g2, g3, ab, s, acc1)
                     mbarrier.arrive(empty.index(s), count=1)
-                    acc = acc + part
+                    acc1 = acc1 + part
                     it += 1
-                # the powers of two: weight rows (the fold reference of each row), tokens (exact: the order is free)
-                rs = _pow2_f32(gl.load(rmax + w_row + rows_m).to(gl.int32) - 127)
-                acc = acc * gl.expand_dims(rs, 1) * gl.expand_dims(ts, 0)
-                if is_l2:
-                    _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS,
-                                       nv, OFF_META, OFF_COMBINE, T, H, SL)
-                else:
-                    _l1_chain_epilogue(acc, stash, q, topk_w, clamp, HAS_CLAMP)
+                _chain_epilogue(acc0, RS_PAIR * qp, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf,
+                                buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
+                _chain_epilogue(acc1, RS_PAIR * qp + 1, w_row + RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash,
+                                clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
+                                HAS_CLAMP)
             if not is_l2:
                 gl.thread_barrier()  # every warp's chains are in the stash
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
@@ -440,9 +463,9 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     BN: gl.constexpr = a1_desc.block_type.shape[0]
     gl.static_assert((BN == 8) | (BN == 16) | (BN == 32) | (BN == 64), "token chunks of 8, 16, 32 or 64")
     gl.static_assert(BM % BN == 0, "a pool block holds whole chunks")
-    wp = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, RS_ROWS, 32], w1_desc.layout)
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * RS_PAIR * STAGES, RS_ROWS, 32], w1_desc.layout)
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)
-    sw = gl.allocate_shared_memory(gl.int32, [STAGES, RS_ROWS], ws1_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [RS_PAIR * STAGES, RS_ROWS], ws1_desc.layout)
     stash = gl.allocate_shared_memory(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     tile_s = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
