@@ -323,8 +323,8 @@ def fp4_rs_block_n(expected: float) -> int:
 def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
     """Ring stages of the register-operand tile at token chunk ``block_n``: as many as fit ``ctas_per_sm`` CTAs
     (default ``FP4_RS_CTAS_PER_SM[block_n]``) in an SM's shared memory (a stage: two chains' 64 x 64 packed weight
-    bytes and 64 scale words, ``block_n`` x 128 token bytes; plus the ``[128, block_n]`` float32 stash of the L1 requant,
-    barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
+    bytes and 64 scale words, ``block_n`` x 128 token bytes; plus the ``[128, block_n]`` float32 stash of the L1
+    requant, barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
     ctas = FP4_RS_CTAS_PER_SM[block_n] if ctas_per_sm is None else ctas_per_sm
     per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas - 1024  # (the driver's 1 KiB a CTA)
     stage = 2 * (64 * 64 + 64 * 4) + block_n * 128  # (gemm_fp4_rs.RS_PAIR chains a token stage)
