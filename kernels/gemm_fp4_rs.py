@@ -23,39 +23,53 @@ per-128 exponents, here **once per pool block**, in place in the L2 pool, by the
 Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
 expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
 ``pid, pid + grid, ...`` walk left ~18 % of the work on the busiest CTAs at 4 CTAs an SM: tiles of 224 stages
-over 528 CTAs). A tile is up to
-``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of 64 weight rows (the wgmma M of
-one warpgroup) over all of K, one after another (one [64, BN] accumulator live: the register budget of 4 CTAs an
-SM). L1: 256 weight rows = the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows
-hold whole gate / up pairs: SwiGLU per chain, in registers), each chain's activations (float32, times the top-k
-weight) stashed in shared memory ``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the
-stash, the bytes and scale words into the L2 pool, and the tile's even arrival bit ``2 nt``; the tile that sets the
-block's last even bit folds the block's L2 rows and then sets all odd bits. L2: each chain's 64 hidden columns are
-final: bf16 into the source ranks' combine buffers. An L2 tile's loader and math first wait for the block's full
-arrival mask (every L1 tile of the block, and the fold).
+over 528 CTAs). A tile is up to ``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of
+64 weight rows (the wgmma M of one warpgroup) over all of K, run ``RS_PAIR`` = 2 side by side on one token stage
+(two [64, BN] accumulators live: the register budget of 4 CTAs an SM holds no more at BN 32). L1: 256 weight rows =
+the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows hold whole gate / up pairs:
+SwiGLU per chain, in registers), each chain's activations (float32, times the top-k weight) stashed in shared memory
+``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the stash, the bytes and scale words into
+the L2 pool, and the tile's even arrival bit ``2 nt``; the tile that sets the block's last even bit folds the
+block's L2 rows and then sets all odd bits. L2: each chain's 64 hidden columns are final: bf16 into the source
+ranks' combine buffers. An L2 tile's loader and math first wait for the block's full arrival mask (every L1 tile of
+the block, and the fold).
 
 Roles (``gl.warp_specialize``): the math warpgroup (the default partition, 4 warps) and a loader warp, which per
-(chunk, chain, K block) TMA's the stage: packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K ``[0, 64)`` and
-``[64, 128)`` in the split packing of ``transform_weights_for_mega_moe``: box ``c`` byte ``j`` = K ``64c + j`` low
-nibble, ``64c + 32 + j`` high), the tokens ``[BN, 128]`` as four ``[BN, 32]`` boxes (one per K=32 MMA), the chain
-rows' 64 UE8M0 scale words of the K block. The tokens are re-loaded per chain (from L2: 0.5 / 1 / 2 KB a stage at
-BN 8 / 16 / 32, against 4 KB of weights). The weight rows' largest exponents (the fold's reference) come from
-``rmax1`` / ``rmax2`` (uint8 per weight row, ``megamoe.fused._fp4_row_maxima``: made again when the scales change).
+(chunk, chain pair, K block) TMA's the stage: per chain packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K
+``[0, 64)`` and ``[64, 128)`` in the split packing of ``transform_weights_for_mega_moe``: box ``c`` byte ``j`` = K
+``64c + j`` low nibble, ``64c + 32 + j`` high) and the rows' 64 UE8M0 scale words of the K block; once for the pair,
+the tokens ``[BN, 128]`` as four ``[BN, 32]`` boxes (one per K=32 MMA). The tokens are re-loaded per chain pair (from
+L2: 0.5 / 1 / 2 / 4 KB a stage at BN 8 / 16 / 32 / 64, against 8 KB of weights). The weight rows' largest exponents
+(the fold's reference) come from ``rmax1`` / ``rmax2`` (uint8 per weight row, ``megamoe.fused._fp4_row_maxima``:
+made again when the scales change).
 
-Measured on an H200 (one EP8 rank of V4-Pro; ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9, 4122266 and,
-with the fold once per block, 43f8755). Session 18, the L2 A operand folded in every L2 stage (per chain and per
-n-tile: 112 times per token and K block): GEMM phase 424 / 682 / 861 us at T = 8 / 32 / 128
-(``results/probes/fp4_rs_profile_h200.jsonl``); timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``, T = 8 /
-32) put 63 / 62 us of the phase's 443 / 686 in that fold, ~100 / 75 in the FP4 decode, none in the epilogues' global
-stores. Session 19, the fold once per pool block (``_l1_done``): 401 / 658 / 805 / 1185 us at T = 8 / 32 / 128 / 256
-(chunks 8 / 16 / 32 / 32) against the decode-partition tile's 535 / 824 / 827 / 836
-(``results/probes/rs_sweep_h200.jsonl``), so the host takes it up to 16 expected tokens per expert
-(``FP4_RS_MAX_EXPECTED``; whole calls in ``results/layer_h200.json``). At 32 expected a chunk of 32 tokens is
-decode-bound: the one warpgroup decodes, issues, waits, so the decode is not hidden behind the MMA of its own CTA,
-and the tokens are re-loaded per chain.
-Offline sm_90a (Triton 3.6): 64 registers (setmaxnreg 104
-math / 40 loader), 37.6 / 48.9 / 54.4 KB of shared memory at chunk 8 / 16 / 32 (6 / 6 / 4 stages), K loop 195-207
-SASS instructions a thread (249-305 with the per-stage fold), no spill in it.
+Why two chains a stage: what a stage moves from L2 into shared memory bounds this tile. Per stage one chain's weights
+are 4 KB and the chunk's tokens BN x 128 bytes, so with one chain a stage the bytes were 1.25 / 1.5 / 2x the weights'
+at BN 8 / 16 / 32, and the phase's time followed them: without decode, fold and stores (the knob rows of
+``results/probes/fp4_rs_knobs_h200.jsonl``: 334 / 599 us) T = 8 / 32 moved ~3.8 / ~4.2 TB/s of those bytes (1.25
+x 1.02 GB / 1.5 x 1.68 GB, the weights touched with their scales: ``weight_bytes_touched`` of
+``results/layer_h200.json``), and T = 128 as built (805 us, ``results/probes/rs_sweep_h200.jsonl``) moves 2 x
+1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x (four would make it 1.06-1.25x, but four
+accumulators do not fit 104 registers at BN 32).
+
+Measured on an H200 (one EP8 rank of V4-Pro). Correctness: ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9,
+4122266 and (the fold once per block) 43f8755; 27 (chunk 64 added) at 8dd6787; 14 of them (every chunk on two small
+cases, one EP8 rank at T = 8..512, the CUDA graph) with two chains a stage at 210c711. Session 18, one chain a stage
+and the L2 A operand folded in every L2 stage (112 times per token and K block): GEMM phase 424 / 682 / 861 us at T =
+8 / 32 / 128 (``results/probes/fp4_rs_profile_h200.jsonl``); timing knobs (``results/probes/fp4_rs_knobs_h200.jsonl``,
+T = 8 / 32) put 63 / 62 us of the phase's 443 / 686 in that fold, ~100 / 75 in the FP4 decode, none in the
+epilogues' global stores. Session 19, the fold once per pool block (``_l1_done``): 401 / 658 / 805 / 1185 us at T =
+8 / 32 / 128 / 256 (chunks 8 / 16 / 32 / 32) against the decode-partition tile's 535 / 824 / 827 / 836; chunk 64 (two
+CTAs an SM) 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against 803 (chunk 32) / 836 / 1272 (decode-partition tile,
+block 128) (``results/probes/rs_sweep_h200.jsonl``). Then two chains a stage: whole calls (``results/layer_h200.json``
+at 210c711) T = 32 / 128 699 -> 633 / 852 -> 721 us (graph replays 697 -> 629 / 847 -> 718), T = 8 graph 439 -> 424
+(its eager time waits on the host). The phase alone with two chains a stage is not yet measured, nor the threshold
+(``FP4_RS_MAX_EXPECTED`` = 16) re-swept with it.
+
+Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registers (setmaxnreg 104 math; loader
+40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
+loop 349 / 358 / 373 SASS instructions a thread a stage of two chains (one chain a stage: 195-207), no spill in it;
+chunk 64: 128 registers (math 232), 108.7 KB (4 stages), no spill.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

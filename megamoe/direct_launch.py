@@ -29,6 +29,8 @@ import torch
 #: Launch through the cached ``CompiledKernel`` (False: every launch through ``JITFunction.run``).
 ENABLED = True
 _CACHE: dict = {}
+_KW_KEYS: dict = {}  # id(keyword dict) -> (the dict, (its snapshot, its values' types, its key))
+_DESC_FACTS: dict = {}  # id(descriptor) -> (the descriptor, its fact); descriptors are not changed after they are made
 #: Most distinct keys kept (each a compiled kernel's runner and the constexpr tail of its arguments).
 MAX_ENTRIES = 256
 
@@ -36,26 +38,49 @@ MAX_ENTRIES = 256
 def clear() -> None:
     """Forget every cached launch (after patching a kernel's module constant, or to measure the first launch)."""
     _CACHE.clear()
+    _KW_KEYS.clear()
+    _DESC_FACTS.clear()
 
 
 def _fact(a):
     """What of runtime argument ``a`` the key holds (module docstring)."""
+    t = type(a)
+    if t is int or t is bool:
+        return (t, a)
+    if t is float:
+        return float
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, (bool, int)):
-        return (type(a), a)
-    if isinstance(a, float):
-        return float
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a TMA tensor descriptor (tl / Gluon)
-        return (type(a), base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
-                tuple(a.strides), getattr(a, "layout", None), getattr(a, "padding", None))
-    return (type(a), a)
+        memo = _DESC_FACTS.get(id(a))
+        if memo is None or memo[0] is not a:
+            fact = (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
+                    tuple(a.strides), getattr(a, "layout", None), getattr(a, "padding", None))
+            memo = _remember(_DESC_FACTS, a, fact)
+        return memo[1]
+    return (t, a)
 
 
 def _kw_key(kwargs: dict):
-    return tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
-                        for k, v in kwargs.items()))
+    """The constexpr and option keywords as a key: by value and type, made once per keyword dict (the fused path
+    passes the same cached dicts on every call) and made again when the dict no longer equals its snapshot, value
+    and type (``True == 1`` in Python, not to Triton)."""
+    memo = _KW_KEYS.get(id(kwargs))
+    types = tuple(map(type, kwargs.values()))
+    if memo is None or memo[0] is not kwargs or memo[1][0] != kwargs or memo[1][1] != types:
+        key = tuple(sorted((k, type(v), v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
+                           for k, v in kwargs.items()))
+        memo = _remember(_KW_KEYS, kwargs, (dict(kwargs), types, key))
+    return memo[1][2]
+
+
+def _remember(memo: dict, obj, value):
+    """``memo[id(obj)] = (obj, value)``: the entry holds ``obj``, so its id is not reused while the entry lives."""
+    if len(memo) >= MAX_ENTRIES:
+        memo.clear()
+    memo[id(obj)] = entry = (obj, value)
+    return entry
 
 
 def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
@@ -68,7 +93,7 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         fn[grid](*args, **kwargs)
         return
     grid3 = tuple(grid) + (1,) * (3 - len(grid))
-    key = (fn, torch.cuda.current_device(), grid3, _kw_key(kwargs), tuple(_fact(a) for a in args))
+    key = (fn, torch.cuda.current_device(), grid3, _kw_key(kwargs), tuple(map(_fact, args)))
     hit = _CACHE.get(key)
     if hit is None:
         kernel = fn[grid](*args, **kwargs)  # JITFunction.run: compiles or finds the binary, launches it

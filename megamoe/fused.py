@@ -284,14 +284,18 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: once per pool block): T = 8 / 32 / 128 / 256 (1 / 4 / 16 / 32 expected) register-operand 401 / 658 / 805 / 1185 us
 #: (chunk 8 / 16 / 32 / 32; chunk 16 at T = 128 / 256: 1000 / 1649) against the decode-partition tile's 535 / 824 /
 #: 827 / 836: faster up to 16 expected, slower at 32. (Session 18, with the fold in every L2 stage: 424 / 682 / 861
-#: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.)
+#: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.) Since then two chains
+#: share a token stage (``gemm_fp4_rs.RS_PAIR``; whole calls at T = 32 / 128 699 -> 633 / 852 -> 721 us,
+#: ``results/layer_h200.json``); the threshold was not re-swept with it (T = 256 may now belong here).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 16
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
 #: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 32
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 64, whose ``[128, 64]``
 #: float32 stash alone is 32 KB (four CTAs would leave no room for a second ring stage) and whose two ``[64, 64]``
-#: float32 register tiles need ``maxnreg`` 128.
+#: float32 register tiles need ``maxnreg`` 128. Chunk 64 measured slower than the alternatives (one chain a stage,
+#: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
+#: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 4, 64: 2}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
 #: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 the loader at 40 leaves the math spilling in

@@ -95,3 +95,19 @@ def test_interpreter_and_disabled_always_run(monkeypatch, on_gpu):
     for _ in range(2):
         dl.launch(fn, (1,), (buf, 16, 1.0, None), {"BLOCK": 32})
     assert [e[0] for e in fn.log] == ["run"] * 4
+
+
+def test_a_keyword_dict_changed_in_place_is_a_new_key(on_gpu):
+    """The keyword key is made once per dict (the fused path passes cached dicts) and again when the dict changed."""
+    fn, buf = _FakeJit(), torch.zeros(4)
+    kw = {"BLOCK": 32}
+    dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
+    dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
+    kw["BLOCK"] = 64
+    dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
+    kw["BLOCK"] = True  # (== 1 in Python, another constexpr to Triton)
+    dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
+    kw["BLOCK"] = 1
+    dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
+    assert [e[0] for e in fn.log] == ["run", "direct", "run", "run", "run"]
+    assert fn.log[-1][3] == {"BLOCK": 1}
