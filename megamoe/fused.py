@@ -306,11 +306,6 @@ FP4_RS_LOAD_REGS = {8: 40, 16: 24, 32: 24, 64: 40}
 FP4_RS_MAX_STAGES = 6
 
 
-def _fp4_rs_max_expected() -> float:
-    """FP4_RS_MAX_EXPECTED, or -1 when FP4_RS_ENABLED is off."""
-    return FP4_RS_MAX_EXPECTED if FP4_RS_ENABLED else -1.0
-
-
 def fp4_rs_maxnreg(block_n: int) -> int:
     """``maxnreg`` of the register-operand tile at token chunk ``block_n``: an SM's 64 K registers over its
     ``FP4_RS_CTAS_PER_SM[block_n]`` CTAs of 8 warps (64 at four CTAs, 128 at two)."""
@@ -339,26 +334,29 @@ def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
 _DEVICE_FACTS: dict = {}
 
 
-def _device_facts(device: torch.device) -> tuple[int, tuple[int, int]]:
-    """(SMs, compute capability) of CUDA ``device``, read once per device: a call asked torch for them up to seven
-    times, ~90 us of host time under cProfile (``results/probes/fp8_ws_probe_h200.jsonl``, ``"probe": "host"``
-    rows: ``get_device_properties`` 5 calls 59 us, ``get_device_capability`` 2 calls 32 us). (The key holds torch's
-    two functions too, so a test that fakes a device by patching them gets its fake's answers.)"""
+def _device_fact(device: torch.device, read):
+    """``read(device)`` -- ``torch.cuda.get_device_properties`` or ``get_device_capability`` -- once per device and
+    query: a call asked torch up to seven times, ~90 us of host time under cProfile
+    (``results/probes/fp8_ws_probe_h200.jsonl``, ``"probe": "host"`` rows: ``get_device_properties`` 5 calls 59 us,
+    ``get_device_capability`` 2 calls 32 us). (The key holds the query function itself, so a test that fakes a device
+    by patching one of them gets its fake's answer.)"""
     index = device.index
     if index is None and torch.cuda.is_initialized():
         index = torch.cuda.current_device()
-    key = (index, torch.cuda.get_device_properties, torch.cuda.get_device_capability)
-    facts = _DEVICE_FACTS.get(key)
-    if facts is None:
-        where = device if index is None else index
-        facts = _DEVICE_FACTS[key] = (torch.cuda.get_device_properties(where).multi_processor_count,
-                                      tuple(torch.cuda.get_device_capability(where)))
-    return facts
+    key = (index, read)
+    if key not in _DEVICE_FACTS:
+        _DEVICE_FACTS[key] = read(device if index is None else index)
+    return _DEVICE_FACTS[key]
 
 
 def _sm_count(device: torch.device) -> int:
-    """SMs of CUDA ``device`` (``_device_facts``)."""
-    return _device_facts(device)[0]
+    """SMs of CUDA ``device`` (``_device_fact``)."""
+    return _device_fact(device, torch.cuda.get_device_properties).multi_processor_count
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of CUDA ``device`` (``_device_fact``)."""
+    return tuple(_device_fact(device, torch.cuda.get_device_capability))
 
 
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
@@ -366,7 +364,7 @@ def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     (None = it can)."""
     if interpreting() or device is None or device.type != "cuda":
         return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
-    if _device_facts(device)[1] != (9, 0):
+    if _capability(device) != (9, 0):
         return "the Gluon GEMM phase uses sm_90 wgmma"
     if layout.block_m < WS_TILE_M.value:
         return f"pool block_m={layout.block_m} < {WS_TILE_M.value} (the Gluon tile's pool rows)"
@@ -412,12 +410,12 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = 64 if expected <= FP8_WS_BLOCK64_MAX_EXPECTED else 128
     elif kind == "fp4_ws":  # its 64-row tiles (the register-operand tile; the decode-partition tile's one math
         # warpgroup and two decode partitions) at few tokens per expert
-        block_m = 64 if expected <= max(FP4_BLOCK64_MAX_EXPECTED, _fp4_rs_max_expected()) else 128
+        block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
-    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and not predecode
-          and expected <= _fp4_rs_max_expected() else 0)
+    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and not predecode and FP4_RS_ENABLED
+          and expected <= FP4_RS_MAX_EXPECTED else 0)
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -444,7 +442,7 @@ def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
         return None
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    major, minor = _device_facts(device)[1]
+    major, minor = _capability(device)
     if (major, minor) < (9, 0):
         return f"compute capability {major}.{minor} < 9.0 (the fused kernel targets Hopper)"
     return None

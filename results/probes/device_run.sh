@@ -93,10 +93,12 @@ step_rs_sweep() {  # the register-operand tile's phase at T = 8..512 whatever th
     # them (8 / 16 / 32 / 64 / 64) and forced to 16 / 32 / 64, and the decode-partition tile's (-> $OUT/rs_sweep.jsonl;
     # 52 s for T <= 256, session 19)
     local bn
-    FP4_RS_MAX_EXPECTED=1000 $PY results/probes/fused_fp8_ws_profile.py 8,32,128,256,512 fp8_fp4 \
+    FP4_RS_MAX_EXPECTED=1000 FP4_BLOCK64_MAX_EXPECTED=1000 $PY results/probes/fused_fp8_ws_profile.py 8,32,128,256,512 \
+        fp8_fp4 \
         >>"$OUT/rs_sweep.jsonl" || return 1
     for bn in ${RS_SWEEP_CHUNKS:-16 32 64}; do
-        FP4_RS_MAX_EXPECTED=1000 FP4_RS_BLOCK_N=$bn $PY results/probes/fused_fp8_ws_profile.py 128,256,512 fp8_fp4 \
+        FP4_RS_MAX_EXPECTED=1000 FP4_BLOCK64_MAX_EXPECTED=1000 FP4_RS_BLOCK_N=$bn \
+            $PY results/probes/fused_fp8_ws_profile.py 128,256,512 fp8_fp4 \
             >>"$OUT/rs_sweep.jsonl" || return 1
     done
     FP4_RS_MAX_EXPECTED=-1 $PY results/probes/fused_fp8_ws_profile.py ${RS_SWEEP_DP_TOKENS:-8,32,128,256,512} fp8_fp4 \

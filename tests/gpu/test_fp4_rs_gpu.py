@@ -55,6 +55,7 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     if num_tokens * 6 / 48 > mf.FP4_RS_MAX_EXPECTED:
         monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
+        monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf"))  # (the tile runs 64-row pool blocks)
         monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
