@@ -24,13 +24,17 @@ launch goes through ``JITFunction`` (there is no compiled kernel). ``ENABLED = F
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 #: Launch through the cached ``CompiledKernel`` (False: every launch through ``JITFunction.run``).
 ENABLED = True
 _CACHE: dict = {}
 _KW_KEYS: dict = {}  # id(keyword dict) -> (the dict, (its snapshot, its values' types, its key))
-_DESC_FACTS: dict = {}  # id(descriptor) -> (the descriptor, its fact); descriptors are not changed after they are made
+#: id(descriptor) -> (a weak reference to it, its fact): descriptors are not changed after they are made, and the
+#: memo must not keep one -- nor the weights or pool it points into -- alive after its owner dropped it.
+_DESC_FACTS: dict = {}
 #: Most distinct keys kept (each a compiled kernel's runner and the constexpr tail of its arguments).
 MAX_ENTRIES = 256
 
@@ -54,10 +58,12 @@ def _fact(a):
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a TMA tensor descriptor (tl / Gluon)
         memo = _DESC_FACTS.get(id(a))
-        if memo is None or memo[0] is not a:
+        if memo is None or memo[0]() is not a:
             fact = (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
                     tuple(a.strides), getattr(a, "layout", None), getattr(a, "padding", None))
-            memo = _remember(_DESC_FACTS, a, fact)
+            if len(_DESC_FACTS) >= MAX_ENTRIES:
+                _DESC_FACTS.clear()
+            memo = _DESC_FACTS[id(a)] = (weakref.ref(a), fact)
         return memo[1]
     return (t, a)
 

@@ -902,8 +902,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        num_warps=4,
-        maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
+        num_warps=4, maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

@@ -111,3 +111,21 @@ def test_a_keyword_dict_changed_in_place_is_a_new_key(on_gpu):
     dl.launch(fn, (1,), (buf, 16, 1.0, None), kw)
     assert [e[0] for e in fn.log] == ["run", "direct", "run", "run", "run"]
     assert fn.log[-1][3] == {"BLOCK": 1}
+
+
+def test_descriptor_memo_does_not_keep_a_descriptor_alive(on_gpu):
+    """The descriptor facts are remembered through a weak reference: a dropped descriptor (and the tensor it points
+    into: weights, a pool) is freed, and a new object at the same address is not taken for it."""
+    import gc
+    import weakref
+
+    fn, buf = _FakeJit(), torch.zeros(4)
+    desc = _Desc(torch.zeros(8, 32, dtype=torch.uint8), [8, 32])
+    gone = weakref.ref(desc.base)
+    dl.launch(fn, (1,), (buf, 16, 1.0, desc), {"BLOCK": 32})
+    dl.launch(fn, (1,), (buf, 16, 1.0, desc), {"BLOCK": 32})
+    assert [e[0] for e in fn.log] == ["run", "direct"]
+    fn.log.clear()  # (the fake's own record of the arguments)
+    del desc
+    gc.collect()
+    assert gone() is None
