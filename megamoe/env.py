@@ -154,6 +154,40 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_DEVICE_FACTS: dict = {}
+
+
+def device_fact(device, read):
+    """``read(device)`` -- ``torch.cuda.get_device_properties`` or ``get_device_capability`` -- once per CUDA device
+    and query: the fused path's host code asked torch up to seven times a call, ~90 us of host time under cProfile
+    (``results/probes/fp8_ws_probe_h200.jsonl``, ``"probe": "host"`` rows: ``get_device_properties`` 5 calls 59 us,
+    ``get_device_capability`` 2 calls 32 us). (The key holds the query function itself, so a test that fakes a
+    device by patching one of them gets its fake's answer.)"""
+    import torch
+
+    index = device.index
+    if index is None and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    key = (index, read)
+    if key not in _DEVICE_FACTS:
+        _DEVICE_FACTS[key] = read(device if index is None else index)
+    return _DEVICE_FACTS[key]
+
+
+def sm_count(device) -> int:
+    """SMs of CUDA ``device`` (:func:`device_fact`)."""
+    import torch
+
+    return device_fact(device, torch.cuda.get_device_properties).multi_processor_count
+
+
+def compute_capability(device) -> tuple[int, int]:
+    """Compute capability of CUDA ``device`` (:func:`device_fact`)."""
+    import torch
+
+    return tuple(device_fact(device, torch.cuda.get_device_capability))
+
+
 def kernel_device():
     """The torch device the kernels run on in this process: ``cuda`` unless interpreting, else ``cpu``."""
     import torch

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from megamoe import direct_launch
-from megamoe.env import interpreting
+from megamoe.env import compute_capability, interpreting, sm_count
 from megamoe.kernels import fused as kf
 from megamoe.kernels.formats import WS_TILE_M, WS_TILE_N
 from megamoe.layout import MIN_BLOCK_M
@@ -331,40 +331,12 @@ def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
     return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
 
 
-_DEVICE_FACTS: dict = {}
-
-
-def _device_fact(device: torch.device, read):
-    """``read(device)`` -- ``torch.cuda.get_device_properties`` or ``get_device_capability`` -- once per device and
-    query: a call asked torch up to seven times, ~90 us of host time under cProfile
-    (``results/probes/fp8_ws_probe_h200.jsonl``, ``"probe": "host"`` rows: ``get_device_properties`` 5 calls 59 us,
-    ``get_device_capability`` 2 calls 32 us). (The key holds the query function itself, so a test that fakes a device
-    by patching one of them gets its fake's answer.)"""
-    index = device.index
-    if index is None and torch.cuda.is_initialized():
-        index = torch.cuda.current_device()
-    key = (index, read)
-    if key not in _DEVICE_FACTS:
-        _DEVICE_FACTS[key] = read(device if index is None else index)
-    return _DEVICE_FACTS[key]
-
-
-def _sm_count(device: torch.device) -> int:
-    """SMs of CUDA ``device`` (``_device_fact``)."""
-    return _device_fact(device, torch.cuda.get_device_properties).multi_processor_count
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    """Compute capability of CUDA ``device`` (``_device_fact``)."""
-    return tuple(_device_fact(device, torch.cuda.get_device_capability))
-
-
 def ws_unsupported_reason(layout, device: torch.device | None) -> str | None:
     """Why a Gluon GEMM phase ("fp8_ws", "fp4_ws": the same tile geometry) cannot run ``layout`` on ``device``
     (None = it can)."""
     if interpreting() or device is None or device.type != "cuda":
         return "the Gluon GEMM phase needs a CUDA device (no interpreter)"
-    if _capability(device) != (9, 0):
+    if compute_capability(device) != (9, 0):
         return "the Gluon GEMM phase uses sm_90 wgmma"
     if layout.block_m < WS_TILE_M.value:
         return f"pool block_m={layout.block_m} < {WS_TILE_M.value} (the Gluon tile's pool rows)"
@@ -419,7 +391,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
-        sms = _sm_count(device)
+        sms = sm_count(device)
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
@@ -442,7 +414,7 @@ def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
         return None
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    major, minor = _capability(device)
+    major, minor = compute_capability(device)
     if (major, minor) < (9, 0):
         return f"compute capability {major}.{minor} < 9.0 (the fused kernel targets Hopper)"
     return None
@@ -557,7 +529,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
         warps, stages = WARPS_STAGES["hopper"]
         per_sm, maxnreg = PROGRAMS_PER_SM["hopper"]
         programs = cfg.programs_per_rank if interpreting() or dev.type != "cuda" else max(
-            1, per_sm * _sm_count(dev) // len(calls))
+            1, per_sm * sm_count(dev) // len(calls))
         cfg = replace(cfg, kind="hopper", block_m=min(MAX_BLOCK_M, L.block_m), programs_per_rank=programs,
                       num_warps=warps, num_stages=stages, maxnreg=maxnreg)
     timelines = [None] * len(calls)
@@ -781,7 +753,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
             run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
         return
-    sms = _sm_count(dev)
+    sms = sm_count(dev)
     g_back = max(1, int(WS_BACK_PROGRAMS_PER_SM * sms) // len(calls))
     args_back, grid_back = args_for(g_back), (len(calls) * g_back,)
     _check_resident(args, grid, front, front_key, dev)
@@ -811,7 +783,7 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
     ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors)."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
-    sms = _sm_count(dev)
+    sms = sm_count(dev)
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         direct_launch.launch(k4.fp4_gemm_phase_kernel, (sms,), (
@@ -826,7 +798,7 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
     (``_fp4_row_maxima``)."""
     from megamoe.kernels import gemm_fp4_rs as krs
 
-    sms = _sm_count(dev)
+    sms = sm_count(dev)
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
         rmax1, rmax2 = _fp4_row_maxima(c)

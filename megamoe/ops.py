@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import triton
 
-from megamoe.env import interpreting
+from megamoe.env import interpreting, sm_count
 from megamoe.kernels import combine as kc
 from megamoe.kernels import dispatch as kd
 from megamoe.kernels import gemm as kg
@@ -340,7 +340,7 @@ def _num_programs(max_tiles: int, device: torch.device, programs_per_sm: int) ->
         return max(1, min(max_tiles, 4))
     if programs_per_sm == 0:
         return max_tiles
-    return max(1, min(max_tiles, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(max_tiles, programs_per_sm * sm_count(device)))
 
 
 def gemm_steps(l1_kernel, l2_kernel, config: dict, dot_meta: Callable[[dict], dict] = lambda cfg: {}):
