@@ -24,8 +24,9 @@ Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (
 expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
 ``pid, pid + grid, ...`` walk left ~18 % of the work on the busiest CTAs at 4 CTAs an SM: tiles of 224 stages
 over 528 CTAs). A tile is up to ``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of
-64 weight rows (the wgmma M of one warpgroup) over all of K, run ``RS_PAIR`` = 2 side by side on one token stage
-(two [64, BN] accumulators live: the register budget of 4 CTAs an SM holds no more at BN 32). L1: 256 weight rows =
+64 weight rows (the wgmma M of one warpgroup) over all of K, run ``PAIR`` side by side on one token stage
+(``megamoe.fused.FP4_RS_PAIR``: four at BN 8 / 16, two at BN 32 / 64: ``PAIR`` [64, BN] accumulators live, what
+the register budget of 4 CTAs an SM holds; four chains a stage are NOT yet run on a GPU). L1: 256 weight rows =
 the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows hold whole gate / up pairs:
 SwiGLU per chain, in registers), each chain's activations (float32, times the top-k weight) stashed in shared memory
 ``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the stash, the bytes and scale words into
@@ -49,7 +50,7 @@ at BN 8 / 16 / 32, and the phase's time followed them: without decode, fold and 
 ``results/probes/fp4_rs_knobs_h200.jsonl``: 334 / 599 us) T = 8 / 32 moved ~3.8 / ~4.2 TB/s of those bytes (1.25
 x 1.02 GB / 1.5 x 1.68 GB, the weights touched with their scales: ``weight_bytes_touched`` of
 ``results/layer_h200.json``), and T = 128 as built (805 us, ``results/probes/rs_sweep_h200.jsonl``) moves 2 x
-1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x (four would make it 1.06-1.25x, but four
+1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x, four 1.06 / 1.125x at BN 8 / 16 (four
 accumulators do not fit 104 registers at BN 32).
 
 Measured on an H200 (one EP8 rank of V4-Pro). Correctness: ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9,
@@ -99,20 +100,19 @@ from megamoe.kernels.numerics import ceil_ue8m0
 
 RS_ROWS = gl.constexpr(64)  #: weight rows of a chain: the wgmma M of one warpgroup
 RS_CHAINS = gl.constexpr(4)  #: chains of a 256-row tile (the L1 tile's 128 intermediate columns)
-RS_PAIR = gl.constexpr(2)  #: chains run side by side on one token stage (one K block of both chains' weight rows)
 
 
 @gluon.jit
-def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s):
+def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s, PAIR: gl.constexpr):
     """TMA of one stage ``s`` (completing on ``bar``, whose byte count the caller set): K block ``kb`` of the
-    ``RS_PAIR`` x 64 packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes a chain: ``wp`` slots ``2 (RS_PAIR
-    s + i) + c``), of the ``BN`` tokens from pool row ``a_row`` (four ``[BN, 32]`` e4m3 boxes, shared by the chains),
-    and each chain's 64 scale words from flat word ``s_word + 64 i`` (``sw`` slot ``RS_PAIR s + i``)."""
-    for i in gl.static_range(RS_PAIR):
+    ``PAIR`` x 64 packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes a chain: ``wp`` slots ``2 (PAIR s +
+    i) + c``), of the ``BN`` tokens from pool row ``a_row`` (four ``[BN, 32]`` e4m3 boxes, shared by the chains), and
+    each chain's 64 scale words from flat word ``s_word + 64 i`` (``sw`` slot ``PAIR s + i``)."""
+    for i in gl.static_range(PAIR):
         for c in gl.static_range(2):
             tma.async_copy_global_to_shared(w_desc, [w_row + RS_ROWS * i, kb * 64 + 32 * c], bar,
-                                            wp.index(2 * (RS_PAIR * s + i) + c))
-        tma.async_copy_global_to_shared(s_desc, [s_word + RS_ROWS * i], bar, sw.index(RS_PAIR * s + i))
+                                            wp.index(2 * (PAIR * s + i) + c))
+        tma.async_copy_global_to_shared(s_desc, [s_word + RS_ROWS * i], bar, sw.index(PAIR * s + i))
     for j in gl.static_range(4):
         tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK + 32 * j], bar, ab.index(4 * s + j))
 
@@ -152,7 +152,7 @@ def _chain_rows(tile_row, nt, q):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                     tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
-                    H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+                    H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
     """TMA producer (1 warp): takes the rank's next tile from the counter ``sched`` (``atomic_add``: tiles in table
     order, L1 first, each to the CTA that is free first), hands it to the math partition (``_post_tile``), then
     every stage of its (chunk, chain, K block)s in the math's order. An L2 tile first waits for its block's full
@@ -160,7 +160,7 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
     front launch landed the rows). The L1 tiles it waits for were all taken before it, by CTAs that are resident
     and finish them: no dead-lock."""
     BN: gl.constexpr = a1_desc.block_type.shape[0]
-    nbytes: gl.constexpr = (RS_PAIR * (2 * w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (PAIR * (2 * w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes)
                             + 4 * a1_desc.block_type.nbytes)
     full = _full_mask(I // 128)
     TL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -182,8 +182,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
             N = 2 * I
         for c in range((valid + BN - 1) // BN):
             a_row = b * BM + c * BN
-            for qp in range(RS_CHAINS // RS_PAIR):
-                w_row = _chain_rows(e * N, nt, RS_PAIR * qp)
+            for qp in range(RS_CHAINS // PAIR):
+                w_row = _chain_rows(e * N, nt, PAIR * qp)
                 for kb in range(KB):
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase -1
@@ -191,9 +191,9 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
                     mbarrier.expect(bar, nbytes)
                     s_word = (e * KB + kb) * N + w_row - e * N  # the MN-major [El][K/128][N] words
                     if is_l2:
-                        _issue_stage(w2_desc, a2_desc, ws2_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s)
+                        _issue_stage(w2_desc, a2_desc, ws2_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s, PAIR)
                     else:
-                        _issue_stage(w1_desc, a1_desc, ws1_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s)
+                        _issue_stage(w1_desc, a1_desc, ws1_desc, wp, ab, sw, bar, w_row, a_row, kb, s_word, s, PAIR)
                     it += 1
         j += 1
         t = gl.atomic_add(sched, 1, sem="relaxed", scope="gpu")
@@ -339,6 +339,15 @@ def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.co
 
 
 @gluon.jit
+def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc):
+    """One chain's K block of ring stage ``s``: its weight slot ``slot`` (and scale words) decoded into the register
+    operand, the fresh wgmma chain against the stage's tokens, waited for, added into ``acc``."""
+    word = sw.index(slot).load(gl.SliceLayout(1, dot_a))
+    g0, g1, g2, g3 = _decode_stage(wp, slot, word, rm, lut, dot_a)
+    return acc + _k_block_chain(g0, g1, g2, g3, ab, s, acc)
+
+
+@gluon.jit
 def _chain_epilogue(acc, q: gl.constexpr, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf, buffer_ptrs, me,
                     a_row, nt, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr,
                     H: gl.constexpr, SL: gl.constexpr, HAS_CLAMP: gl.constexpr):
@@ -361,7 +370,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
-                    KW2_PAD: gl.constexpr):
+                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr):
     """The math warpgroup (module docstring): per stage the decode into the register A operand, four wgmmas (one
     fresh chain a K block), the stage released once they are done, the chain's partial sum added into its float32
     accumulator; per chain the epilogue, per L1 chunk the requant, per L1 tile its arrival bits."""
@@ -413,30 +422,38 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
                 ts = _pow2_f32((word & 0xFF) - 127)
                 topk_w = gl.load(l1_w + a_row + tok_m, mask=tok_m < nv, other=0.0)
-            gl.static_assert(RS_PAIR == 2, "the chains of a token stage: two accumulators")
-            for qp in gl.static_range(RS_CHAINS // RS_PAIR):
-                w_row = _chain_rows(e * N, nt, RS_PAIR * qp)  # the pair's first row (the second: + RS_ROWS)
+            gl.static_assert((PAIR == 2) | (PAIR == 4), "two or four chains a token stage")
+            for qp in gl.static_range(RS_CHAINS // PAIR):
+                w_row = _chain_rows(e * N, nt, PAIR * qp)  # the first chain's row (chain i: + 64 i)
                 rm0 = gl.load(rmax + w_row + rows_a).to(gl.int32)
                 rm1 = gl.load(rmax + w_row + RS_ROWS + rows_a).to(gl.int32)
                 acc0 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
                 acc1 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
+                if PAIR == 4:
+                    rm2 = gl.load(rmax + w_row + 2 * RS_ROWS + rows_a).to(gl.int32)
+                    rm3 = gl.load(rmax + w_row + 3 * RS_ROWS + rows_a).to(gl.int32)
+                    acc2 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
+                    acc3 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
                 for kb in range(KB):
                     s = it % STAGES
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    word = sw.index(RS_PAIR * s).load(gl.SliceLayout(1, dot_a))
-                    g0, g1, g2, g3 = _decode_stage(wp, RS_PAIR * s, word, rm0, lut, dot_a)
-                    acc0 = acc0 + _k_block_chain(g0, g1, g2, g3, ab, s, acc0)
-                    word = sw.index(RS_PAIR * s + 1).load(gl.SliceLayout(1, dot_a))
-                    g0, g1, g2, g3 = _decode_stage(wp, RS_PAIR * s + 1, word, rm1, lut, dot_a)
-                    part = _k_block_chain(g0, g1, g2, g3, ab, s, acc1)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc1 = acc1 + part
+                    acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
+                    acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
+                    if PAIR == 4:
+                        acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2)
+                        acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3)
+                    mbarrier.arrive(empty.index(s), count=1)  # (every chain's MMAs of the stage waited for)
                     it += 1
-                _chain_epilogue(acc0, RS_PAIR * qp, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf,
+                _chain_epilogue(acc0, PAIR * qp, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf,
                                 buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
-                _chain_epilogue(acc1, RS_PAIR * qp + 1, w_row + RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash,
+                _chain_epilogue(acc1, PAIR * qp + 1, w_row + RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash,
                                 clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
                                 HAS_CLAMP)
+                if PAIR == 4:
+                    _chain_epilogue(acc2, 2, w_row + 2 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash, clamp,
+                                    buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
+                    _chain_epilogue(acc3, 3, w_row + 3 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash, clamp,
+                                    buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
             if not is_l2:
                 gl.thread_barrier()  # every warp's chains are in the stash
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
@@ -455,7 +472,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                              OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                              T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
                              HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             KW2_PAD: gl.constexpr, PDL: gl.constexpr = False):
+                             KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
@@ -477,9 +494,9 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     BN: gl.constexpr = a1_desc.block_type.shape[0]
     gl.static_assert((BN == 8) | (BN == 16) | (BN == 32) | (BN == 64), "token chunks of 8, 16, 32 or 64")
     gl.static_assert(BM % BN == 0, "a pool block holds whole chunks")
-    wp = gl.allocate_shared_memory(gl.uint8, [2 * RS_PAIR * STAGES, RS_ROWS, 32], w1_desc.layout)
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * PAIR * STAGES, RS_ROWS, 32], w1_desc.layout)
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)
-    sw = gl.allocate_shared_memory(gl.int32, [RS_PAIR * STAGES, RS_ROWS], ws1_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [PAIR * STAGES, RS_ROWS], ws1_desc.layout)
     stash = gl.allocate_shared_memory(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     tile_s = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -497,8 +514,8 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
         (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                            tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF,
                            OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES,
-                           HAS_CLAMP, KW2_PAD)),
+                           HAS_CLAMP, KW2_PAD, PAIR)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
-                           timeout_ns, H, I, BM, STAGES)),
+                           timeout_ns, H, I, BM, STAGES, PAIR)),
     ], [1], [LOAD_REGS])

@@ -297,11 +297,19 @@ FP4_RS_MAX_EXPECTED = 16
 #: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
 #: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 4, 64: 2}
+#: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
+#: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers only up to chunk 16).
+#: What a stage moves into shared memory is ``PAIR`` x 4 KB of weights and chunk x 128 bytes of tokens.
+#: Measured (``results/probes/rs_variants_h200.jsonl``, e47d7b4, two runs each): at chunk 16 (T = 32) four chains
+#: 572 / 572 us against two chains' 580 / 580; at chunk 8 (T = 8) four chains 402 / 401 against 374 / 368 -- there
+#: the tokens are 1 KB of a stage and the second ring stage four chains leave is what is missed.
+FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
 #: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 the loader at 40 leaves the math spilling in
 #: its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spills 84 B outside the K loops; at chunk 16
-#: 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24).
-FP4_RS_LOAD_REGS = {8: 40, 16: 24, 32: 24, 64: 40}
+#: 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16): the loader
+#: at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B.
+FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 
@@ -321,12 +329,12 @@ def fp4_rs_block_n(expected: float) -> int:
 
 def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
     """Ring stages of the register-operand tile at token chunk ``block_n``: as many as fit ``ctas_per_sm`` CTAs
-    (default ``FP4_RS_CTAS_PER_SM[block_n]``) in an SM's shared memory (a stage: two chains' 64 x 64 packed weight
-    bytes and 64 scale words, ``block_n`` x 128 token bytes; plus the ``[128, block_n]`` float32 stash of the L1
-    requant, barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
+    (default ``FP4_RS_CTAS_PER_SM[block_n]``) in an SM's shared memory (a stage: ``FP4_RS_PAIR[block_n]`` chains'
+    64 x 64 packed weight bytes and 64 scale words, ``block_n`` x 128 token bytes; plus the ``[128, block_n]``
+    float32 stash of the L1 requant, barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
     ctas = FP4_RS_CTAS_PER_SM[block_n] if ctas_per_sm is None else ctas_per_sm
     per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas - 1024  # (the driver's 1 KiB a CTA)
-    stage = 2 * (64 * 64 + 64 * 4) + block_n * 128  # (gemm_fp4_rs.RS_PAIR chains a token stage)
+    stage = FP4_RS_PAIR[block_n] * (64 * 64 + 64 * 4) + block_n * 128
     fixed = 128 * block_n * 4 + 64 * block_n * 2 + 512
     return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
 
@@ -874,7 +882,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        num_warps=4, maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
+        PAIR=FP4_RS_PAIR[block_n], num_warps=4, maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

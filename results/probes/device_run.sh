@@ -18,6 +18,8 @@
 #   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8, both FP8 x FP4 tiles, graph capture; ~120 s
 #                  before the register-operand tile's were added)
+#   rs_pair        fused_fp8_ws_profile.py at T = 8, 32 with 2 and 4 weight chains a token stage (FP4_RS_PAIR at
+#                  chunks 8 / 16), alternating twice (-> $OUT/rs_pair.jsonl; not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
 #                  with megamoe.direct_launch on and off, and its cProfile (-> $OUT/host.jsonl; not timed)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
@@ -108,6 +110,13 @@ step_rs_sweep() {  # the register-operand tile's phase at T = 8..512 whatever th
 step_gputests_quick() {
     $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp4_rs_gpu.py \
         -k "graph or real or block64 or one_ep8"
+}
+
+step_rs_pair() {  # chains a token stage at chunks 8 / 16: 2 against 4, the phase at T = 8, 32 (-> $OUT/rs_pair.jsonl)
+    local p
+    for p in "8:2,16:2" "8:4,16:4" "8:2,16:2" "8:4,16:4"; do
+        FP4_RS_PAIR=$p $PY results/probes/fused_fp8_ws_profile.py 8,32 fp8_fp4 >>"$OUT/rs_pair.jsonl" || return 1
+    done
 }
 
 step_host() { $PY results/probes/fp8_ws_probe.py host "${HOST_TOKENS:-8,128}" >>"$OUT/host.jsonl"; }

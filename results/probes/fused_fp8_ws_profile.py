@@ -9,7 +9,8 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   BACK_PROGRAMS_PER_SM     ``WS_BACK_PROGRAMS_PER_SM`` (a fraction gives that share of the SMs one program each)
   FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED, FP4_RS_MAX_EXPECTED   the tile
                            thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
-  FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32) whatever the expectation
+  FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32, 64) whatever the expectation
+  FP4_RS_PAIR              weight chains a token stage of that tile by chunk, e.g. ``8:2,16:2`` (``FP4_RS_PAIR``)
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -69,6 +70,10 @@ def main(argv: list[str]) -> None:
     if "FP4_RS_BLOCK_N" in os.environ:  # the register-operand tile's token chunk, whatever the expectation
         block_n = overrides["FP4_RS_BLOCK_N"] = int(os.environ["FP4_RS_BLOCK_N"])
         mf.fp4_rs_block_n = lambda expected: block_n
+    if "FP4_RS_PAIR" in os.environ:  # chains a token stage, per chunk
+        pairs = {int(k): int(v) for k, v in (kv.split(":") for kv in os.environ["FP4_RS_PAIR"].split(","))}
+        mf.FP4_RS_PAIR = {**mf.FP4_RS_PAIR, **pairs}
+        overrides["FP4_RS_PAIR"] = os.environ["FP4_RS_PAIR"]
     if "FRONT_PROGRAMS" in os.environ:
         front_programs, config = int(os.environ["FRONT_PROGRAMS"]), mf.fused_config
         mf.fused_config = lambda *a, **k: dataclasses.replace(config(*a, **k), programs_per_rank=front_programs)
