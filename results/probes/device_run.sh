@@ -42,6 +42,7 @@
 #                  FP4_RS_MAX_EXPECTED; chunks 16 / 32 forced at 128, 256) and the decode-partition tile's (-> $OUT/
 #                  rs_sweep.jsonl): where the threshold belongs (not yet timed)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
+#   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -143,6 +144,24 @@ step_profile() {
         done
     done
     cut -c1-400 "$OUT/profile.jsonl"
+}
+
+step_ncu() {  # Nsight Compute on one fused call per case (front, GEMM phase, back): speed of light, memory and
+    # compute workload, scheduler and warp-state (stall) statistics, occupancy, source counters (-> $OUT/ncu_<case>.txt;
+    # NCU_CASES "fmt:T ...", default the RS tile at T = 128, the decode-partition tile at 512 / 2048, FP8 at 2048)
+    local ncu case fmt t
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu"; return 1; }
+    for case in ${NCU_CASES:-fp8_fp4:128 fp8_fp4:2048 fp8:2048 fp8_fp4:512}; do
+        fmt=${case%%:*} t=${case##*:}
+        NCU=1 timeout 240 "$ncu" --clock-control none --profile-from-start off --target-processes all \
+            --kernel-name regex:"gemm_phase|fused_mega_moe" --page details --print-units base \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+            --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
+            --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+            $PY results/probes/fused_fp8_ws_profile.py "$t" "$fmt" >"$OUT/ncu_${fmt}_$t.txt" 2>&1
+        echo "ncu $case rc=$?: $(grep -c "gemm_phase\|fused_mega_moe" "$OUT/ncu_${fmt}_$t.txt") kernel lines"
+    done
 }
 
 step_clocks() { $PY results/probes/clock_probe.py 2048,8192 fp8,fp8_fp4 >>"$OUT/clocks.jsonl"; cat "$OUT/clocks.jsonl"; }

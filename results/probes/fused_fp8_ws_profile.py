@@ -11,6 +11,8 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
                            thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
   FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32, 64) whatever the expectation
   FP4_RS_PAIR              weight chains a token stage of that tile by chunk, e.g. ``8:2,16:2`` (``FP4_RS_PAIR``)
+  NCU                      set: no torch profiler and no row; after the warm-up one call runs between
+                           ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -96,6 +98,13 @@ def main(argv: list[str]) -> None:
         for _ in range(WARMUP):
             call()
         torch.cuda.synchronize()
+        if os.environ.get("NCU"):
+            torch.cuda.cudart().cudaProfilerStart()
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(json.dumps({"T": n, "fmt": fmt, "kind": cfg.kind, "block_m": cfg.block_m, "ncu": True}), flush=True)
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(CALLS):
                 call()
