@@ -104,6 +104,12 @@ FP8_SWAP_BLOCK_M = 32
 MAX_BLOCK_M = 32
 #: Pairs per pull task.
 PULL_BLOCK_PAIRS = 16
+#: Columns of a pool row that the front launch of a Gluon kind moves per step of its row copy (``BLOCK_H`` of PHASE
+#: 1; the one-launch kernel keeps 256, as its pull shares registers with its GEMM tiles). Each step is a dependent
+#: load -> fold -> store round trip, so the copy's speed is the bytes a step has in flight: at 256 columns (4 KB a
+#: program) the FP8 x FP4 front at T = 2048 took 113 us at 18 % of DRAM's throughput (Nsight Compute,
+#: ``results/probes/ncu_h200/fp8_fp4_2048_193bd42.txt``).
+PULL_BLOCK_H = 1024
 #: Polls of a barrier wait without progress before it fails, per second of ``barrier_timeout_s`` (interpreter).
 INTERPRETER_POLLS_PER_S = 2000
 
@@ -575,6 +581,17 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
     return timelines if timeline else None
 
 
+def phase_meta(meta: dict, phase: int, L) -> dict:
+    """``kernel_meta``'s keywords ``meta`` for launch ``phase`` of layout ``L``: 0 the one launch (``meta`` itself),
+    1 / 2 the front / back launch of a Gluon kind (``PHASE``; the front's row copy ``PULL_BLOCK_H`` columns a step)."""
+    if phase == 0:
+        return meta
+    m = dict(meta, PHASE=phase)
+    if phase == 1:
+        m["BLOCK_H"] = largest_pow2_tile(L.hidden, PULL_BLOCK_H)
+    return m
+
+
 def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeline: bool) -> dict:
     """``kernel_meta`` for ``sb``'s layout and ``cfg`` as ``{PHASE: (constexpr keywords, their hashable key)}`` for
     PHASE 0 (the one launch), 1 and 2 (the front and back launches of a Gluon kind), built once per configuration
@@ -587,7 +604,7 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
         meta = kernel_meta(sb.layout, cfg, has_clamp=has_clamp, has_stats=has_stats, timeline=timeline)
         out = {}
         for phase in (0, 1, 2):
-            m = meta if phase == 0 else dict(meta, PHASE=phase)
+            m = phase_meta(meta, phase, sb.layout)
             if pdl and phase:  # the front triggers, the back is a programmatic dependent (WS_PDL)
                 m.update(PDL=True, **({"launch_pdl": True} if phase == 2 else {}))
             out[phase] = (m, tuple(sorted(m.items())))

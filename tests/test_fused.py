@@ -159,6 +159,23 @@ def test_fused_config_from_shapes():
     assert not meta["FP8W"] and not meta["FP8_SWAP"] and meta["FOLDED"]
 
 
+def test_phase_meta_widens_only_the_front_launchs_row_copy():
+    """The Gluon kinds' front launch (PHASE 1) copies pool rows PULL_BLOCK_H columns a step (the copy is a chain of
+    load -> fold -> store round trips), the one launch (PHASE 0) and the back keep ``kernel_meta``'s 256; every other
+    keyword is the same. (``test_fp4_ws_three_launch_split_bitwise`` runs that front at H = 512: 512 columns a step.)"""
+    import megamoe.fused as mf
+
+    L = Layout(8, 384, 8192, 6, 7168, 3072, 128, "fp8_fp4")
+    meta = kernel_meta(L, FusedConfig(128, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False, has_stats=False,
+                       timeline=False)
+    assert mf.phase_meta(meta, 0, L) is meta and meta["BLOCK_H"] == 256
+    front, back = mf.phase_meta(meta, 1, L), mf.phase_meta(meta, 2, L)
+    assert (front["PHASE"], front["BLOCK_H"], back["PHASE"], back["BLOCK_H"]) == (1, 1024, 2, 256)
+    same = {k: v for k, v in meta.items() if k != "BLOCK_H"}
+    assert {k: v for k, v in front.items() if k not in ("PHASE", "BLOCK_H")} == same
+    assert mf.phase_meta(meta, 1, Layout(1, 6, 300, 3, 512, 384, 128, "fp8_fp4"))["BLOCK_H"] == 512
+
+
 def test_residency_limits_every_programs_per_sm_choice():
     """``max_resident_programs`` against the per-SM limits, with the registers / shared memory of the fused kernel
     compiled for sm_90a (Triton 3.6, real size; every tile kind, "fp8_swap" at both of its blocks): each

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from megamoe.fused import WARPS_STAGES, FusedConfig, kernel_meta  # noqa: E402
+from megamoe.fused import WARPS_STAGES, FusedConfig, kernel_meta, phase_meta  # noqa: E402
 from megamoe.kernels import fused as kf  # noqa: E402
 from megamoe.layout import Layout  # noqa: E402
 
@@ -29,7 +29,7 @@ L = Layout(8, 384, 8192, 6, 7168, 3072, 128, fmt)
 warps, stages = WARPS_STAGES[KIND]
 cfg = FusedConfig(block_m=128, programs_per_rank=132, numerics="hopper" if KIND == "fp4_ws" else "exact",
                   num_warps=warps, num_stages=stages, kind=KIND)
-meta = dict(kernel_meta(L, cfg, has_clamp=False, has_stats=True, timeline=False), PHASE=PHASE)
+meta = dict(phase_meta(kernel_meta(L, cfg, has_clamp=False, has_stats=True, timeline=False), PHASE, L))
 options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
 fn = kf.fused_mega_moe_kernel
 sig = dict(buf0="*u8", y0="*i16", w1_0="*u8", w1_sf0="*i32", w2_0="*u8", w2_sf0="*i32", stats0="*i32",
