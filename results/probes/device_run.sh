@@ -42,6 +42,7 @@
 #                  FP4_RS_MAX_EXPECTED; chunks 16 / 32 forced at 128, 256) and the decode-partition tile's (-> $OUT/
 #                  rs_sweep.jsonl): where the threshold belongs (not yet timed)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
+#   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -144,6 +145,16 @@ step_profile() {
         done
     done
     cut -c1-400 "$OUT/profile.jsonl"
+}
+
+step_ws_regs() {  # the decode-partition tile's register split at block 128, as is (208 / 24 / 72) against 200 / 24 / 88
+    # (offline sm_90a: the decode partition's tile loop spills 15 STL + 40 LDL as is, 1 + 26 at 88), alternating,
+    # phase at T = 512, 2048 (-> $OUT/ws_regs.jsonl; timing only: adopt it only after the fp4_ws GPU tests pass with it)
+    local r
+    for r in "" "128:200,24,88,128" "" "128:200,24,88,128"; do
+        FP4_WS_REGS=${r:-128:208,24,72,128} $PY results/probes/fused_fp8_ws_profile.py 512,2048 fp8_fp4 \
+            >>"$OUT/ws_regs.jsonl" || return 1
+    done
 }
 
 step_ncu() {  # Nsight Compute on one fused call per case (front, GEMM phase, back): speed of light, memory and

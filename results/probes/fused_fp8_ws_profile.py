@@ -10,6 +10,8 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED, FP4_RS_MAX_EXPECTED   the tile
                            thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
   FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32, 64) whatever the expectation
+  FP4_WS_REGS              the decode-partition tile's (math, loader, decode, maxnreg) registers at one pool block,
+                           e.g. ``128:200,24,88,128`` (``FP4_WS_REGS``)
   FP4_RS_PAIR              weight chains a token stage of that tile by chunk, e.g. ``8:2,16:2`` (``FP4_RS_PAIR``)
   NCU                      set: no torch profiler and no row; after the warm-up one call runs between
                            ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
@@ -65,6 +67,10 @@ def main(argv: list[str]) -> None:
                  "FP4_RS_MAX_EXPECTED"):
         if name in os.environ:
             overrides[name] = float(os.environ[name])
+    if "FP4_WS_REGS" in os.environ:  # the decode-partition tile's register split at one block, "128:200,24,88,128"
+        bm, regs = os.environ["FP4_WS_REGS"].split(":")
+        mf.FP4_WS_REGS = {**mf.FP4_WS_REGS, int(bm): tuple(int(v) for v in regs.split(","))}
+        overrides["FP4_WS_REGS"] = os.environ["FP4_WS_REGS"]
     if "BACK_PROGRAMS_PER_SM" in os.environ:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
