@@ -67,14 +67,14 @@ def main(argv: list[str]) -> None:
                  "FP4_RS_MAX_EXPECTED"):
         if name in os.environ:
             overrides[name] = float(os.environ[name])
-    if "FP4_WS_REGS" in os.environ:  # the decode-partition tile's register split at one block, "128:200,24,88,128"
-        bm, regs = os.environ["FP4_WS_REGS"].split(":")
-        mf.FP4_WS_REGS = {**mf.FP4_WS_REGS, int(bm): tuple(int(v) for v in regs.split(","))}
-        overrides["FP4_WS_REGS"] = os.environ["FP4_WS_REGS"]
     if "BACK_PROGRAMS_PER_SM" in os.environ:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
         setattr(mf, name, value)
+    if "FP4_WS_REGS" in os.environ:  # the decode-partition tile's register split at one block, "128:200,24,88,128"
+        bm, regs = os.environ["FP4_WS_REGS"].split(":")
+        mf.FP4_WS_REGS = {**mf.FP4_WS_REGS, int(bm): tuple(int(v) for v in regs.split(","))}
+        overrides["FP4_WS_REGS"] = os.environ["FP4_WS_REGS"]
     if "FP4_RS_BLOCK_N" in os.environ:  # the register-operand tile's token chunk, whatever the expectation
         block_n = overrides["FP4_RS_BLOCK_N"] = int(os.environ["FP4_RS_BLOCK_N"])
         mf.fp4_rs_block_n = lambda expected: block_n
