@@ -65,8 +65,10 @@ epilogues' global stores. Session 19, the fold once per pool block (``_l1_done``
 CTAs an SM) 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against 803 (chunk 32) / 836 / 1272 (decode-partition tile,
 block 128) (``results/probes/rs_sweep_h200.jsonl``). Then two chains a stage: whole calls (``results/layer_h200.json``
 at 210c711) T = 32 / 128 699 -> 633 / 852 -> 721 us (graph replays 697 -> 629 / 847 -> 718), T = 8 graph 439 -> 424
-(its eager time waits on the host). The phase alone with two chains a stage is not yet measured, nor the threshold
-(``FP4_RS_MAX_EXPECTED`` = 16) re-swept with it.
+(its eager time waits on the host). The phase alone (session 20): two chains 374 / 368 us at T = 8 and 580 / 580 at
+T = 32, four chains 402 / 401 and 572 / 572 (``results/probes/rs_variants_h200.jsonl``), 655 us at T = 128
+(``fused_fp8_ws_profile_h200.jsonl`` at 25affd4; Nsight Compute: L2 at 84 % of its throughput,
+``results/probes/ncu_h200.json``); the threshold (``FP4_RS_MAX_EXPECTED`` = 16) not re-swept with them.
 
 Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registers (setmaxnreg 104 math; loader
 40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
@@ -451,10 +453,12 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                                 clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
                                 HAS_CLAMP)
                 if PAIR == 4:
-                    _chain_epilogue(acc2, 2, w_row + 2 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash, clamp,
-                                    buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
-                    _chain_epilogue(acc3, 3, w_row + 3 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash, clamp,
-                                    buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
+                    _chain_epilogue(acc2, PAIR * qp + 2, w_row + 2 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2,
+                                    stash, clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
+                                    HAS_CLAMP)
+                    _chain_epilogue(acc3, PAIR * qp + 3, w_row + 3 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2,
+                                    stash, clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
+                                    HAS_CLAMP)
             if not is_l2:
                 gl.thread_barrier()  # every warp's chains are in the stash
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
