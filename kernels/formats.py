@@ -23,9 +23,13 @@ FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
 #: The tile table the fused FP8 path's front launch writes for its Gluon GEMM phase (``megamoe.kernels.fused``
 #: ``_write_tile_table``, read by ``megamoe.kernels.gemm_fp8_ws``): int32 words before the entries ``(L1 tiles, L2
 #: tiles, pool blocks, word offset of the block table)`` and per entry ``(pool block, n-tile, local expert, valid
-#: rows)``; after the entries, one word per pool block (its valid rows).
+#: rows)``; after the entries, one word per pool block (its valid rows); after those, one **group word** per entry
+#: (``first * TILE_GROUP_SIZES + size``: the entries ``[first, first + size)`` that share the entry's weight tile --
+#: one GEMM, expert and n-tile, consecutive in the table) and one **group counter** per entry, zeroed by the front
+#: launch (``megamoe.fused.WS_GROUP_SYNC``: the programs that share a weight tile start it together).
 TILE_HEADER = tl.constexpr(4)
 TILE_WORDS = tl.constexpr(4)
+TILE_GROUP_SIZES = tl.constexpr(1024)
 #: The Gluon GEMM phase's tile: pool rows (one pool block, two math warpgroups of 64) x weight rows (two halves).
 WS_TILE_M = tl.constexpr(128)
 WS_TILE_N = tl.constexpr(256)

@@ -63,6 +63,7 @@ from megamoe.kernels.formats import (
     FP8_MAX,
     L1_INTERLEAVE,
     SF_GRAN_K,
+    TILE_GROUP_SIZES,
     TILE_HEADER,
     TILE_WORDS,
 )
@@ -506,10 +507,13 @@ def _tile_rows(tile, N_TILES: tl.constexpr, n, blocks, cum, BM: tl.constexpr, BL
 
 
 @triton.jit
-def _tile_entries(tiles, first, cta, G, n, blocks, cum, N_T: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+def _tile_entries(tiles, first, cta, G, n, blocks, cum, groups, num_tiles, N_T: tl.constexpr, BM: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
     """Entries ``first ..`` of the tile table for one GEMM of ``N_T`` n-tiles per pool block, ordered expert, n-tile,
     then pool block of the expert (consecutive tiles share a weight tile, which the L2 cache then serves):
-    ``(pool block, n-tile, local expert, valid rows)`` int32 each. Strided over the rank's programs; returns the
+    ``(pool block, n-tile, local expert, valid rows)`` int32 each; at ``groups + first + t`` each entry's group word
+    (``TILE_GROUP_SIZES * (first entry of its weight tile) + entries of the weight tile``, the size capped) and at
+    ``groups + num_tiles + first + t`` its group counter, zeroed. Strided over the rank's programs; returns the
     number of tiles."""
     CHUNK: tl.constexpr = 128
     count = blocks * N_T  # tiles per expert [BLOCK_E]
@@ -533,6 +537,9 @@ def _tile_entries(tiles, first, cta, G, n, blocks, cum, N_T: tl.constexpr, BM: t
         tl.store(p + 1, r // nb, mask=ok)
         tl.store(p + 2, e, mask=ok)
         tl.store(p + 3, tl.minimum(n_e - m * BM, BM), mask=ok)
+        group = (first + t - m) * TILE_GROUP_SIZES + tl.minimum(nb, TILE_GROUP_SIZES - 1)
+        tl.store(groups + first + t, group, mask=ok)
+        tl.store(groups + num_tiles + first + t, tl.zeros([CHUNK], tl.int32), mask=ok)
         t0 += G * CHUNK
     return total
 
@@ -543,11 +550,12 @@ def _write_tile_table(tiles, cta, G, n, blocks, cum, N1: tl.constexpr, N2: tl.co
     """The GEMM phase's tile table (:mod:`megamoe.kernels.gemm_fp8_ws`): header ``(L1 tiles, L2 tiles, pool blocks,
     word offset of the block table)``, the L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see
     :func:`_tile_entries`; then the block table: the valid rows of each pool block (what the GEMM phase's pull
-    copies and the L1 tiles of the block wait for)."""
-    num_l1 = _tile_entries(tiles, 0, cta, G, n, blocks, cum, N1, BM, BLOCK_E)
-    num_l2 = _tile_entries(tiles, num_l1, cta, G, n, blocks, cum, N2, BM, BLOCK_E)
+    copies and the L1 tiles of the block wait for); then the group words and counters (``TILE_GROUP_SIZES``)."""
     num_blocks = tl.max(cum, axis=0)
-    blk = TILE_HEADER + (num_l1 + num_l2) * TILE_WORDS
+    blk = TILE_HEADER + num_blocks * (N1 + N2) * TILE_WORDS
+    groups = tiles + blk + num_blocks
+    num_l1 = _tile_entries(tiles, 0, cta, G, n, blocks, cum, groups, num_blocks * (N1 + N2), N1, BM, BLOCK_E)
+    num_l2 = _tile_entries(tiles, num_l1, cta, G, n, blocks, cum, groups, num_blocks * (N1 + N2), N2, BM, BLOCK_E)
     ev = tl.arange(0, BLOCK_E)
     b0 = cta * 128
     while b0 < num_blocks:

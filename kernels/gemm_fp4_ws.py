@@ -159,6 +159,7 @@ from megamoe.kernels.gemm_fp8_ws import (
     TILE_N,
     WM,
     _fence_proxy_async_global,
+    _group_sync,
     _l1_epilogue,
     _l2_epilogue,
     _pin,
@@ -204,7 +205,7 @@ def _wait_mask(ptr, need, state, timeout_ns):
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                     wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    SF_TMA: gl.constexpr):
+                    SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
@@ -222,6 +223,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # the rank's heartbeat (see gemm_fp8_ws)
+        if GROUP_SYNC:  # (megamoe.fused.WS_GROUP_SYNC)
+            _group_sync(tiles, t, num_tiles, state, timeout_ns)
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
         if is_l2:
@@ -555,7 +558,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
-                          PDL: gl.constexpr = False):
+                          PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, split nibble order), box [256, 64];
@@ -618,7 +621,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                                OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                                wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
-                               state, timeout_ns, H, I, SP, STAGES, SF_TMA)),
+                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
             (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
                                  decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
@@ -640,7 +643,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                            OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
-                           timeout_ns, H, I, SP, STAGES, SF_TMA)),
+                           timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
         (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded,
                              rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF,
                              H, I, SP, STAGES,

@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_GROUP_SIZES, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.gemm import swiglu
 from megamoe.kernels.numerics import ceil_ue8m0
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
@@ -144,9 +144,40 @@ def _tile(tiles, t):
 
 
 @gluon.jit
+def _group_sync(tiles, t, num_tiles, state, timeout_ns):
+    """Start tile ``t`` together with the other programs of its wave (tiles ``[G w, G w + G)`` of a grid of ``G``
+    programs, each taking ``t``, ``t + G``, ...) whose tiles share its weight tile (its group, from the front
+    launch's group word ``TILE_GROUP_SIZES``): each adds one to the group's counter (the first group tile of the
+    wave) and waits until all have, so their TMA loads of the same weight boxes meet in the L2 cache. Without it
+    they drift apart, and each streams the weights from DRAM: Nsight Compute had the FP8 phase at T = 2048 reading
+    ~2.3x the weights' bytes at 75 % of DRAM's throughput with a 33 % L2 hit rate
+    (``results/probes/ncu_h200/fp8_2048_193bd42.txt``). Bounded: on expiry ``TAG_INTERNAL_WAIT``."""
+    num_blocks = gl.load(tiles + 2)
+    groups = tiles + gl.load(tiles + 3) + num_blocks
+    word = gl.load(groups + t)
+    first = word // TILE_GROUP_SIZES
+    G = gl.num_programs(0)
+    wave = t - t % G
+    lo = gl.maximum(first, wave)
+    size = gl.minimum(first + word % TILE_GROUP_SIZES, wave + G) - lo
+    if size > 1:
+        ctr = groups + num_tiles + lo
+        seen = gl.atomic_add(ctr, 1, sem="relaxed", scope="gpu") + 1
+        if seen < size:
+            t0 = _globaltimer_ns()
+            alive = True
+            while (seen < size) & alive:
+                seen = gl.atomic_add(ctr, 0, sem="relaxed", scope="gpu")
+                alive = (_globaltimer_ns() - t0) <= timeout_ns
+            if seen < size:
+                gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
                     tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
-                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr):
+                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_SYNC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
     two bits of the block's arrival mask.
@@ -162,6 +193,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
         # the rank's heartbeat: a peer waiting in barrier 2 for this rank sees it move (it names only ranks whose
         # counter stood still for barrier_timeout_s), as the one-launch kernel's task loop does per task
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")
+        if GROUP_SYNC:
+            _group_sync(tiles, t, num_tiles, state, timeout_ns)
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
         if is_l2:
@@ -613,7 +646,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -660,7 +693,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                                    OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                                empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
-                               H, I, SP, STAGES)),
+                               H, I, SP, STAGES, GROUP_SYNC)),
             (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
@@ -674,7 +707,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            H, I, SP, STAGES, HAS_CLAMP, LEAD)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
-                           I, SP, STAGES)),
+                           I, SP, STAGES, GROUP_SYNC)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.kernels.formats import TILE_HEADER, TILE_WORDS, WS_TILE_N
+from megamoe.kernels.formats import TILE_GROUP_SIZES, TILE_HEADER, TILE_WORDS, WS_TILE_N
 from megamoe.quant import (
     L1_INTERLEAVE_ROWS,
     _unrepack_nibbles_split,
@@ -66,6 +66,16 @@ def tile_table(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], in
     h, w = TILE_HEADER.value, TILE_WORDS.value
     entries = t[h: h + (num_l1 + num_l2) * w].view(-1, w).tolist()
     return [tuple(e) for e in entries], num_l1, t[blk: blk + num_blocks].tolist()
+
+
+def tile_groups(tiles: torch.Tensor) -> tuple[list[tuple[int, int]], list[int]]:
+    """The group words and counters after the block table, as written by the front launch: ``([(first entry of the
+    entry's weight tile, entries of that weight tile)] per entry, [counter] per entry)``."""
+    t = tiles.cpu()
+    num_l1, num_l2, num_blocks, blk = (int(v) for v in t[:4])
+    n, g = num_l1 + num_l2, TILE_GROUP_SIZES.value
+    words = t[blk + num_blocks: blk + num_blocks + n].tolist()
+    return [(w // g, w % g) for w in words], t[blk + num_blocks + n: blk + num_blocks + 2 * n].tolist()
 
 
 def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):

@@ -249,7 +249,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     128 (a full and a partial one); I = 384: three L1 tiles a block; H = 512: two L2 tiles. The tile table is
     checked against the pool schedule."""
     from megamoe.fused import FusedConfig
-    from megamoe.gemm_phase import tile_table
+    from megamoe.gemm_phase import tile_groups, tile_table
 
     cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
@@ -278,6 +278,17 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     rows = {b: v for b, _, _, v in l1}  # valid rows per block: every routed (token, slot) pair exactly once
     assert sum(rows.values()) == int((case.problem().topk_idx[0] >= 0).sum())
     assert block_rows == [rows[b] for b in blocks]  # the block list the GEMM phase's pull walks
+    # the group words (WS_GROUP_SYNC): each entry's run of entries on the same weight tile -- same GEMM, expert
+    # and n-tile, consecutive -- and no longer; the counters zeroed (the call ran twice: the front re-zeroes them)
+    groups, counters = tile_groups(tables[-1])
+    assert len(groups) == len(entries) and counters == [0] * len(entries)
+    for i, (first, size) in enumerate(groups):
+        assert first <= i < first + size <= (num_l1 if i < num_l1 else len(entries)), (i, first, size)
+        key = lambda j: (j < num_l1, entries[j][1], entries[j][2])  # noqa: E731
+        assert all(key(j) == key(i) for j in range(first, first + size)), (i, first, size)
+        assert first == 0 or first == num_l1 or key(first - 1) != key(i)
+        assert first + size in (num_l1, len(entries)) or key(first + size) != key(i)
+    assert max(s for _, s in groups) > 1  # some weight tile read by two pool blocks
 
 
 def test_gluon_phase_weight_boxes_are_blocks_of_the_transformed_weights(monkeypatch):

@@ -43,6 +43,8 @@
 #                  rs_sweep.jsonl): where the threshold belongs (not yet timed)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
+#   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
+#                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -154,6 +156,17 @@ step_ws_regs() {  # the decode-partition tile's register split at block 128, as 
     for r in "" "128:200,24,88,128" "" "128:200,24,88,128"; do
         FP4_WS_REGS=${r:-128:208,24,72,128} $PY results/probes/fused_fp8_ws_profile.py 512,2048 fp8_fp4 \
             >>"$OUT/ws_regs.jsonl" || return 1
+    done
+}
+
+step_group_sync() {  # WS_GROUP_SYNC: its GPU tests (same bits on and off), then off / on / off / on at T = 512,
+    # 2048, 8192, whole call with its error (-> $OUT/group_sync.jsonl), then the phase alone on / off (profile rows)
+    $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k GROUP_SYNC || return 1
+    $PY results/probes/fp8_ws_probe.py group_sync "${GROUP_SYNC_TOKENS:-512,2048,8192}" >>"$OUT/group_sync.jsonl" || return 1
+    local fmt
+    for fmt in fp8 fp8_fp4; do
+        WS_GROUP_SYNC=1 $PY results/probes/fused_fp8_ws_profile.py 2048,8192 $fmt >>"$OUT/group_sync.jsonl"
+        WS_GROUP_SYNC=0 $PY results/probes/fused_fp8_ws_profile.py 2048,8192 $fmt >>"$OUT/group_sync.jsonl"
     done
 }
 

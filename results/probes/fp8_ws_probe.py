@@ -378,6 +378,16 @@ def probe_lead(tokens=(2048, 8192)):
             _choice_row("lead", T, f"lead {'on' if lead else 'off'}", "fp8", {"FP8_WS_LEAD": lead})
 
 
+def probe_group_sync(tokens=(512, 2048, 8192)):
+    """The Gluon phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``) off / on / off /
+    on, both formats, whole call, rows as ``pdl`` (error against the reference at the real size; the bits on / off are compared in
+    ``tests/gpu/test_ws_launch_options_gpu.py``)."""
+    for T in _tokens(tokens):
+        for fmt in ("fp8", "fp8_fp4"):
+            for sync in (False, True, False, True):
+                _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt, {"WS_GROUP_SYNC": sync})
+
+
 def probe_host(tokens=(128, 512)):
     """Where the host's enqueue time of one eager call goes (session 7's wall-gap probe: 0.66-1.35 ms a call, about
     the GPU time of an FP8 x FP4 call at T <= 128): per T and format, ``host_us`` and the 25 functions of largest
@@ -457,4 +467,4 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead}[name]()
+         "lead": probe_lead, "group_sync": probe_group_sync}[name]()

@@ -12,6 +12,7 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32, 64) whatever the expectation
   FP4_WS_REGS              the decode-partition tile's (math, loader, decode, maxnreg) registers at one pool block,
                            e.g. ``128:200,24,88,128`` (``FP4_WS_REGS``)
+  WS_GROUP_SYNC            1 / 0: the Gluon phase's programs sharing a weight tile start it together or not
   FP4_RS_PAIR              weight chains a token stage of that tile by chunk, e.g. ``8:2,16:2`` (``FP4_RS_PAIR``)
   NCU                      set: no torch profiler and no row; after the warm-up one call runs between
                            ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
@@ -67,6 +68,8 @@ def main(argv: list[str]) -> None:
                  "FP4_RS_MAX_EXPECTED"):
         if name in os.environ:
             overrides[name] = float(os.environ[name])
+    if "WS_GROUP_SYNC" in os.environ:  # the Gluon phases' group sync (megamoe.fused.WS_GROUP_SYNC)
+        overrides["WS_GROUP_SYNC"] = os.environ["WS_GROUP_SYNC"] == "1"
     if "BACK_PROGRAMS_PER_SM" in os.environ:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
