@@ -223,7 +223,7 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")  # the rank's heartbeat (see gemm_fp8_ws)
-        if GROUP_SYNC:  # (megamoe.fused.WS_GROUP_SYNC)
+        if GROUP_SYNC:  # (megamoe.fused.WS_GROUP_SYNC["fp4_ws"]: off, measured no gain)
             _group_sync(tiles, t, num_tiles, state, timeout_ns)
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1

@@ -181,16 +181,19 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
-#: The Gluon phases' programs (both formats) whose tiles of one wave share a weight tile start them together
+#: By tile kind: whether the Gluon phase's programs whose tiles of one wave share a weight tile start them together
 #: (``GROUP_SYNC`` of ``megamoe.kernels.gemm_fp8_ws._group_sync``, on the group words and counters the front launch
 #: writes after the tile table), so the weight boxes they load meet in the L2 cache instead of streaming from DRAM
-#: once per pool block (FP8 weights, and FP4 weights predecoded to e4m3; the FP4 decode-partition tile's packed
-#: stream is not DRAM-bound: 14 % at T = 2048, ``fp8_fp4_2048_193bd42.txt``). Why: Nsight Compute
-#: (``results/probes/ncu_h200/fp8_2048_193bd42.txt``) had the FP8 phase at T = 2048 at 75 % of DRAM's throughput
-#: (~7.2 GB in 2.0 ms, ~2.3x the weights' 3.2 GB) with an L2 hit rate of 33 %, what no reuse of the weights at all
-#: gives (each 128-token tile reads 1.8 MB of weights and 0.9 MB of tokens, the tokens hit). Off until measured on a
-#: GPU (``device_run.sh group_sync``).
-WS_GROUP_SYNC = False
+#: once per pool block. Why: Nsight Compute (``results/probes/ncu_h200/fp8_2048_193bd42.txt``) had the FP8 phase at
+#: T = 2048 at 75 % of DRAM's throughput (~7.2 GB in 2.0 ms, ~2.3x the weights' 3.2 GB) with an L2 hit rate of 33 %,
+#: what no reuse of the weights at all gives. Same bits (``tests/gpu/test_ws_launch_options_gpu.py``). Measured on an
+#: H200, whole call off / on / off / on (``group_sync`` rows at 02781a3 in ``fp8_ws_probe_h200.jsonl``, session 21):
+#: FP8 at T = 512 921 / 923 / 926 / 924 us (one pool block an expert: groups of one), T = 2048 2325 / 2179 / 2339 /
+#: 2175, T = 8192 7566 / 7042 / 7561 / 7035 (-7 %); its GEMM phase alone 1997 -> 1771 us at T = 2048, 6778 -> 5765 at
+#: 8192 (profile rows in ``fused_fp8_ws_profile_h200.jsonl``) -> on. FP8 x FP4 (the decode-partition tile, whose
+#: packed stream was at 14 % of DRAM, ``fp8_fp4_2048_193bd42.txt``; predecoded e4m3 at 8192): T = 512 1327 / 1336 /
+#: 1330 / 1338, T = 2048 3280 / 3301 / 3279 / 3301, T = 8192 8381 / 8426 / 8422 / 8418 -> off.
+WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
@@ -917,7 +920,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC),
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"])
+    return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
 
@@ -935,7 +939,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
+        **_pdl_keywords())
 
 
 #: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
@@ -952,7 +957,8 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC),
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"])
+    return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
 
@@ -965,8 +971,8 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC, num_warps=4,
-        maxnreg=maxnreg, **_pdl_keywords())
+        LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
+        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -385,7 +385,7 @@ def probe_group_sync(tokens=(512, 2048, 8192)):
     for T in _tokens(tokens):
         for fmt in ("fp8", "fp8_fp4"):
             for sync in (False, True, False, True):
-                _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt, {"WS_GROUP_SYNC": sync})
+                _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt, {"WS_GROUP_SYNC": {"fp8_ws": sync, "fp4_ws": sync}})
 
 
 def probe_host(tokens=(128, 512)):

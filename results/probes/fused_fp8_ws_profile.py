@@ -69,7 +69,8 @@ def main(argv: list[str]) -> None:
         if name in os.environ:
             overrides[name] = float(os.environ[name])
     if "WS_GROUP_SYNC" in os.environ:  # the Gluon phases' group sync (megamoe.fused.WS_GROUP_SYNC)
-        overrides["WS_GROUP_SYNC"] = os.environ["WS_GROUP_SYNC"] == "1"
+        on = os.environ["WS_GROUP_SYNC"] == "1"
+        overrides["WS_GROUP_SYNC"] = {"fp8_ws": on, "fp4_ws": on}
     if "BACK_PROGRAMS_PER_SM" in os.environ:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
     for name, value in overrides.items():
