@@ -151,7 +151,9 @@ def _group_sync(tiles, t, num_tiles, state, timeout_ns):
     wave) and waits until all have, so their TMA loads of the same weight boxes meet in the L2 cache. Without it
     they drift apart, and each streams the weights from DRAM: Nsight Compute had the FP8 phase at T = 2048 reading
     ~2.3x the weights' bytes at 75 % of DRAM's throughput with a 33 % L2 hit rate
-    (``results/probes/ncu_h200/fp8_2048_193bd42.txt``). Bounded: on expiry ``TAG_INTERNAL_WAIT``."""
+    (``results/probes/ncu_h200/fp8_2048_193bd42.txt``); with it 46 % of DRAM and a 61 % hit rate, the phase 12 %
+    shorter (``fp8_2048_3df89c0.txt``; whole-call rows in ``megamoe.fused.WS_GROUP_SYNC``'s comment). Bounded: on
+    expiry ``TAG_INTERNAL_WAIT``."""
     num_blocks = gl.load(tiles + 2)
     groups = tiles + gl.load(tiles + 3) + num_blocks
     word = gl.load(groups + t)
