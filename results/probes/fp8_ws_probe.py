@@ -388,6 +388,22 @@ def probe_group_sync(tokens=(512, 2048, 8192)):
                 _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt, {"WS_GROUP_SYNC": {"fp8_ws": sync, "fp4_ws": sync}})
 
 
+def probe_rs_ctas(tokens=(128,)):
+    """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is (4 CTAs an SM,
+    two weight chains a token stage) against 2 CTAs an SM with four chains (each stage moves the chunk's tokens once
+    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``) and 2 CTAs with
+    two chains (6 ring stages), alternating twice, whole call with its error (``FP8 x FP4``, "hopper")."""
+    variants = {"as is": {}}
+    for name, (ctas, pair, load) in (("c2p4", (2, 4, 40)), ("c2p2", (2, 2, 40))):
+        variants[name] = dict(FP4_RS_CTAS_PER_SM={**mf.FP4_RS_CTAS_PER_SM, 32: ctas},
+                              FP4_RS_PAIR={**mf.FP4_RS_PAIR, 32: pair},
+                              FP4_RS_LOAD_REGS={**mf.FP4_RS_LOAD_REGS, 32: load})
+    for T in _tokens(tokens):
+        for _ in range(2):
+            for label, overrides in variants.items():
+                _choice_row("rs_ctas", T, label, "fp8_fp4", overrides)
+
+
 def probe_host(tokens=(128, 512)):
     """Where the host's enqueue time of one eager call goes (session 7's wall-gap probe: 0.66-1.35 ms a call, about
     the GPU time of an FP8 x FP4 call at T <= 128): per T and format, ``host_us`` and the 25 functions of largest
@@ -467,4 +483,4 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync}[name]()
+         "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas}[name]()
