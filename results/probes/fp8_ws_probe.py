@@ -380,12 +380,13 @@ def probe_lead(tokens=(2048, 8192)):
 
 def probe_group_sync(tokens=(512, 2048, 8192)):
     """The Gluon phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``) off / on / off /
-    on, both formats, whole call, rows as ``pdl`` (error against the reference at the real size; the bits on / off are compared in
-    ``tests/gpu/test_ws_launch_options_gpu.py``)."""
+    on, both formats, whole call, rows as ``pdl`` (error against the reference at the real size; the bits on / off
+    are compared in ``tests/gpu/test_ws_launch_options_gpu.py``)."""
     for T in _tokens(tokens):
         for fmt in ("fp8", "fp8_fp4"):
             for sync in (False, True, False, True):
-                _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt, {"WS_GROUP_SYNC": {"fp8_ws": sync, "fp4_ws": sync}})
+                _choice_row("group_sync", T, f"group_sync {'on' if sync else 'off'}", fmt,
+                            {"WS_GROUP_SYNC": {"fp8_ws": sync, "fp4_ws": sync}})
 
 
 def probe_rs_ctas(tokens=(128,)):
