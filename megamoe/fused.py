@@ -317,6 +317,14 @@ FP4_RS_MAX_EXPECTED = 16
 #: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
 #: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 4, 64: 2}
+#: Candidate settings of the register-operand tile at token chunk 32, by name: (CTAs an SM, weight chains a token
+#: stage, loader registers) for ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS`` (the defaults are 4,
+#: 2, 24). Not yet measured: ``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant`` and ``fp8_ws_probe.py rs_ctas``
+#: (``device_run.sh rs_ctas``) test and time them. Why: at T = 128 the phase is L2-bound (Nsight Compute, L2 at 84 %),
+#: each stage re-reading the chunk's tokens per pair of chains; four chains a stage need 2 CTAs an SM at chunk 32.
+#: Offline sm_90a (Triton 3.6): (2, 4, 40) 128 registers, 4 stages, 106632 B shared, no spill; (2, 2, 40) 6 stages,
+#: no spill; the defaults spill 84 B outside the K loops.
+FP4_RS32_CANDIDATES = {"c2p4": (2, 4, 40), "c2p2": (2, 2, 40)}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
 #: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers only up to chunk 16).
 #: What a stage moves into shared memory is ``PAIR`` x 4 KB of weights and chunk x 128 bytes of tokens.

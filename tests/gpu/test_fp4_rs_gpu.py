@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megamoe.cases import MoECase, assert_cuda_graph_replays, assert_reports, fp4_gluon_phase_cases, run_case_local
+from megamoe.fused import FP4_RS32_CANDIDATES
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
@@ -64,13 +65,6 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
 
 
-#: Register-operand tile variants at token chunk 32 not (yet) the default, as (CTAs an SM, weight chains a token
-#: stage, loader registers): ``device_run.sh rs_ctas`` runs these tests before it times them. Offline sm_90a (Triton
-#: 3.6, session 21): (2, 4, 40) 128 registers, 4 stages, 106632 B shared, no spill; (2, 2, 40) 6 stages, no spill;
-#: the default (4, 2, 24) spills 84 B outside its K loops.
-RS32_VARIANTS = {"c2p4": (2, 4, 40), "c2p2": (2, 2, 40)}
-
-
 def force_rs32_variant(mf, monkeypatch, ctas: int, pair: int, load_regs: int) -> None:
     """Token chunk 32 of the register-operand tile at ``ctas`` CTAs an SM, ``pair`` chains a token stage and
     ``load_regs`` loader registers (``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``)."""
@@ -79,24 +73,25 @@ def force_rs32_variant(mf, monkeypatch, ctas: int, pair: int, load_regs: int) ->
     monkeypatch.setattr(mf, "FP4_RS_LOAD_REGS", {**mf.FP4_RS_LOAD_REGS, 32: load_regs})
 
 
-@pytest.mark.parametrize("variant", sorted(RS32_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(FP4_RS32_CANDIDATES))
 @pytest.mark.parametrize("case", CASES[2:4], ids=["r4-clamp-i640", "r2-skew-3calls"])
 def test_fp4_rs_chunk32_variant_small_cases(case, variant, monkeypatch):
-    """A chunk-32 variant (``RS32_VARIANTS``) on the clamp / odd I / empty-rank case and the skewed repeated one."""
+    """A chunk-32 candidate (``megamoe.fused.FP4_RS32_CANDIDATES``) on the clamp / odd I / empty-rank case and the
+    skewed repeated one."""
     import megamoe.fused as mf
 
     _force_rs(monkeypatch, 32)
-    force_rs32_variant(mf, monkeypatch, *RS32_VARIANTS[variant])
+    force_rs32_variant(mf, monkeypatch, *mf.FP4_RS32_CANDIDATES[variant])
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN 32 {variant}")
 
 
-@pytest.mark.parametrize("variant", sorted(RS32_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(FP4_RS32_CANDIDATES))
 def test_fp4_rs_chunk32_variant_one_ep8_rank(variant, monkeypatch):
-    """A chunk-32 variant at one EP8 rank's share of V4-Pro, T = 128 (16 expected tokens per expert: chunk 32),
+    """A chunk-32 candidate at one EP8 rank's share of V4-Pro, T = 128 (16 expected tokens per expert: chunk 32),
     masked rows, two calls."""
     import megamoe.fused as mf
 
-    force_rs32_variant(mf, monkeypatch, *RS32_VARIANTS[variant])
+    force_rs32_variant(mf, monkeypatch, *mf.FP4_RS32_CANDIDATES[variant])
     case = MoECase(num_ranks=1, num_tokens=128, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(case.layout(), 128, 1, torch.device("cuda"), "hopper")
