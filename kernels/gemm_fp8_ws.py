@@ -269,7 +269,11 @@ def _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META: 
     waits for the count to reach the block's valid rows. Padding rows (past a block's valid count) are skipped."""
     ROWS: gl.constexpr = PULL_WARPS  # one row per warp and step
     CH: gl.constexpr = PULL_CHUNK
-    L: gl.constexpr = gl.BlockedLayout([1, CH // 32], [1, 32], [PULL_WARPS, 1], [1, 0])
+    # 16 bytes a thread, a warp's 32 threads on 512 contiguous bytes, the layout repeated CH / 512 times: each load
+    # or store instruction covers whole 32-byte sectors. (With CH / 32 contiguous bytes a thread, each 16-byte
+    # instruction of a warp touched 32 sectors half each: Nsight Compute counted ~450 excess sectors a pulled row,
+    # 26 % of the phase's global sectors at T = 8192, ``results/probes/ncu_h200/fp8_8192_3df89c0.txt``.)
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [PULL_WARPS, 1], [1, 0])
     KW: gl.constexpr = H // 128
     KW_PAD: gl.constexpr = 64 if KW <= 64 else 128
     LS: gl.constexpr = gl.BlockedLayout([1, KW_PAD // 32], [1, 32], [PULL_WARPS, 1], [1, 0])
