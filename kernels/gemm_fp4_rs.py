@@ -25,9 +25,9 @@ expert, valid rows)), L1 tiles first, taken one at a time from a counter by whic
 ``pid, pid + grid, ...`` walk left ~18 % of the work on the busiest CTAs at 4 CTAs an SM: tiles of 224 stages
 over 528 CTAs). A tile is up to ``ceil(valid / BN)`` token chunks of ``BN`` pool rows, each chunk four **chains** of
 64 weight rows (the wgmma M of one warpgroup) over all of K, run ``PAIR`` side by side on one token stage
-(``megamoe.fused.FP4_RS_PAIR``: four at BN 16, two at BN 8 / 32 / 64; four fit the register budget of 4 CTAs an
-SM up to BN 16: ``PAIR`` [64, BN] accumulators live. GPU-tested both ways at BN 8 / 16; measured in
-``results/probes/rs_variants_h200.jsonl``: four faster at BN 16, slower at BN 8). L1: 256 weight rows =
+(``megamoe.fused.FP4_RS_PAIR``: four at BN 16 / 32, two at BN 8 / 64; four fit the register budget of 4 CTAs an
+SM up to BN 16, of 2 CTAs at BN 32: ``PAIR`` [64, BN] accumulators live. GPU-tested both ways at BN 8 / 16 / 32;
+measured (``megamoe.fused``): four faster at BN 16 / 32, slower at BN 8). L1: 256 weight rows =
 the tile's 128 intermediate columns (gate / up interleaved by 8, so each chain's rows hold whole gate / up pairs:
 SwiGLU per chain, in registers), each chain's activations (float32, times the top-k weight) stashed in shared memory
 ``[128, BN]``; after the fourth, the per-128 UE8M0 requant per token over the stash, the bytes and scale words into

@@ -305,39 +305,45 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: 827 / 836: faster up to 16 expected, slower at 32. (Session 18, with the fold in every L2 stage: 424 / 682 / 861
 #: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.) Since then two or four
 #: chains share a token stage (``FP4_RS_PAIR``): phase 371 / 572 / 655 us at T = 8 / 32 / 128
-#: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4); the threshold was not
-#: re-swept with them (T = 256 may now belong here: ``device_run.sh rs_sweep``).
+#: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4), and chunk 32 runs
+#: four chains at two CTAs an SM (session 22, below); the threshold was not re-swept with them (T = 256 may now
+#: belong here: ``device_run.sh rs_sweep``).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 16
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
-#: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 32
-#: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 64, whose ``[128, 64]``
-#: float32 stash alone is 32 KB (four CTAs would leave no room for a second ring stage) and whose two ``[64, 64]``
-#: float32 register tiles need ``maxnreg`` 128. Chunk 64 measured slower than the alternatives (one chain a stage,
+#: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 16
+#: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
+#: chains share a token stage (below) and need ``maxnreg`` 128; two at chunk 64, whose ``[128, 64]`` float32 stash
+#: alone is 32 KB (four CTAs would leave no room for a second ring stage) and whose two ``[64, 64]`` float32 register
+#: tiles need ``maxnreg`` 128. Chunk 64 measured slower than the alternatives (one chain a stage,
 #: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
 #: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
-FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 4, 64: 2}
-#: Candidate settings of the register-operand tile at token chunk 32, by name: (CTAs an SM, weight chains a token
-#: stage, loader registers) for ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS`` (the defaults are 4,
-#: 2, 24). Not yet measured: ``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant`` and ``fp8_ws_probe.py rs_ctas``
-#: (``device_run.sh rs_ctas``) test and time them. Why: at T = 128 the phase is L2-bound (Nsight Compute, L2 at 84 %),
-#: each stage re-reading the chunk's tokens per pair of chains; four chains a stage need 2 CTAs an SM at chunk 32.
-#: Offline sm_90a (Triton 3.6): (2, 4, 40) 128 registers, 4 stages, 106632 B shared, no spill; (2, 2, 40) 6 stages,
-#: no spill; the defaults spill 84 B outside the K loops.
-FP4_RS32_CANDIDATES = {"c2p4": (2, 4, 40), "c2p2": (2, 2, 40)}
+FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
-#: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers only up to chunk 16).
+#: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers at four CTAs an SM
+#: only up to chunk 16; chunk 32 takes them at two CTAs an SM, 232 registers).
 #: What a stage moves into shared memory is ``PAIR`` x 4 KB of weights and chunk x 128 bytes of tokens.
 #: Measured (``results/probes/rs_variants_h200.jsonl``, e47d7b4, two runs each): at chunk 16 (T = 32) four chains
 #: 572 / 572 us against two chains' 580 / 580; at chunk 8 (T = 8) four chains 402 / 401 against 374 / 368 -- there
-#: the tokens are 1 KB of a stage and the second ring stage four chains leave is what is missed.
-FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2}
+#: the tokens are 1 KB of a stage and the second ring stage four chains leave is what is missed. At chunk 32 (T = 128,
+#: where Nsight Compute had the phase L2-bound, L2 at 84 %: each stage re-read the chunk's 4 KB of tokens per pair of
+#: chains), whole call alternating twice (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at 1d6df46,
+#: same error): 2 CTAs an SM with four chains 667 / 668 us against 4 CTAs with two chains 700 / 701 and 2 CTAs with
+#: two chains 699 / 698 (FP4_RS32_CANDIDATES).
+FP4_RS_PAIR = {8: 2, 16: 4, 32: 4, 64: 2}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
-#: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 the loader at 40 leaves the math spilling in
-#: its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spills 84 B outside the K loops; at chunk 16
-#: 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16): the loader
-#: at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B.
-FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40}
+#: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 and four CTAs the loader at 40 left the math
+#: spilling in its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spilled 84 B outside the K loops;
+#: at chunk 16 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16):
+#: the loader at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B. Chunk 32 at two CTAs an SM, four
+#: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill.
+FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40}
+#: The settings chunk 32 was measured against (above), by name: (CTAs an SM, weight chains a token stage, loader
+#: registers) for ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until
+#: session 22. Kept selectable for the probe (``fp8_ws_probe.py rs_ctas``, ``device_run.sh rs_ctas``), so tested on
+#: the GPU (``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant``). Offline sm_90a: ``c2p2`` 6 stages, no spill;
+#: ``c4p2`` 84 B spilled outside the K loops.
+FP4_RS32_CANDIDATES = {"c4p2": (4, 2, 24), "c2p2": (2, 2, 40)}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 

@@ -60,10 +60,9 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's
     keywords: within ``maxnreg`` ``fp4_rs_maxnreg(block_n)`` and a share of an SM's shared memory
-    (``FP4_RS_CTAS_PER_SM[block_n]`` CTAs an SM, 4 up to chunk 32, 2 at 64, is what the launch's grid assumes for its
-    speed; a CTA that is not resident takes no tile, so it cannot
-    dead-lock the L2 tiles' waits), wgmma in its K loops, no spill inside them (88 B spilled once a chunk at
-    block_n 32, Triton 3.6)."""
+    (``FP4_RS_CTAS_PER_SM[block_n]`` CTAs an SM, 4 up to chunk 16, 2 at 32 / 64, is what the launch's grid assumes
+    for its speed; a CTA that is not resident takes no tile, so it cannot dead-lock the L2 tiles' waits), wgmma in
+    its K loops, no spill inside them."""
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
     r = compile_gluon_phase("fp4_rs", layout, 64, block_n=block_n, has_clamp=True)
     assert r.registers <= mf.fp4_rs_maxnreg(block_n)
