@@ -68,11 +68,13 @@ PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8
 #: sweep over the top-k rows of every token (T = 8192: ~700 MB of bf16 read, 357 us at one program an SM on an
 #: H200, where the bytes at 3.5 TB/s take ~230; ``results/probes/fused_fp8_wall_gap_probe_h200.jsonl``). Measured
 #: at 1 / 2 / 4 (``results/probes/ws_variants_probe_h200.jsonl``, whole call, same output bits): FP8 T = 2048 2635 /
-#: 2619 / 2613 us, T = 8192 8285 / 8260 / 8266; FP8 x FP4 T = 8192 15552 / 15510 / 15471 -- under 1 %, inside the
-#: spread between machines, so the back launch keeps one program an SM (the front's grid). A fraction (e.g. 0.25)
-#: gives a fraction of the SMs one program each (``results/probes/fused_fp8_ws_profile.py``: fewer programs, cheaper
-#: grid syncs, where the combine is small; not measured yet).
-WS_BACK_PROGRAMS_PER_SM = 1
+#: 2619 / 2613 us, T = 8192 8285 / 8260 / 8266; FP8 x FP4 T = 8192 15552 / 15510 / 15471 -- under 1 % then (session
+#: 11). Session 22, the back launch alone (``fused_fp8_ws_profile.py``, FP8 T = 8192, torch profiler, rows in
+#: ``results/probes/fused_fp8_ws_profile_h200.jsonl`` at 6da294e): 351 / 353 us at one program an SM, 204 / 203 at
+#: four, whole span 6188 / 6156 against 6030 / 6008 us; whole calls alternating at every T in
+#: ``back_programs`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``. A fraction (e.g. 0.25) gives a fraction of
+#: the SMs one program each (fewer programs, cheaper grid syncs, where the combine is small).
+WS_BACK_PROGRAMS_PER_SM = 4
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
 #: 2048 / 8192 (``results/probes/fused_fp8_config_probe_h200.json``): block 64 625 / 1000 / 3550 / 12232 us, block

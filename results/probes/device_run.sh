@@ -48,6 +48,8 @@
 #   rs_ctas        the register-operand tile at chunk 32: 2 CTAs an SM with four / two chains a token stage against
 #                  as is (4 CTAs, two chains): its GPU tests (-k chunk32_variant), then whole calls at T = 128
 #                  alternating with their error (-> $OUT/rs_ctas.jsonl; not timed: 6 tests + 6 V4-Pro buffers)
+#   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
+#                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, est. 4 min)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -178,6 +180,14 @@ step_rs_ctas() {  # the register-operand tile at chunk 32 at 2 CTAs an SM (four 
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant || return 1
     $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"
+}
+
+step_back_programs() {  # WS_BACK_PROGRAMS_PER_SM 1 / 4: its GPU tests (same bits), then 1 / 4 / 1 / 4 whole call
+    # at T = 8, 128, 512, 2048, 8192, both formats, with the error (-> $OUT/back_programs.jsonl)
+    $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k BACK_PROGRAMS || return 1
+    $PY results/probes/fp8_ws_probe.py back_programs "${BACK_PROGRAMS_TOKENS:-8,128,512,2048,8192}" \
+        >>"$OUT/back_programs.jsonl" || return 1
+    cat "$OUT/back_programs.jsonl"
 }
 
 step_ncu() {  # Nsight Compute on one fused call per case (front, GEMM phase, back): speed of light, memory and

@@ -389,6 +389,17 @@ def probe_group_sync(tokens=(512, 2048, 8192)):
                             {"WS_GROUP_SYNC": {"fp8_ws": sync, "fp4_ws": sync}})
 
 
+def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
+    """Programs an SM of the Gluon kinds' back launch (``WS_BACK_PROGRAMS_PER_SM``) 1 / 4 / 1 / 4, both formats,
+    whole call, rows as ``pdl`` (the bits are compared in ``tests/gpu/test_ws_launch_options_gpu.py``). Why again:
+    session 11 saw under 1 % whole call between 1, 2 and 4; session 22's profile of the back launch alone at
+    T = 8192 (FP8) took 351 / 353 us at one program an SM and 204 / 203 at four."""
+    for T in _tokens(tokens):
+        for fmt in ("fp8", "fp8_fp4"):
+            for programs in (1, 4, 1, 4):
+                _choice_row("back_programs", T, f"back {programs}", fmt, {"WS_BACK_PROGRAMS_PER_SM": programs})
+
+
 def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is (4 CTAs an SM,
     two weight chains a token stage) against 2 CTAs an SM with four chains (each stage moves the chunk's tokens once
@@ -484,4 +495,5 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas}[name]()
+         "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
+         "back_programs": probe_back_programs}[name]()
