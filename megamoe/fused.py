@@ -71,9 +71,14 @@ PROGRAMS_PER_SM = {"exact": (3, 168), "hopper": (4, 128), "fp8": (1, None), "fp8
 #: 2619 / 2613 us, T = 8192 8285 / 8260 / 8266; FP8 x FP4 T = 8192 15552 / 15510 / 15471 -- under 1 % then (session
 #: 11). Session 22, the back launch alone (``fused_fp8_ws_profile.py``, FP8 T = 8192, torch profiler, rows in
 #: ``results/probes/fused_fp8_ws_profile_h200.jsonl`` at 6da294e): 351 / 353 us at one program an SM, 204 / 203 at
-#: four, whole span 6188 / 6156 against 6030 / 6008 us; whole calls alternating at every T in
-#: ``back_programs`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``. A fraction (e.g. 0.25) gives a fraction of
-#: the SMs one program each (fewer programs, cheaper grid syncs, where the combine is small).
+#: four, whole span 6188 / 6156 against 6030 / 6008 us. Whole calls alternating 1 / 4 / 1 / 4 (``back_programs`` rows
+#: of ``results/probes/fp8_ws_probe_h200.jsonl`` at a67b3d2, same error; the bits in
+#: ``tests/gpu/test_ws_launch_options_gpu.py``): FP8 T = 512 913 / 909 / 917 / 910 us, 2048 2141 / 2115 / 2142 / 2131,
+#: 8192 6895 / 6892 / 6961 / 6893; FP8 x FP4 T = 512 1325 / 1319 / 1326 / 1316, 2048 3276 / 3243 / 3273 / 3237, 8192
+#: 8398 / 8259 / 8357 / 8269; T = 128 within 3 us either way; FP8 x FP4 T = 8 407 / 410 / 408 / 410 (the one loss,
+#: 0.6 %). Why the whole FP8 call at T = 8192 gains much less than the back launch's 148 us in the profile is not
+#: known. A fraction (e.g. 0.25) gives a fraction of the SMs one program each (fewer programs, cheaper grid syncs,
+#: where the combine is small; session 15: no gain).
 WS_BACK_PROGRAMS_PER_SM = 4
 #: Warps and software-pipeline stages per program, by tile kind. "fp8" (the SM90 FP8 x FP8 format of
 #: ``fp8_mega_moe``): one 8-warp, 3-stage program per SM, as its staged GEMMs; measured on an H200 at T = 8 / 128 /
