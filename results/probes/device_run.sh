@@ -45,11 +45,12 @@
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
 #                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
-#   rs_ctas        the register-operand tile at chunk 32: 2 CTAs an SM with four / two chains a token stage against
-#                  as is (4 CTAs, two chains): its GPU tests (-k chunk32_variant), then whole calls at T = 128
-#                  alternating with their error (-> $OUT/rs_ctas.jsonl; not timed: 6 tests + 6 V4-Pro buffers)
+#   rs_ctas        the register-operand tile at chunk 32 as is (2 CTAs an SM, four chains a token stage since session
+#                  22) against FP4_RS32_CANDIDATES (4 CTAs / two chains, 2 CTAs / two chains): their GPU tests
+#                  (-k chunk32_variant), then whole calls at T = 128 alternating with their error (-> $OUT/rs_ctas.jsonl;
+#                  65 s in session 22)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
-#                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, est. 4 min)
+#                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
@@ -175,8 +176,8 @@ step_group_sync() {  # WS_GROUP_SYNC: its GPU tests (same bits on and off), then
     done
 }
 
-step_rs_ctas() {  # the register-operand tile at chunk 32 at 2 CTAs an SM (four / two chains a token stage) against
-    # as is: its GPU tests first, then fp8_ws_probe.py rs_ctas at T = 128, alternating (-> $OUT/rs_ctas.jsonl)
+step_rs_ctas() {  # the register-operand tile at chunk 32 as is against FP4_RS32_CANDIDATES: their GPU tests first,
+    # then fp8_ws_probe.py rs_ctas at T = 128, alternating (-> $OUT/rs_ctas.jsonl)
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant || return 1
     $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"

@@ -401,10 +401,11 @@ def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
 
 
 def probe_rs_ctas(tokens=(128,)):
-    """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is (4 CTAs an SM,
-    two weight chains a token stage) against 2 CTAs an SM with four chains (each stage moves the chunk's tokens once
-    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``) and 2 CTAs with
-    two chains (6 ring stages), alternating twice, whole call with its error (``FP8 x FP4``, "hopper")."""
+    """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is against the
+    settings of ``megamoe.fused.FP4_RS32_CANDIDATES`` (until session 22 "as is" was 4 CTAs an SM with two weight
+    chains a token stage, now ``c4p2``; it lost to 2 CTAs with four chains, each stage moving the chunk's tokens once
+    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``), alternating
+    twice, whole call with its error (``FP8 x FP4``, "hopper")."""
     variants = {"as is": {}}
     for name, (ctas, pair, load) in mf.FP4_RS32_CANDIDATES.items():
         variants[name] = dict(FP4_RS_CTAS_PER_SM={**mf.FP4_RS_CTAS_PER_SM, 32: ctas},
