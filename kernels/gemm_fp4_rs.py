@@ -51,8 +51,9 @@ at BN 8 / 16 / 32, and the phase's time followed them: without decode, fold and 
 ``results/probes/fp4_rs_knobs_h200.jsonl``: 334 / 599 us) T = 8 / 32 moved ~3.8 / ~4.2 TB/s of those bytes (1.25
 x 1.02 GB / 1.5 x 1.68 GB, the weights touched with their scales: ``weight_bytes_touched`` of
 ``results/layer_h200.json``), and T = 128 as built (805 us, ``results/probes/rs_sweep_h200.jsonl``) moves 2 x
-1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x, four 1.06 / 1.125x at BN 8 / 16 (four
-accumulators do not fit 104 registers at BN 32).
+1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x, four 1.06 / 1.125 / 1.25x at BN 8 / 16 / 32 (four
+accumulators do not fit 104 registers at BN 32: that chunk runs 2 CTAs an SM, 232 math registers; whole call at
+T = 128 667 / 668 us against 700 / 701 with two chains at 4 CTAs, session 22).
 
 Measured on an H200 (one EP8 rank of V4-Pro). Correctness: ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9,
 4122266 and (the fold once per block) 43f8755; 27 (chunk 64 added) at 8dd6787; 14 of them (every chunk on two small
@@ -73,7 +74,8 @@ T = 32, four chains 402 / 401 and 572 / 572 (``results/probes/rs_variants_h200.j
 Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registers (setmaxnreg 104 math; loader
 40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
 loop 349 / 358 / 373 SASS instructions a thread a stage of two chains (one chain a stage: 195-207), no spill in it;
-chunk 64: 128 registers (math 232), 108.7 KB (4 stages), no spill.
+chunk 64: 128 registers (math 232), 108.7 KB (4 stages), no spill. Chunk 32 with four chains a stage at 2 CTAs an SM
+(the default since session 22; loader 40): 128 registers, 104.1 KB (4 stages), no spill.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -516,15 +516,78 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
 
 
 def _buffer_cache(sb, name: str, key, build, limit: int = 8):
-    """``build()`` once per ``key``, kept on buffer ``sb`` in the dict ``name`` (emptied past ``limit`` entries, as
-    when the weights are swapped often): host objects of the Gluon launches (descriptors, keywords) are made once
-    and a repeated or CUDA-graph-captured call builds none."""
-    cache = sb.__dict__.setdefault(name, {})
+    """``build()`` once per ``key``, kept on buffer ``sb`` in its host cache ``name`` (``SymmBuffer.host_cache``;
+    emptied past ``limit`` entries): host objects of the launches (keywords, argument tables) are made once and a
+    repeated or CUDA-graph-captured call builds none. Objects made from the call's weights go through
+    ``_weights_cache``."""
+    cache = sb.host_cache(name)
     if key not in cache:
         if len(cache) > limit:
             cache.clear()
         cache[key] = build()
     return cache[key]
+
+
+#: Weight sets whose host objects (TMA descriptors over the weights, the register-operand tile's row maxima) a
+#: buffer keeps (``_weights_cache``). A model's MoE layers share one symmetric buffer and call it with their own
+#: weights in turn, so with fewer entries than layers every call of a forward would make them again -- the row
+#: maxima a read of the scales, 71 us at one EP8 rank of V4-Pro -- while a one-layer benchmark never does. An entry
+#: is host objects plus (row maxima) El x (2I + H) bytes of GPU memory: 0.64 MB at one EP8 rank of V4-Pro.
+WEIGHT_CACHE_SETS = 64
+
+
+def _weight_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose lifetime ``t``'s memory follows: a view's base, else ``t``."""
+    return t if t._base is None else t._base
+
+
+def _drop_weight_entry(cache: dict, key) -> None:
+    entry = cache.pop(key, None)
+    if entry is not None:
+        for f in entry[1]:
+            f.detach()
+
+
+def _weight_freed(sb_ref, name: str, key) -> None:
+    """A weight tensor of entry ``key`` of host cache ``name`` was freed: drop the entry if its buffer lives (the
+    finalizer holds the buffer weakly: a buffer dropped before the weights must not be kept by them)."""
+    sb = sb_ref()
+    cache = sb._host_caches.get(name) if sb is not None else None
+    if cache is not None:
+        _drop_weight_entry(cache, key)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory with ``t``'s shape and strides that is not a view of it (no ``_base``): what a
+    cached host object may hold without keeping the caller's tensor object alive (``_weights_cache``)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                                t.stride())
+
+
+def _weights_cache(c, name: str, key, build):
+    """``build(l1, l2)`` once per ``key`` and set of bound call ``c``'s four weight tensors (their addresses), kept on
+    the buffer's host cache ``name`` for up to WEIGHT_CACHE_SETS weight sets. An entry is dropped the moment any of
+    those tensors (a view's base) is freed: it holds views of the weights (a descriptor keeps its tensor), which must
+    not keep a caller's dropped weights alive, and a new tensor later made at a freed one's address must not find
+    it (descriptors over the old scale words, the old row maxima). ``build`` gets ``(w, sf)`` pairs that share the
+    weights' memory but are not views of the caller's tensors (``_detached``), so that what it keeps (views of
+    those) lets the caller's tensor objects die and the entry go with them."""
+    import weakref
+
+    tensors = (c.l1[0], c.l1[1], c.l2[0], c.l2[1])
+    full = (key, *(t.data_ptr() for t in tensors))
+    cache = c.sb.host_cache(name)
+    entry = cache.get(full)
+    if entry is None:
+        if len(cache) >= WEIGHT_CACHE_SETS:
+            for k in list(cache):
+                _drop_weight_entry(cache, k)
+        aliases = [_detached(t) for t in tensors]
+        value = build((aliases[0], aliases[1]), (aliases[2], aliases[3]))
+        owners = {id(o): o for o in map(_weight_owner, tensors)}.values()
+        sb_ref = weakref.ref(c.sb)
+        cache[full] = entry = (value, [weakref.finalize(o, _weight_freed, sb_ref, name, full) for o in owners])
+    return entry[0]
 
 
 def _arg_table(calls, timelines, tiles) -> torch.Tensor:
@@ -665,15 +728,14 @@ def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
     words, ``TILE_WORDS`` per tile, one word per pool block, a group word and a group counter per tile), sized for
     the most pool blocks (of 64 rows); allocated once per buffer."""
-    t = sb.__dict__.get("_ws_tiles")
-    if t is None:
+    def build():
         L = sb.layout
         blocks = L.num_max_pool_tokens // 64  # the smallest pool block the Gluon phase takes
         n = blocks * (L.intermediate_hidden // 128 + L.hidden // WS_TILE_N.value)
-        t = torch.zeros(kf.TILE_HEADER.value + (kf.TILE_WORDS.value + 2) * n + blocks, dtype=torch.int32,
-                        device=sb.buffer.device)
-        sb._ws_tiles = t
-    return t
+        return torch.zeros(kf.TILE_HEADER.value + (kf.TILE_WORDS.value + 2) * n + blocks, dtype=torch.int32,
+                           device=sb.buffer.device)
+
+    return _buffer_cache(sb, "_ws_tiles", 0, build)
 
 
 def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: int = 0) -> dict:
@@ -712,31 +774,32 @@ def _ws_descriptors(c, L, bm: int):
     its buffer by the weights' addresses (a repeated or captured call builds none)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def build():
+    def build(l1, l2):
         f8 = torch.float8_e4m3fn
         spec = ws_descriptor_specs("fp8_ws", bm)
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
         # the weights are blocked by 128 x 128 (megamoe.quant_fp8.block_weights): rows of 128 values, a box a block
-        w1, w2 = c.l1[0].view(f8).reshape(-1, FP8_BLOCK), c.l2[0].view(f8).reshape(-1, FP8_BLOCK)
+        w1, w2 = l1[0].view(f8).reshape(-1, FP8_BLOCK), l2[0].view(f8).reshape(-1, FP8_BLOCK)
         tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         return tuple(TensorDescriptor.from_tensor(tensors[k], spec[k][1], spec[k][2]) for k in tensors) + tuple(
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in (("sa1_desc", sa1),
                                                                                        ("sa2_desc", sa2)))
 
-    return _buffer_cache(c.sb, "_ws_descs", ("fp8", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm), build)
+    return _weights_cache(c, "_ws_descs", ("fp8", bm), build)
 
 
 def _predecode_scratch(c):
     """The predecoded path's scratch for bound call ``c``: ``((folded1 e4m3 [El, 2I, H], exp1 int32 [El, 2I]),
-    (folded2 [El, H, I], exp2 [El, H]))``, kept on the buffer for these weights (one entry: a new pair of weights
-    replaces it; El x (2I x H + H x I) bytes, a workspace like the buffer itself)."""
+    (folded2 [El, H, I], exp2 [El, H]))``, a workspace kept on the buffer (El x (2I x H + H x I) bytes) and written
+    again by every call (``_predecode``), so it is keyed by the weights' shapes, not by the weights: the layers of a
+    model that share the buffer share it."""
     def build():
         return tuple((torch.empty((w.shape[0], w.shape[1], 2 * w.shape[2]), dtype=torch.float8_e4m3fn,
                                   device=w.device),
                       torch.empty((w.shape[0], w.shape[1]), dtype=torch.int32, device=w.device))
                      for w in (c.l1[0], c.l2[0]))
 
-    return _buffer_cache(c.sb, "_predecoded", (c.l1[0].data_ptr(), c.l2[0].data_ptr()), build, limit=0)
+    return _buffer_cache(c.sb, "_predecoded", (tuple(c.l1[0].shape), tuple(c.l2[0].shape)), build, limit=0)
 
 
 def _predecode(c):
@@ -759,16 +822,16 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
     layout the math reads; the kernel takes the predecoded path from their dtype)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def build():
+    def build(l1, l2):
         H, I = L.hidden, L.intermediate_hidden
         spec = ws_descriptor_specs("fp4_ws", bm, predecode)
         if predecode:
             (f1, _), (f2, _) = scratch
             w1, w2 = f1.view(-1, H), f2.view(-1, I)
         else:
-            w1, w2 = c.l1[0].view(torch.uint8).reshape(-1, H // 2), c.l2[0].view(torch.uint8).reshape(-1, I // 2)
+            w1, w2 = l1[0].view(torch.uint8).reshape(-1, H // 2), l2[0].view(torch.uint8).reshape(-1, I // 2)
         # scale words as flat int32 runs (SF_TMA): the weights' MN-major [El][K/128][N], the pools' [K/128][SP]
-        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (c.l1, c.l2))  # views: a descriptor keeps no tensor
+        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (l1, l2))
         as1, as2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
         boxed = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         flat = dict(ws1_desc=ws1, ws2_desc=ws2, as1_desc=as1, as2_desc=as2)
@@ -776,8 +839,7 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
     scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
-    key = ("fp4", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, scratch and scratch[0][0].data_ptr())
-    return _buffer_cache(c.sb, "_ws_descs", key, build)
+    return _weights_cache(c, "_ws_descs", ("fp4", bm, scratch and scratch[0][0].data_ptr()), build)
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
@@ -876,7 +938,8 @@ def _fp4_row_maxima(c):
     ``megamoe.fold_decode.row_maxima`` (one read of the scales: ~100 MB for one EP8 rank of V4-Pro, 71 us on an
     H200), kept on the buffer and made again only when the scales are other tensors or were changed in place since
     (torch's version counter of each scale tensor is part of the key; a tensor without one -- made under
-    ``torch.inference_mode`` -- is read on every call). (Two torch ``amax`` reductions over the byte view took
+    ``torch.inference_mode`` -- is read on every call), one entry per weight set (``_weights_cache``: the layers of
+    a model that share the buffer each keep theirs). (Two torch ``amax`` reductions over the byte view took
     181 + 146 us a call: ``results/probes/fp4_rs_profile_h200.jsonl``.)"""
     from megamoe.fold_decode import row_maxima
 
@@ -886,11 +949,11 @@ def _fp4_row_maxima(c):
         except RuntimeError:  # an inference tensor tracks no version: never trust the cached maxima
             return None
 
-    def build():
+    def build(l1, l2):
         return [torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
-                for w in (c.l1, c.l2)] + [None]
+                for w in (l1, l2)] + [None]
 
-    entry = _buffer_cache(c.sb, "_fp4_rmax", (c.l1[1].data_ptr(), c.l2[1].data_ptr()), build, limit=0)
+    entry = _weights_cache(c, "_fp4_rmax", None, build)
     key = (version(c.l1[1]), version(c.l2[1]))
     if entry[2] != key or None in key:
         for w, r in zip((c.l1, c.l2), entry):
@@ -905,18 +968,17 @@ def _fp4_rs_descriptors(c, L, bm: int, block_n: int):
     words as flat int32 runs (box ``[64]``); cached on the buffer like ``_fp4_ws_descriptors``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def build():
+    def build(l1, l2):
         H, I = L.hidden, L.intermediate_hidden
         spec = ws_descriptor_specs("fp4_rs", bm, block_n=block_n)
-        w1, w2 = c.l1[0].view(torch.uint8).reshape(-1, H // 2), c.l2[0].view(torch.uint8).reshape(-1, I // 2)
-        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (c.l1, c.l2))
+        w1, w2 = l1[0].view(torch.uint8).reshape(-1, H // 2), l2[0].view(torch.uint8).reshape(-1, I // 2)
+        ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (l1, l2))
         boxed = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         flat = dict(ws1_desc=ws1, ws2_desc=ws2)
         return tuple(TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in boxed.items()) + tuple(
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
-    key = ("fp4_rs", c.l1[0].data_ptr(), c.l2[0].data_ptr(), bm, block_n)
-    return _buffer_cache(c.sb, "_ws_descs", key, build)
+    return _weights_cache(c, "_ws_descs", ("fp4_rs", bm, block_n), build)
 
 
 def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool) -> dict:

@@ -242,6 +242,7 @@ class SymmBuffer:
         self._handle = None
         self._maps: list[mmap.mmap] = []
         self._views: dict[str, torch.Tensor] | None = None
+        self._host_caches: dict[str, dict] = {}
 
     def _adopt(self, buffer: torch.Tensor, peers: list[torch.Tensor]) -> None:
         """Install ``buffer`` (this rank's bytes) and ``peers`` (every rank's bytes as seen here, [] = [buffer])."""
@@ -322,13 +323,22 @@ class SymmBuffer:
             raise RuntimeError("this SymmBuffer was destroyed")
         return self.layout.view(self._peers[rank], name)
 
+    def host_cache(self, name: str) -> dict:
+        """The dict ``name`` of host objects made from this buffer (``megamoe.fused``: TMA descriptors, launch
+        keywords, argument and tile tables), kept while the buffer lives and emptied by :meth:`destroy`, so that
+        none of them keeps the buffer's memory -- or a caller's weights, which descriptors view -- alive after it."""
+        return self._host_caches.setdefault(name, {})
+
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
-        """Drop the views and release the memory (idempotent). A mapping still exported by a tensor the caller
-        holds is released when that tensor dies."""
+        """Drop the views and the host caches and release the memory (idempotent). A mapping still exported by a
+        tensor the caller holds is released when that tensor dies."""
         if self._views is None:
             return
         self._views = None
+        for cache in self._host_caches.values():
+            cache.clear()
+        self._host_caches = {}
         self.buffer = self.buffer_ptrs = None
         self._peers = []
         self._handle = None

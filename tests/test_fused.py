@@ -321,13 +321,13 @@ def test_fp4_ws_predecoded_split_bitwise(monkeypatch):
 
     cfg = dataclasses.replace(_fp4_ws_config(128), predecode=True)
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
-    calls, descs = [], []
+    scratches, descs = [], []
     real_pre, real_descs = mf._predecode, mf._fp4_ws_descriptors
-    monkeypatch.setattr(mf, "_predecode", lambda c: calls.append(c) or real_pre(c))
+    monkeypatch.setattr(mf, "_predecode", lambda c: scratches.append(real_pre(c)) or scratches[-1])
     monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
-    assert len(calls) == 2  # once per call
-    (f1, _), (f2, _) = mf._predecode_scratch(calls[-1])
+    assert len(scratches) == 2 and scratches[0] is scratches[1]  # once per call, into the buffer's one scratch
+    (f1, _), (f2, _) = scratches[-1]
     _, _, w1, w2, *_ = descs[-1]
     assert w1.base.dtype == torch.float8_e4m3fn and list(w1.block_shape) == [256, 128]
     assert w1.base.data_ptr() == f1.data_ptr() and w2.base.data_ptr() == f2.data_ptr()
@@ -429,8 +429,8 @@ def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
     the TMA descriptors ([block_n, 32] token boxes, [64, 32] packed weight boxes, [64] scale words), its keywords,
     the per-call weight-row maxima -- with the phase's torch model in place of the Gluon launch (the same numerics
     as the decode-partition tile: bit-exact against ``problem.reference(numerics="hopper")``, twice). The row maxima
-    equal each weight row's largest scale byte computed another way, and follow the scales when they change in
-    place."""
+    equal each weight row's largest scale byte computed another way (kept and followed when the scales change in
+    place: ``test_weight_host_objects_follow_the_weights_and_never_keep_them``)."""
     import megamoe.fused as mf
     from megamoe.kernels import gemm_fp4_rs as krs
 
@@ -447,16 +447,72 @@ def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
         El, N, KW = w[1].shape
         bytes_ = torch.stack([(w[1] >> (8 * j)) & 0xFF for j in range(4)], dim=-1)  # [El, N, KW, 4]
         assert torch.equal(r.view(El, N).long(), bytes_.amax(dim=(2, 3)).long())
-    before = r1.clone()
-    assert real_max(c)[0] is r1 and torch.equal(r1, before)  # the same scales: kept, not read again
-    w1_sf = c.l1[1]
-    w1_sf[0, 0, 0] = 0x84848484 - 2**32  # a larger exponent (0x84) in row 0 of expert 0, in place: seen
-    r1b, _ = real_max(c)
-    assert r1b[0].item() == 0x84 and torch.equal(r1b[1:], before[1:])
     kw = mf._fp4_rs_constexprs(c.sb, 64, block_n, False)
     assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in krs.fp4_rs_gemm_phase_kernel.params
                                                               if p.is_constexpr}
     assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.fp4_rs_maxnreg(block_n) and kw["BM"] == 64
+
+
+def _weights_of(case: MoECase, sb: SymmBuffer, seed: int):
+    """Transformed weights of ``case`` (rank 0) drawn with ``seed``."""
+    problem = dataclasses.replace(case, seed=seed).problem(device="cpu")
+    return prepare_rank(sb, problem, 0)[1:3]
+
+
+def test_weight_host_objects_follow_the_weights_and_never_keep_them(monkeypatch):
+    """What a buffer keeps from a call's weights (``megamoe.fused._weights_cache``: the Gluon phases' TMA
+    descriptors, the register-operand tile's row maxima) is per weight set: a new scale tensor beside the same packed
+    weights gets descriptors over its own words; two weight sets called in turn on one buffer (two layers of a model)
+    keep an entry each, so neither's row maxima are read again; and once a caller drops a weight set its entries go
+    at once, so the cache never keeps the weights' memory, and ``destroy`` empties what is left. The row maxima
+    follow an in-place change of the scales (torch's version counter)."""
+    import gc
+    import types
+    import weakref
+
+    import megamoe.fold_decode as fd
+    import megamoe.fused as mf
+
+    case = MoECase(**FP4_WS_CASE)
+    sb = SymmBuffer.local(1, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
+                          block_m=128, device="cpu")[0]
+    L = sb.layout
+    reads = []
+    real_row_maxima = fd.row_maxima
+    monkeypatch.setattr(fd, "row_maxima", lambda sf, out=None: reads.append(sf.data_ptr()) or real_row_maxima(sf, out))
+    (w1, sf1), (w2, sf2) = _weights_of(case, sb, 1)
+    a = types.SimpleNamespace(sb=sb, l1=(w1, sf1), l2=(w2, sf2))
+    descs = mf._fp4_rs_descriptors(a, L, 64, 16)
+    assert mf._fp4_rs_descriptors(a, L, 64, 16) is descs  # kept
+    # the same packed weights with other scale words: their own descriptors, over the new words
+    sf1b = sf1.clone()
+    assert sf1b.stride() == sf1.stride() and sf1b.data_ptr() != sf1.data_ptr()
+    b = types.SimpleNamespace(sb=sb, l1=(w1, sf1b), l2=(w2, sf2))
+    descs_b = mf._fp4_rs_descriptors(b, L, 64, 16)
+    assert descs_b is not descs and descs_b[4].base.data_ptr() == sf1b.data_ptr()
+    assert descs[4].base.data_ptr() == sf1.data_ptr()
+    # two layers' weight sets in turn: each set's row maxima read once
+    other = _weights_of(case, sb, 2)
+    c = types.SimpleNamespace(sb=sb, l1=other[0], l2=other[1])
+    for _ in range(3):
+        ra, rc = mf._fp4_row_maxima(a), mf._fp4_row_maxima(c)
+    assert len(reads) == 4, reads  # (l1, l2) of a, then of c
+    assert not torch.equal(ra[0], rc[0])
+    before = ra[0].clone()
+    assert mf._fp4_row_maxima(a)[0] is ra[0] and len(reads) == 4
+    sf1[0, 0, 0] = 0x84848484 - 2**32  # a larger exponent (0x84) in row 0 of expert 0, in place: seen
+    assert mf._fp4_row_maxima(a)[0][0].item() == 0x84 and torch.equal(ra[0][1:], before[1:]) and len(reads) == 6
+    # a weight set dropped by its caller: its entries go at once, and nothing keeps its memory
+    dead = weakref.ref(other[0][1])
+    n_descs, n_rmax = len(sb.host_cache("_ws_descs")), len(sb.host_cache("_fp4_rmax"))
+    mf._fp4_rs_descriptors(c, L, 64, 16)
+    assert len(sb.host_cache("_ws_descs")) == n_descs + 1
+    del c, other, rc
+    gc.collect()
+    assert dead() is None
+    assert (len(sb.host_cache("_ws_descs")), len(sb.host_cache("_fp4_rmax"))) == (n_descs, n_rmax - 1)
+    sb.destroy()
+    assert not sb.host_cache("_ws_descs") and not sb.host_cache("_fp4_rmax")
 
 
 def test_fp4_rs_config_errors():
