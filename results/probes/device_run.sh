@@ -41,6 +41,8 @@
 #   rs_sweep       fused_fp8_ws_profile.py: the register-operand tile's GEMM phase at T = 8, 32, 128, 256 (forced past
 #                  FP4_RS_MAX_EXPECTED; chunks 16 / 32 forced at 128, 256) and the decode-partition tile's (-> $OUT/
 #                  rs_sweep.jsonl): where the threshold belongs (not yet timed)
+#   weights_cache  tests/gpu/test_weights_cache_gpu.py (new scale words beside the same packed FP4 weights, both FP8 x FP4
+#                  tiles; session 22, not yet run: est. 1 min)
 #   launch_options tests/gpu/test_ws_launch_options_gpu.py (the Gluon kinds' launch options on and off: same bits; ~80 s)
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
@@ -98,6 +100,8 @@ step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $
 step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
 
 step_gputests_rs() { $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py; }
+
+step_weights_cache() { $PY -m pytest -q -rfE tests/gpu/test_weights_cache_gpu.py; }
 
 step_layer_rs() { $PY -m megamoe.bench --suite layer --tokens 8,32,128,256 --out "$OUT"; }
 
