@@ -491,6 +491,9 @@ def test_weight_host_objects_follow_the_weights_and_never_keep_them(monkeypatch)
     descs_b = mf._fp4_rs_descriptors(b, L, 64, 16)
     assert descs_b is not descs and descs_b[4].base.data_ptr() == sf1b.data_ptr()
     assert descs[4].base.data_ptr() == sf1.data_ptr()
+    for bm in (64, 128):  # the decode-partition tile's descriptors (ws1_desc: the L1 weights' scale words) alike
+        ws_a, ws_b = mf._fp4_ws_descriptors(a, L, bm), mf._fp4_ws_descriptors(b, L, bm)
+        assert (ws_a[4].base.data_ptr(), ws_b[4].base.data_ptr()) == (sf1.data_ptr(), sf1b.data_ptr())
     # two layers' weight sets in turn: each set's row maxima read once
     other = _weights_of(case, sb, 2)
     c = types.SimpleNamespace(sb=sb, l1=other[0], l2=other[1])
