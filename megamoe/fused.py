@@ -25,6 +25,7 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -552,9 +553,8 @@ def _weight_freed(sb_ref, name: str, key) -> None:
     """A weight tensor of entry ``key`` of host cache ``name`` was freed: drop the entry if its buffer lives (the
     finalizer holds the buffer weakly: a buffer dropped before the weights must not be kept by them)."""
     sb = sb_ref()
-    cache = sb._host_caches.get(name) if sb is not None else None
-    if cache is not None:
-        _drop_weight_entry(cache, key)
+    if sb is not None:
+        _drop_weight_entry(sb.host_cache(name), key)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -572,8 +572,6 @@ def _weights_cache(c, name: str, key, build):
     it (descriptors over the old scale words, the old row maxima). ``build`` gets ``(w, sf)`` pairs that share the
     weights' memory but are not views of the caller's tensors (``_detached``), so that what it keeps (views of
     those) lets the caller's tensor objects die and the entry go with them."""
-    import weakref
-
     tensors = (c.l1[0], c.l1[1], c.l2[0], c.l2[1])
     full = (key, *(t.data_ptr() for t in tensors))
     cache = c.sb.host_cache(name)
