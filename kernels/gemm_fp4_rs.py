@@ -71,6 +71,15 @@ T = 32, four chains 402 / 401 and 572 / 572 (``results/probes/rs_variants_h200.j
 (``fused_fp8_ws_profile_h200.jsonl`` at 25affd4; Nsight Compute: L2 at 84 % of its throughput,
 ``results/probes/ncu_h200.json``); the threshold (``FP4_RS_MAX_EXPECTED`` = 16) not re-swept with them.
 
+The wide variant (chunk 128; on branch ``wip/fp4-rs-wide``, NOT yet run on a GPU, chosen only explicitly): chains of
+``ROWS`` = 128 weight rows (the weight boxes' rows) run by the math partition as ``num_warps`` 8 -- two warpgroups in
+lock-step, each decoding and multiplying its 64 rows -- with one chain a stage (``PAIR`` 1) and the next K block's
+decode issued between the current block's wgmmas and their wait, on 128-row pool blocks, one CTA an SM
+(``maxnreg`` 168, math ``setmaxnreg`` 240). Meant for many tokens per expert, where the decode-partition tile is
+decode-bound: per K block a warpgroup's m64n128k128 takes ~1000 cycles against ~175 issue slots of decode a thread.
+Offline sm_90a: 224008 B of shared memory (5 stages), K loop 437 SASS a thread (4 QGMMA, the next block's 100 PRMT
+between them and the ``WARPGROUP.DEPBAR``), no spill in it; 516 B spilled in the chain epilogues.
+
 Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registers (setmaxnreg 104 math; loader
 40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
 loop 349 / 358 / 373 SASS instructions a thread a stage of two chains (one chain a stage: 195-207), no spill in it;
@@ -107,8 +116,8 @@ from megamoe.kernels.gemm_fp8_ws import (
 )
 from megamoe.kernels.numerics import ceil_ue8m0
 
-RS_ROWS = gl.constexpr(64)  #: weight rows of a chain: the wgmma M of one warpgroup
-RS_CHAINS = gl.constexpr(4)  #: chains of a 256-row tile (the L1 tile's 128 intermediate columns)
+RS_TILE = gl.constexpr(256)  #: weight rows of a tile (the L1 tile's 128 intermediate columns), in chains of ``ROWS``
+#: (the weight boxes' rows: 64 = the wgmma M of one warpgroup, or 128 = two warpgroups in lock-step, ``num_warps`` 8)
 
 
 @gluon.jit
@@ -117,11 +126,12 @@ def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, s_wo
     ``PAIR`` x 64 packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes a chain: ``wp`` slots ``2 (PAIR s +
     i) + c``), of the ``BN`` tokens from pool row ``a_row`` (four ``[BN, 32]`` e4m3 boxes, shared by the chains), and
     each chain's 64 scale words from flat word ``s_word + 64 i`` (``sw`` slot ``PAIR s + i``)."""
+    ROWS: gl.constexpr = w_desc.block_type.shape[0]
     for i in gl.static_range(PAIR):
         for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(w_desc, [w_row + RS_ROWS * i, kb * 64 + 32 * c], bar,
+            tma.async_copy_global_to_shared(w_desc, [w_row + ROWS * i, kb * 64 + 32 * c], bar,
                                             wp.index(2 * (PAIR * s + i) + c))
-        tma.async_copy_global_to_shared(s_desc, [s_word + RS_ROWS * i], bar, sw.index(PAIR * s + i))
+        tma.async_copy_global_to_shared(s_desc, [s_word + ROWS * i], bar, sw.index(PAIR * s + i))
     for j in gl.static_range(4):
         tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK + 32 * j], bar, ab.index(4 * s + j))
 
@@ -142,20 +152,27 @@ def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr):
 
 @gluon.jit
 def _k_block_chain(g0, g1, g2, g3, ab, s, like):
-    """One K block's fresh wgmma chain: the four K=32 register operands ``g0..g3`` (e4m3 ``[64, 32]``) times ring
+    """One K block's fresh wgmma chain: the four K=32 register operands ``g0..g3`` (e4m3 ``[ROWS, 32]``) times ring
     stage ``s``'s four token boxes (``ab``: ``[BN, 32]`` each, the MMA's B operand, transposed views), waited for;
-    returns the float32 ``[64, BN]`` partial sum (``like``: a tile of its layout, overwritten: ``use_acc=False``)."""
-    dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), like, use_acc=False, is_async=True)
-    dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
-    dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
-    dot = warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+    returns the float32 ``[ROWS, BN]`` partial sum (``like``: a tile of its layout, overwritten: ``use_acc=False``)."""
+    return warpgroup_mma_wait(num_outstanding=0, deps=(_k_block_issue(g0, g1, g2, g3, ab, s, like), ))
 
 
 @gluon.jit
-def _chain_rows(tile_row, nt, q):
-    """The first weight row of chain ``q`` of n-tile ``nt`` (``tile_row``: the expert's first row)."""
-    return tile_row + nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS
+def _k_block_issue(g0, g1, g2, g3, ab, s, like):
+    """``_k_block_chain`` without the wait: the four wgmmas of one K block issued (asynchronous); the caller waits
+    (``warpgroup_mma_wait``) before it reads the result; the operands ``g0..g3`` stay live until then."""
+    dot = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), like, use_acc=False, is_async=True)
+    dot = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), dot, is_async=True)
+    dot = warpgroup_mma(g2, ab.index(4 * s + 2).permute((1, 0)), dot, is_async=True)
+    return warpgroup_mma(g3, ab.index(4 * s + 3).permute((1, 0)), dot, is_async=True)
+
+
+@gluon.jit
+def _chain_rows(tile_row, nt, q, ROWS: gl.constexpr):
+    """The first weight row of chain ``q`` (of ``ROWS`` rows) of n-tile ``nt`` (``tile_row``: the expert's first
+    row)."""
+    return tile_row + nt * RS_TILE + q * ROWS
 
 
 @gluon.jit
@@ -169,6 +186,7 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
     front launch landed the rows). The L1 tiles it waits for were all taken before it, by CTAs that are resident
     and finish them: no dead-lock."""
     BN: gl.constexpr = a1_desc.block_type.shape[0]
+    ROWS: gl.constexpr = w1_desc.block_type.shape[0]
     nbytes: gl.constexpr = (PAIR * (2 * w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes)
                             + 4 * a1_desc.block_type.nbytes)
     full = _full_mask(I // 128)
@@ -191,8 +209,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
             N = 2 * I
         for c in range((valid + BN - 1) // BN):
             a_row = b * BM + c * BN
-            for qp in range(RS_CHAINS // PAIR):
-                w_row = _chain_rows(e * N, nt, PAIR * qp)
+            for qp in range(RS_TILE // (ROWS * PAIR)):
+                w_row = _chain_rows(e * N, nt, PAIR * qp, ROWS)
                 for kb in range(KB):
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase -1
@@ -231,20 +249,17 @@ def _take_tile(tile_s, tile_full, tile_empty, j, TL: gl.constexpr):
     return t
 
 
-#: ``[16, 128]`` e4m3 of the L2 pool as ``_fold_block`` reads it: 16 consecutive bytes a thread, one row a warp's
-#: quarter.
-FOLD_ROWS = gl.constexpr(16)
-FB_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-
-
 @gluon.jit
 def _fold_block(buf, row0, valid, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr,
-                SP: gl.constexpr):
+                SP: gl.constexpr, NW: gl.constexpr):
     """The L2 A operand of one pool block folded **once**, in place in the L2 pool: rows ``[row0, row0 + valid)``,
     every 128-column block ``kb``, ``e4m3(a * 2^(s_kb - s_max))`` through fp16 (exact for every value that survives
     into e4m3, as ``gemm_fp4_ws._fold_a_rows``), ``s_max`` the row's largest per-128 exponent (the words at
-    ``L2_SF[kb SP + row]`` stay as the L1 epilogues wrote them: the L2 chains read ``s_max`` from them)."""
+    ``L2_SF[kb SP + row]`` stay as the L1 epilogues wrote them: the L2 chains read ``s_max`` from them). ``[4 NW,
+    128]`` bytes a step over the ``NW`` warps: 16 consecutive bytes a thread, one row a warp's quarter."""
     KB: gl.constexpr = I // 128
+    FOLD_ROWS: gl.constexpr = 4 * NW
+    FB_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
     l2 = (buf + OFF_L2).to(gl.pointer_type(gl.uint8))
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     r = gl.arange(0, FOLD_ROWS, layout=gl.SliceLayout(1, FB_LAYOUT))
@@ -266,7 +281,7 @@ def _fold_block(buf, row0, valid, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
 
 @gluon.jit
 def _l1_done(l2_mask, b, nt, valid, buf, BM: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
-             I: gl.constexpr, SP: gl.constexpr):
+             I: gl.constexpr, SP: gl.constexpr, NW: gl.constexpr):
     """An L1 tile's L2 pool bytes and scales are stored: ``fence.proxy.async`` (TMA reads them later), a warpgroup
     barrier, then its **even** bit ``2 nt`` OR-ed into the block's arrival mask (acquire-release). The tile that
     completes the even bits is the block's last: it folds the block's L2 rows once (``_fold_block``; the other
@@ -282,7 +297,7 @@ def _l1_done(l2_mask, b, nt, valid, buf, BM: gl.constexpr, OFF_L2: gl.constexpr,
     old = gl.atomic_or(l2_mask + b, mine, sem="acq_rel", scope="gpu")
     if ((old | mine) & even) == even:
         gl.thread_barrier()  # (the acquiring thread's view, to the whole warpgroup)
-        _fold_block(buf, b * BM, valid, OFF_L2, OFF_L2_SF, I, SP)
+        _fold_block(buf, b * BM, valid, OFF_L2, OFF_L2_SF, I, SP, NW)
         _fence_proxy_async_global()
         gl.thread_barrier()
         gl.atomic_or(l2_mask + b, full ^ even, sem="release", scope="gpu")
@@ -290,21 +305,22 @@ def _l1_done(l2_mask, b, nt, valid, buf, BM: gl.constexpr, OFF_L2: gl.constexpr,
 
 @gluon.jit
 def _l1_chain_epilogue(acc, stash, q: gl.constexpr, topk_w, clamp, HAS_CLAMP: gl.constexpr):
-    """Chain ``q`` of an L1 tile: ``acc`` float32 ``[64, BN]`` (weight rows x tokens, scaled), rows interleaved by
-    8 (``16 j + i`` gate and ``16 j + 8 + i`` up of intermediate column ``8 j + i``) -> bf16 round, clamp, SwiGLU,
-    times the tokens' top-k weights (``topk_w`` float32 ``[BN]``, 0 past the chunk's real tokens) -> rows ``[32 q,
-    +32)`` of ``stash`` (float32 ``[128, BN]`` shared memory)."""
+    """Chain ``q`` of an L1 tile: ``acc`` float32 ``[ROWS, BN]`` (weight rows x tokens, scaled), rows interleaved
+    by 8 (``16 j + i`` gate and ``16 j + 8 + i`` up of intermediate column ``8 j + i``) -> bf16 round, clamp, SwiGLU,
+    times the tokens' top-k weights (``topk_w`` float32 ``[BN]``, 0 past the chunk's real tokens) -> rows ``[ROWS / 2
+    q, + ROWS / 2)`` of ``stash`` (float32 ``[128, BN]`` shared memory)."""
+    ROWS: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
-    g, u = gl.split(gl.permute(gl.reshape(acc, [4, 2, 8, BN]), (0, 2, 3, 1)))
-    gate = _round_bf16(gl.reshape(g, [32, BN]))
-    up = _round_bf16(gl.reshape(u, [32, BN]))
+    g, u = gl.split(gl.permute(gl.reshape(acc, [ROWS // 16, 2, 8, BN]), (0, 2, 3, 1)))
+    gate = _round_bf16(gl.reshape(g, [ROWS // 2, BN]))
+    up = _round_bf16(gl.reshape(u, [ROWS // 2, BN]))
     if HAS_CLAMP:
         gate = gl.minimum(gate, clamp)
         up = gl.minimum(gl.maximum(up, -clamp), clamp)
     act = swiglu(gate, up, False)
     L: gl.constexpr = act.type.layout
     act = act * gl.expand_dims(gl.convert_layout(topk_w, gl.SliceLayout(0, L)), 0)
-    stash.slice(32 * q, 32).store(act)
+    stash.slice(ROWS // 2 * q, ROWS // 2).store(act)
 
 
 @gluon.jit
@@ -334,12 +350,13 @@ def _l1_requant(stash, buf, a_row, nt, nv, OFF_L2: gl.constexpr, OFF_L2_SF: gl.c
 @gluon.jit
 def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                        T: gl.constexpr, H: gl.constexpr, SL: gl.constexpr):
-    """Chain of an L2 tile: ``acc`` float32 ``[64, BN]`` (hidden columns ``[n0, n0 + 64)`` x the chunk's tokens,
+    """Chain of an L2 tile: ``acc`` float32 ``[ROWS, BN]`` (hidden columns ``[n0, n0 + ROWS)`` x the chunk's tokens,
     scaled) as bf16 into ``combine[slot][token]`` of each pool row's source rank (``gemm_fp8_ws._l2_epilogue``
     transposed: ``SL`` holds 8 consecutive columns of one token a thread, one 16-byte store)."""
+    ROWS: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     v = gl.convert_layout(_to_bf16_bits(acc), SL)
-    r = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, SL))
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, SL))
     tok = gl.arange(0, BN, layout=gl.SliceLayout(0, SL))
     ok = tok < nv
     dst_col = _combine_rows(buf, buffer_ptrs, me, a_row + tok, ok, n0, OFF_META, T, H)
@@ -360,13 +377,13 @@ def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc):
 def _chain_epilogue(acc, q: gl.constexpr, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf, buffer_ptrs, me,
                     a_row, nt, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr,
                     H: gl.constexpr, SL: gl.constexpr, HAS_CLAMP: gl.constexpr):
-    """Chain ``q`` of a chunk done (``acc`` float32 ``[64, BN]``, its weight rows from ``w_row``): the powers of two
+    """Chain ``q`` of a chunk done (``acc`` float32 ``[ROWS, BN]``, its weight rows from ``w_row``): the powers of two
     of its weight rows (the fold reference of each row) and of the tokens (``ts``; exact: the order is free), then
     the L2 write-back or the L1 SwiGLU into the stash."""
     rs = _pow2_f32(gl.load(rmax + w_row + rows_m).to(gl.int32) - 127)
     acc = acc * gl.expand_dims(rs, 1) * gl.expand_dims(ts, 0)
     if is_l2:
-        _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * (RS_ROWS * RS_CHAINS) + q * RS_ROWS, nv, OFF_META,
+        _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, nt * RS_TILE + q * acc.shape[0], nv, OFF_META,
                            OFF_COMBINE, T, H, SL)
     else:
         _l1_chain_epilogue(acc, stash, q, topk_w, clamp, HAS_CLAMP)
@@ -379,28 +396,32 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
-                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr):
-    """The math warpgroup (module docstring): per stage the decode into the register A operand, four wgmmas (one
-    fresh chain a K block), the stage released once they are done, the chain's partial sum added into its float32
-    accumulator; per chain the epilogue, per L1 chunk the requant, per L1 tile its arrival bits."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr, ROWS: gl.constexpr):
+    """The math warpgroup(s) (module docstring; ``ROWS / 16`` warps: one warpgroup at ``ROWS`` 64, two in lock-step
+    at 128): per stage the decode into the register A operand, four wgmmas (one fresh chain a K block), the stage
+    released once they are done, the chain's partial sum added into its float32 accumulator; per chain the
+    epilogue, per L1 chunk the requant, per L1 tile its arrival bits. ``PAIR`` 1 (one chain a stage) decodes the
+    next K block's operand while the current block's wgmmas run."""
+    NW: gl.constexpr = ROWS // 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     # the register layout of the [KW2_PAD, BN] scale words of a chunk's tokens
-    KL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BN if BN < 32 else 1, BN if BN < 32 else 32], [4, 1], [1, 0])
+    KL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BN if BN < 32 else 1, BN if BN < 32 else 32], [NW, 1], [1, 0])
     if BN == 8:  # the stores' layouts: a token's consecutive columns in one thread (dim 0 fastest)
+        gl.static_assert(NW == 4, "chunk 8 runs one math warpgroup")
         QL: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
         SL: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
     else:
-        QL: gl.constexpr = gl.BlockedLayout([16, BN // 16], [8, 4], [1, 4], [0, 1])
-        SL: gl.constexpr = gl.BlockedLayout([8, BN // 16], [8, 4], [1, 4], [0, 1])
-    rows_a = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, dot_a))
-    rows_m = gl.arange(0, RS_ROWS, layout=gl.SliceLayout(1, mma))
+        QL: gl.constexpr = gl.BlockedLayout([16, BN // (4 * NW)], [8, 4], [1, NW], [0, 1])
+        SL: gl.constexpr = gl.BlockedLayout([8, BN // 16], [8, 4], [NW // 4, 4], [0, 1])
+    rows_a = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dot_a))
+    rows_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     tok_m = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     l1_w = (buf + OFF_L1_W).to(gl.pointer_type(gl.float32))
     full = _full_mask(I // 128)
-    TL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    TL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     it = 0
     j = 0
     t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
@@ -431,38 +452,61 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
                 ts = _pow2_f32((word & 0xFF) - 127)
                 topk_w = gl.load(l1_w + a_row + tok_m, mask=tok_m < nv, other=0.0)
-            gl.static_assert((PAIR == 2) | (PAIR == 4), "two or four chains a token stage")
-            for qp in gl.static_range(RS_CHAINS // PAIR):
-                w_row = _chain_rows(e * N, nt, PAIR * qp)  # the first chain's row (chain i: + 64 i)
+            gl.static_assert((PAIR == 1) | (PAIR == 2) | (PAIR == 4), "one, two or four chains a token stage")
+            for qp in gl.static_range(RS_TILE // (ROWS * PAIR)):
+                w_row = _chain_rows(e * N, nt, PAIR * qp, ROWS)  # the first chain's row (chain i: + ROWS i)
                 rm0 = gl.load(rmax + w_row + rows_a).to(gl.int32)
-                rm1 = gl.load(rmax + w_row + RS_ROWS + rows_a).to(gl.int32)
-                acc0 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
-                acc1 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
-                if PAIR == 4:
-                    rm2 = gl.load(rmax + w_row + 2 * RS_ROWS + rows_a).to(gl.int32)
-                    rm3 = gl.load(rmax + w_row + 3 * RS_ROWS + rows_a).to(gl.int32)
-                    acc2 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
-                    acc3 = gl.zeros([RS_ROWS, BN], gl.float32, mma)
-                for kb in range(KB):
+                acc0 = gl.zeros([ROWS, BN], gl.float32, mma)
+                if PAIR == 1:  # the next K block's decode under the current block's wgmmas
                     s = it % STAGES
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
-                    acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
+                    word = sw.index(s).load(gl.SliceLayout(1, dot_a))
+                    g0, g1, g2, g3 = _decode_stage(wp, s, word, rm0, lut, dot_a)
+                    for kb in range(KB):
+                        dot = _k_block_issue(g0, g1, g2, g3, ab, s, acc0)
+                        n0, n1, n2, n3 = g0, g1, g2, g3
+                        if kb + 1 < KB:
+                            s_n = (it + 1) % STAGES
+                            mbarrier.wait(ready.index(s_n), ((it + 1) // STAGES) & 1)
+                            word = sw.index(s_n).load(gl.SliceLayout(1, dot_a))
+                            n0, n1, n2, n3 = _decode_stage(wp, s_n, word, rm0, lut, dot_a)
+                        # (the e4m3 operands cannot be wait deps -- "Unexpected bitwidth in WGMMAWaitGroupOp: 8" --
+                        # ptxas keeps a wgmma's register operands live until its wait_group)
+                        part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+                        mbarrier.arrive(empty.index(s), count=1)
+                        acc0 = acc0 + part
+                        g0, g1, g2, g3 = n0, n1, n2, n3
+                        it += 1
+                        s = it % STAGES
+                else:
+                    rm1 = gl.load(rmax + w_row + ROWS + rows_a).to(gl.int32)
+                    acc1 = gl.zeros([ROWS, BN], gl.float32, mma)
                     if PAIR == 4:
-                        acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2)
-                        acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3)
-                    mbarrier.arrive(empty.index(s), count=1)  # (every chain's MMAs of the stage waited for)
-                    it += 1
+                        rm2 = gl.load(rmax + w_row + 2 * ROWS + rows_a).to(gl.int32)
+                        rm3 = gl.load(rmax + w_row + 3 * ROWS + rows_a).to(gl.int32)
+                        acc2 = gl.zeros([ROWS, BN], gl.float32, mma)
+                        acc3 = gl.zeros([ROWS, BN], gl.float32, mma)
+                    for kb in range(KB):
+                        s = it % STAGES
+                        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                        acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
+                        acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
+                        if PAIR == 4:
+                            acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2)
+                            acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3)
+                        mbarrier.arrive(empty.index(s), count=1)  # (every chain's MMAs of the stage waited for)
+                        it += 1
                 _chain_epilogue(acc0, PAIR * qp, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf,
                                 buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL, HAS_CLAMP)
-                _chain_epilogue(acc1, PAIR * qp + 1, w_row + RS_ROWS, rmax, rows_m, ts, topk_w, is_l2, stash,
-                                clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
-                                HAS_CLAMP)
+                if PAIR >= 2:
+                    _chain_epilogue(acc1, PAIR * qp + 1, w_row + ROWS, rmax, rows_m, ts, topk_w, is_l2, stash,
+                                    clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
+                                    HAS_CLAMP)
                 if PAIR == 4:
-                    _chain_epilogue(acc2, PAIR * qp + 2, w_row + 2 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2,
+                    _chain_epilogue(acc2, PAIR * qp + 2, w_row + 2 * ROWS, rmax, rows_m, ts, topk_w, is_l2,
                                     stash, clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
                                     HAS_CLAMP)
-                    _chain_epilogue(acc3, PAIR * qp + 3, w_row + 3 * RS_ROWS, rmax, rows_m, ts, topk_w, is_l2,
+                    _chain_epilogue(acc3, PAIR * qp + 3, w_row + 3 * ROWS, rmax, rows_m, ts, topk_w, is_l2,
                                     stash, clamp, buf, buffer_ptrs, me, a_row, nt, nv, OFF_META, OFF_COMBINE, T, H, SL,
                                     HAS_CLAMP)
             if not is_l2:
@@ -470,7 +514,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
                 gl.thread_barrier()  # read before the next chunk writes it
         if not is_l2:
-            _l1_done(l2_mask, b, nt, valid, buf, BM, OFF_L2, OFF_L2_SF, I, SP)  # its bit; the last one folds
+            _l1_done(l2_mask, b, nt, valid, buf, BM, OFF_L2, OFF_L2_SF, I, SP, NW)  # its bit; the last one folds
         j += 1
         t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
 
@@ -503,11 +547,14 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
         num_tiles = 0
     BN: gl.constexpr = a1_desc.block_type.shape[0]
-    gl.static_assert((BN == 8) | (BN == 16) | (BN == 32) | (BN == 64), "token chunks of 8, 16, 32 or 64")
+    gl.static_assert((BN == 8) | (BN == 16) | (BN == 32) | (BN == 64) | (BN == 128),
+                     "token chunks of 8, 16, 32, 64 or 128")
     gl.static_assert(BM % BN == 0, "a pool block holds whole chunks")
-    wp = gl.allocate_shared_memory(gl.uint8, [2 * PAIR * STAGES, RS_ROWS, 32], w1_desc.layout)
+    ROWS: gl.constexpr = w1_desc.block_type.shape[0]
+    gl.static_assert((ROWS == 64) | (ROWS == 128), "chains of 64 (one warpgroup) or 128 weight rows (two)")
+    wp = gl.allocate_shared_memory(gl.uint8, [2 * PAIR * STAGES, ROWS, 32], w1_desc.layout)
     ab = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, BN, 32], a1_desc.layout)
-    sw = gl.allocate_shared_memory(gl.int32, [PAIR * STAGES, RS_ROWS], ws1_desc.layout)
+    sw = gl.allocate_shared_memory(gl.int32, [PAIR * STAGES, ROWS], ws1_desc.layout)
     stash = gl.allocate_shared_memory(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     tile_s = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -525,7 +572,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
         (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                            tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF,
                            OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES,
-                           HAS_CLAMP, KW2_PAD, PAIR)),
+                           HAS_CLAMP, KW2_PAD, PAIR, ROWS)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, BM, STAGES, PAIR)),

@@ -326,7 +326,11 @@ FP4_RS_MAX_EXPECTED = 16
 #: tiles need ``maxnreg`` 128. Chunk 64 measured slower than the alternatives (one chain a stage,
 #: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
 #: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
-FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2}
+FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2, 128: 1}
+#: Weight rows of a chain by token chunk: 64 (one math warpgroup), or 128 at chunk 128 (two math warpgroups in
+#: lock-step, ``num_warps`` 8, one CTA an SM, pool blocks of 128; NOT yet run on a GPU, chosen only explicitly:
+#: ``FusedConfig(kind="fp4_ws", block_m=128, rs_block_n=128)``).
+FP4_RS_ROWS = {8: 64, 16: 64, 32: 64, 64: 64, 128: 128}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
 #: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers at four CTAs an SM
 #: only up to chunk 16; chunk 32 takes them at two CTAs an SM, 232 registers).
@@ -338,14 +342,14 @@ FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2}
 #: chains), whole call alternating twice (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at 1d6df46,
 #: same error): 2 CTAs an SM with four chains 667 / 668 us against 4 CTAs with two chains 700 / 701 and 2 CTAs with
 #: two chains 699 / 698 (FP4_RS32_CANDIDATES).
-FP4_RS_PAIR = {8: 2, 16: 4, 32: 4, 64: 2}
+FP4_RS_PAIR = {8: 2, 16: 4, 32: 4, 64: 2, 128: 1}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
 #: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 and four CTAs the loader at 40 left the math
 #: spilling in its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spilled 84 B outside the K loops;
 #: at chunk 16 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16):
 #: the loader at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B. Chunk 32 at two CTAs an SM, four
 #: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill.
-FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40}
+FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40, 128: 40}
 #: The settings chunk 32 was measured against (above), by name: (CTAs an SM, weight chains a token stage, loader
 #: registers) for ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until
 #: session 22. Kept selectable for the probe (``fp8_ws_probe.py rs_ctas``, ``device_run.sh rs_ctas``), so tested on
@@ -358,8 +362,15 @@ FP4_RS_MAX_STAGES = 6
 
 def fp4_rs_maxnreg(block_n: int) -> int:
     """``maxnreg`` of the register-operand tile at token chunk ``block_n``: an SM's 64 K registers over its
-    ``FP4_RS_CTAS_PER_SM[block_n]`` CTAs of 8 warps (64 at four CTAs, 128 at two)."""
-    return 65536 // (FP4_RS_CTAS_PER_SM[block_n] * 8 * 32)
+    ``FP4_RS_CTAS_PER_SM[block_n]`` CTAs of ``fp4_rs_num_warps(block_n)`` math warps and a loader warpgroup (64 at
+    four CTAs of 4 + 4 warps, 128 at two, 168 at one of 8 + 4), a multiple of 8."""
+    warps = fp4_rs_num_warps(block_n) + 4
+    return 65536 // (FP4_RS_CTAS_PER_SM[block_n] * warps * 32) // 8 * 8
+
+
+def fp4_rs_num_warps(block_n: int) -> int:
+    """The register-operand tile's math warps at token chunk ``block_n``: a warpgroup per 64 rows of a chain."""
+    return FP4_RS_ROWS[block_n] // 16
 
 
 def fp4_rs_block_n(expected: float) -> int:
@@ -376,8 +387,9 @@ def fp4_rs_stages(block_n: int, ctas_per_sm: int | None = None) -> int:
     float32 stash of the L1 requant, barriers and the epilogue's layout scratch), at most FP4_RS_MAX_STAGES."""
     ctas = FP4_RS_CTAS_PER_SM[block_n] if ctas_per_sm is None else ctas_per_sm
     per_cta = _SM90_LIMITS["shared_memory_per_multiprocessor"] // ctas - 1024  # (the driver's 1 KiB a CTA)
-    stage = FP4_RS_PAIR[block_n] * (64 * 64 + 64 * 4) + block_n * 128
-    fixed = 128 * block_n * 4 + 64 * block_n * 2 + 512
+    rows = FP4_RS_ROWS[block_n]
+    stage = FP4_RS_PAIR[block_n] * (rows * 64 + rows * 4) + block_n * 128
+    fixed = 128 * block_n * 4 + rows * block_n * 2 + 512
     return max(2, min(FP4_RS_MAX_STAGES, (per_cta - fixed) // stage))
 
 
@@ -436,8 +448,10 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
-    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and block_m == 64 and not predecode and FP4_RS_ENABLED
+    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and not predecode and FP4_RS_ENABLED
           and expected <= FP4_RS_MAX_EXPECTED else 0)
+    if rs and block_m != max(64, rs):  # (chunks up to 64 run 64-row pool blocks, chunk 128 128-row ones)
+        rs = 0
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -487,12 +501,12 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
     if kind == "fp8_ws" and cfg.block_m not in FP8_WS_STAGES:
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
-    if cfg.rs_block_n and (kind != "fp4_ws" or cfg.block_m != 64 or cfg.rs_block_n not in FP4_RS_CTAS_PER_SM
-                           or cfg.predecode):
+    if cfg.rs_block_n and (kind != "fp4_ws" or cfg.rs_block_n not in FP4_RS_CTAS_PER_SM or cfg.predecode
+                           or cfg.block_m != max(64, cfg.rs_block_n)):
         chunks = ", ".join(map(str, FP4_RS_CTAS_PER_SM))
         raise ValueError(f"FusedConfig rs_block_n={cfg.rs_block_n} (the register-operand FP4 tile) needs "
-                         f"kind='fp4_ws', block_m=64, no predecode and a token chunk of {chunks}; got "
-                         f"kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
+                         f"kind='fp4_ws', no predecode, a token chunk of {chunks} and block_m=64 (128 at chunk 128); "
+                         f"got kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
     if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
                          f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "
@@ -750,7 +764,8 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: in
     if kind == "fp4_rs":  # the register-operand tile: 32-byte boxes (one K=32 MMA's tokens; half a K block's
         # packed weight rows), 32-byte swizzled; the scale words of a chain's 64 rows
         s32 = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
-        a, w, ws = ("fp8e4nv", [block_n, 32], s32), ("u8", [64, 32], s32), ("i32", [64], words)
+        rows = FP4_RS_ROWS[block_n]
+        a, w, ws = ("fp8e4nv", [block_n, 32], s32), ("u8", [rows, 32], s32), ("i32", [rows], words)
         return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws)
     if kind == "fp4_ws":  # the transformed FP4 weights as bytes, 256 rows x 128 K values; the decode warps read rows
         if predecode:
@@ -994,7 +1009,8 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        PAIR=FP4_RS_PAIR[block_n], num_warps=4, maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
+        PAIR=FP4_RS_PAIR[block_n], num_warps=fp4_rs_num_warps(block_n), maxnreg=fp4_rs_maxnreg(block_n),
+        **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

@@ -423,8 +423,8 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
         assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm
 
 
-@pytest.mark.parametrize("block_n", [8, 32])
-def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
+@pytest.mark.parametrize("block_n, block_m", [(8, 64), (32, 64), (128, 128)])
+def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
     """The register-operand tile's call on a CPU rank ("fp4_ws" at block 64 with ``rs_block_n``): its host code --
     the TMA descriptors ([block_n, 32] token boxes, [64, 32] packed weight boxes, [64] scale words), its keywords,
     the per-call weight-row maxima -- with the phase's torch model in place of the Gluon launch (the same numerics
@@ -434,23 +434,25 @@ def test_fp4_rs_host_path_bitwise(block_n, monkeypatch):
     import megamoe.fused as mf
     from megamoe.kernels import gemm_fp4_rs as krs
 
-    cfg = dataclasses.replace(_fp4_ws_config(64), rs_block_n=block_n)
+    cfg = dataclasses.replace(_fp4_ws_config(block_m), rs_block_n=block_n)
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
     descs, maxima = [], []
     real_descs, real_max = mf._fp4_rs_descriptors, mf._fp4_row_maxima
     monkeypatch.setattr(mf, "_fp4_rs_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     monkeypatch.setattr(mf, "_fp4_row_maxima", lambda c: maxima.append((c, real_max(c))) or maxima[-1][1])
     _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
-    assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[64, 32]] * 2 + [[64]] * 2
+    rows = mf.FP4_RS_ROWS[block_n]  # a chain's weight rows: 64, or 128 at chunk 128 (two math warpgroups)
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[rows, 32]] * 2 + [[rows]] * 2
     c, (r1, r2) = maxima[-1]
     for w, r in zip((c.l1, c.l2), (r1, r2)):
         El, N, KW = w[1].shape
         bytes_ = torch.stack([(w[1] >> (8 * j)) & 0xFF for j in range(4)], dim=-1)  # [El, N, KW, 4]
         assert torch.equal(r.view(El, N).long(), bytes_.amax(dim=(2, 3)).long())
-    kw = mf._fp4_rs_constexprs(c.sb, 64, block_n, False)
+    kw = mf._fp4_rs_constexprs(c.sb, block_m, block_n, False)
     assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in krs.fp4_rs_gemm_phase_kernel.params
                                                               if p.is_constexpr}
-    assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.fp4_rs_maxnreg(block_n) and kw["BM"] == 64
+    assert kw["STAGES"] == mf.fp4_rs_stages(block_n) and kw["maxnreg"] == mf.fp4_rs_maxnreg(block_n)
+    assert kw["BM"] == block_m and kw["num_warps"] == rows // 16 and kw["PAIR"] == mf.FP4_RS_PAIR[block_n]
 
 
 def _weights_of(case: MoECase, sb: SymmBuffer, seed: int):
@@ -523,6 +525,7 @@ def test_fp4_rs_config_errors():
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
     for cfg in (FusedConfig(128, 1, numerics="hopper", kind="fp4_ws", rs_block_n=16),
                 FusedConfig(64, 1, numerics="hopper", kind="fp4_ws", rs_block_n=12),
+                FusedConfig(64, 1, numerics="hopper", kind="fp4_ws", rs_block_n=128),  # (chunk 128: block 128)
                 FusedConfig(64, 1, numerics="hopper", kind="hopper", rs_block_n=16)):
         with pytest.raises(ValueError, match="rs_block_n"):
             kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)

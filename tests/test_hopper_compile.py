@@ -56,19 +56,20 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_n", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_n", [8, 16, 32, 64, 128])
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's
     keywords: within ``maxnreg`` ``fp4_rs_maxnreg(block_n)`` and a share of an SM's shared memory
-    (``FP4_RS_CTAS_PER_SM[block_n]`` CTAs an SM, 4 up to chunk 16, 2 at 32 / 64, is what the launch's grid assumes
-    for its speed; a CTA that is not resident takes no tile, so it cannot dead-lock the L2 tiles' waits), wgmma in
-    its K loops, no spill inside them."""
+    (``FP4_RS_CTAS_PER_SM[block_n]`` CTAs an SM, 4 up to chunk 16, 2 at 32 / 64, 1 at 128, is what the launch's grid
+    assumes for its speed; a CTA that is not resident takes no tile, so it cannot dead-lock the L2 tiles' waits), wgmma
+    in its K loops, no spill inside them (at 128 -- two math warpgroups on 128-row chains, pool block 128 -- 516 B
+    spilled in the chain epilogues; Triton 3.6)."""
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    r = compile_gluon_phase("fp4_rs", layout, 64, block_n=block_n, has_clamp=True)
+    r = compile_gluon_phase("fp4_rs", layout, max(64, block_n), block_n=block_n, has_clamp=True)
     assert r.registers <= mf.fp4_rs_maxnreg(block_n)
     per_sm = mf._SM90_LIMITS["shared_memory_per_multiprocessor"]
     assert mf.FP4_RS_CTAS_PER_SM[block_n] * (r.shared + 1024) <= per_sm, r.shared
-    assert r.spill_stores <= 96, r.spill_stores
+    assert r.spill_stores <= (600 if block_n == 128 else 96), r.spill_stores
     mma_loops = [lp for lp in _innermost(r.loops) if lp[3].get("QGMMA")]
     assert mma_loops and all(lp[3].get("PRMT", 0) >= 32 for lp in mma_loops)  # the decode is in the MMA's loop
     for first, last, n, ops in mma_loops:

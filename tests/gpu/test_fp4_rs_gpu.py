@@ -122,3 +122,41 @@ def test_fp4_rs_cuda_graph_capture_and_replay(monkeypatch):
     assert cfg.rs_block_n > 0
     assert_cuda_graph_replays(sb, case.problem(device="cuda"))
     sb.destroy()
+
+
+def _force_wide(monkeypatch):
+    """Every "hopper" call takes the register-operand tile with chunk 128: two math warpgroups on 128-row chains,
+    pool blocks of 128, one CTA an SM."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", -1)
+    monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)
+    monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
+    monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
+    monkeypatch.setattr(mf, "fp4_rs_block_n", lambda expected: 128)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
+                                             "r2-spread-scales"])
+def test_fp4_rs_wide_small_cases(case, monkeypatch):
+    """Chunk 128 (the wide tile: 128-row chains over two math warpgroups, the next K block decoded under the current
+    block's wgmmas) on the small cases."""
+    import megamoe.fused as mf
+
+    _force_wide(monkeypatch)
+    cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 128, 128)
+    assert_reports(run_case_local(case, device="cuda"), "hopper fused (FP4 register-operand tile, wide)")
+
+
+@pytest.mark.parametrize("num_tokens", [512, 2048])
+def test_fp4_rs_wide_one_ep8_rank(num_tokens, monkeypatch):
+    """The wide tile at one EP8 rank's share of V4-Pro, T = 512 / 2048 (64 / 256 expected tokens per expert)."""
+    _force_wide(monkeypatch)
+    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
+    assert_reports(run_case_local(case, device="cuda"),
+                   f"hopper fused (FP4 register-operand tile, wide) T={num_tokens}")
+
