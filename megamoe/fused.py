@@ -329,7 +329,8 @@ FP4_RS_MAX_EXPECTED = 16
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2, 128: 1}
 #: Weight rows of a chain by token chunk: 64 (one math warpgroup), or 128 at chunk 128 (two math warpgroups in
 #: lock-step, ``num_warps`` 8, one CTA an SM, pool blocks of 128; NOT yet run on a GPU, chosen only explicitly:
-#: ``FusedConfig(kind="fp4_ws", block_m=128, rs_block_n=128)``).
+#: ``FusedConfig(kind="fp4_ws", block_m=128, rs_block_n=128)``). Chunk 64 on 128-row chains (``fused_fp8_ws_profile``'s
+#: ``FP4_RS_WIDE=64`` patches these dicts) compiles too: 168 registers, 150792 B shared (6 stages), no spill.
 FP4_RS_ROWS = {8: 64, 16: 64, 32: 64, 64: 64, 128: 128}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
 #: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers at four CTAs an SM
@@ -366,6 +367,12 @@ def fp4_rs_maxnreg(block_n: int) -> int:
     four CTAs of 4 + 4 warps, 128 at two, 168 at one of 8 + 4), a multiple of 8."""
     warps = fp4_rs_num_warps(block_n) + 4
     return 65536 // (FP4_RS_CTAS_PER_SM[block_n] * warps * 32) // 8 * 8
+
+
+def fp4_rs_block_m(block_n: int) -> int:
+    """The register-operand tile's pool block at token chunk ``block_n``: 64, or 128 where its chains are 128 rows
+    (``FP4_RS_ROWS``: two math warpgroups, one CTA an SM -- a pool block of 128 feeds them whole chunks)."""
+    return 128 if FP4_RS_ROWS[block_n] == 128 else 64
 
 
 def fp4_rs_num_warps(block_n: int) -> int:
@@ -450,7 +457,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
     rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and not predecode and FP4_RS_ENABLED
           and expected <= FP4_RS_MAX_EXPECTED else 0)
-    if rs and block_m != max(64, rs):  # (chunks up to 64 run 64-row pool blocks, chunk 128 128-row ones)
+    if rs and block_m != fp4_rs_block_m(rs):  # (the tile's pool block: 64, or 128 on 128-row chains)
         rs = 0
     if interpreting() or device.type != "cuda":
         programs = 1
@@ -502,11 +509,12 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         raise ValueError(f"FusedConfig kind='fp8_ws' runs pool blocks of {sorted(FP8_WS_STAGES)} rows (its Gluon "
                          f"tiles), got block_m={cfg.block_m}")
     if cfg.rs_block_n and (kind != "fp4_ws" or cfg.rs_block_n not in FP4_RS_CTAS_PER_SM or cfg.predecode
-                           or cfg.block_m != max(64, cfg.rs_block_n)):
+                           or cfg.block_m != fp4_rs_block_m(cfg.rs_block_n)):
         chunks = ", ".join(map(str, FP4_RS_CTAS_PER_SM))
         raise ValueError(f"FusedConfig rs_block_n={cfg.rs_block_n} (the register-operand FP4 tile) needs "
-                         f"kind='fp4_ws', no predecode, a token chunk of {chunks} and block_m=64 (128 at chunk 128); "
-                         f"got kind={kind!r}, block_m={cfg.block_m}, predecode={cfg.predecode}")
+                         f"kind='fp4_ws', no predecode, a token chunk of {chunks} and block_m="
+                         f"fp4_rs_block_m(chunk) (64; 128 on 128-row chains, FP4_RS_ROWS); got kind={kind!r}, "
+                         f"block_m={cfg.block_m}, predecode={cfg.predecode}")
     if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
                          f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "

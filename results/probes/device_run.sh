@@ -21,7 +21,8 @@
 #   rs_pair        fused_fp8_ws_profile.py at T = 8, 32 with 2 and 4 weight chains a token stage (FP4_RS_PAIR at
 #                  chunks 8 / 16), alternating twice (-> $OUT/rs_pair.jsonl; not timed)
 #   gputests_wide  tests/gpu/test_fp4_rs_gpu.py -k wide (the chunk-128 tile: 5 small cases, T = 512 / 2048)
-#   rs_wide        fused_fp8_ws_profile.py: the chunk-128 tile against the decode-partition tile at T = 512, 2048
+#   rs_wide        fused_fp8_ws_profile.py: the chunk-128 tile (and chunk 64 on 128-row chains at T = 512) against the
+#                  decode-partition tile at T = 512, 2048
 #                  (-> $OUT/rs_wide.jsonl)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
 #                  with megamoe.direct_launch on and off, and its cProfile (-> $OUT/host.jsonl; not timed)
@@ -140,6 +141,8 @@ step_rs_wide() {  # the wide register-operand tile (chunk 128, 128-row chains, b
     # tile at T = 512, 2048 (-> $OUT/rs_wide.jsonl; not timed)
     FP4_RS_MAX_EXPECTED=1000 FP4_BLOCK64_MAX_EXPECTED=-1 FP4_RS_BLOCK_N=128 \
         $PY results/probes/fused_fp8_ws_profile.py 512,2048 fp8_fp4 >>"$OUT/rs_wide.jsonl" || return 1
+    FP4_RS_MAX_EXPECTED=1000 FP4_BLOCK64_MAX_EXPECTED=-1 FP4_RS_BLOCK_N=64 FP4_RS_WIDE=64 \
+        $PY results/probes/fused_fp8_ws_profile.py 512 fp8_fp4 >>"$OUT/rs_wide.jsonl" || return 1
     FP4_RS_MAX_EXPECTED=-1 $PY results/probes/fused_fp8_ws_profile.py 512,2048 fp8_fp4 >>"$OUT/rs_wide.jsonl"
 }
 

@@ -16,6 +16,7 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   FP4_RS_PAIR              weight chains a token stage of that tile by chunk, e.g. ``8:2,16:2`` (``FP4_RS_PAIR``)
   NCU                      set: no torch profiler and no row; after the warm-up one call runs between
                            ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
+  FP4_RS_WIDE              chunks (e.g. ``64``) run on 128-row chains: two math warpgroups, one CTA an SM, block 128
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -86,6 +87,13 @@ def main(argv: list[str]) -> None:
         pairs = {int(k): int(v) for k, v in (kv.split(":") for kv in os.environ["FP4_RS_PAIR"].split(","))}
         mf.FP4_RS_PAIR = {**mf.FP4_RS_PAIR, **pairs}
         overrides["FP4_RS_PAIR"] = os.environ["FP4_RS_PAIR"]
+    if "FP4_RS_WIDE" in os.environ:  # chunks on 128-row chains (two math warpgroups, one CTA an SM, block 128)
+        for bn in (int(v) for v in os.environ["FP4_RS_WIDE"].split(",")):
+            mf.FP4_RS_ROWS = {**mf.FP4_RS_ROWS, bn: 128}
+            mf.FP4_RS_CTAS_PER_SM = {**mf.FP4_RS_CTAS_PER_SM, bn: 1}
+            mf.FP4_RS_PAIR = {**mf.FP4_RS_PAIR, bn: 1}
+            mf.FP4_RS_LOAD_REGS = {**mf.FP4_RS_LOAD_REGS, bn: 40}
+        overrides["FP4_RS_WIDE"] = os.environ["FP4_RS_WIDE"]
     if "FRONT_PROGRAMS" in os.environ:
         front_programs, config = int(os.environ["FRONT_PROGRAMS"]), mf.fused_config
         mf.fused_config = lambda *a, **k: dataclasses.replace(config(*a, **k), programs_per_rank=front_programs)

@@ -124,9 +124,10 @@ def test_fp4_rs_cuda_graph_capture_and_replay(monkeypatch):
     sb.destroy()
 
 
-def _force_wide(monkeypatch):
-    """Every "hopper" call takes the register-operand tile with chunk 128: two math warpgroups on 128-row chains,
-    pool blocks of 128, one CTA an SM."""
+def _force_wide(monkeypatch, block_n=128):
+    """Every "hopper" call takes the register-operand tile on 128-row chains (two math warpgroups, pool blocks of
+    128, one CTA an SM) with token chunk ``block_n``: 128 as configured, or 64 patched onto 128-row chains as
+    ``results/probes/fused_fp8_ws_profile.py``'s ``FP4_RS_WIDE`` does."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
@@ -135,28 +136,30 @@ def _force_wide(monkeypatch):
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)
     monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
     monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
-    monkeypatch.setattr(mf, "fp4_rs_block_n", lambda expected: 128)
+    monkeypatch.setattr(mf, "fp4_rs_block_n", lambda expected: block_n)
+    for name, value in (("FP4_RS_ROWS", 128), ("FP4_RS_CTAS_PER_SM", 1), ("FP4_RS_PAIR", 1), ("FP4_RS_LOAD_REGS", 40)):
+        monkeypatch.setattr(mf, name, {**getattr(mf, name), block_n: value})
 
 
+@pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("case", CASES, ids=["r1-300", "r2k6-mask-zero", "r4-clamp-i640", "r2-skew-3calls",
                                              "r2-spread-scales"])
-def test_fp4_rs_wide_small_cases(case, monkeypatch):
-    """Chunk 128 (the wide tile: 128-row chains over two math warpgroups, the next K block decoded under the current
-    block's wgmmas) on the small cases."""
+def test_fp4_rs_wide_small_cases(case, block_n, monkeypatch):
+    """128-row chains (the wide tile: two math warpgroups, the next K block decoded under the current block's
+    wgmmas) at chunks 128 and 64 on the small cases."""
     import megamoe.fused as mf
 
-    _force_wide(monkeypatch)
+    _force_wide(monkeypatch, block_n)
     cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 128, 128)
-    assert_reports(run_case_local(case, device="cuda"), "hopper fused (FP4 register-operand tile, wide)")
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 128, block_n)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile, wide {block_n})")
 
 
-@pytest.mark.parametrize("num_tokens", [512, 2048])
-def test_fp4_rs_wide_one_ep8_rank(num_tokens, monkeypatch):
+@pytest.mark.parametrize("num_tokens, block_n", [(512, 64), (512, 128), (2048, 128)])
+def test_fp4_rs_wide_one_ep8_rank(num_tokens, block_n, monkeypatch):
     """The wide tile at one EP8 rank's share of V4-Pro, T = 512 / 2048 (64 / 256 expected tokens per expert)."""
-    _force_wide(monkeypatch)
+    _force_wide(monkeypatch, block_n)
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     assert_reports(run_case_local(case, device="cuda"),
-                   f"hopper fused (FP4 register-operand tile, wide) T={num_tokens}")
-
+                   f"hopper fused (FP4 register-operand tile, wide {block_n}) T={num_tokens}")
