@@ -74,3 +74,51 @@ def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     assert mma_loops and all(lp[3].get("PRMT", 0) >= 32 for lp in mma_loops)  # the decode is in the MMA's loop
     for first, last, n, ops in mma_loops:
         assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+
+
+def _operand_writes_before_wait(sass: str) -> list[str]:
+    """SASS lines that write a register of a register-operand ``QGMMA``'s A (4 registers from the one named) after
+    the QGMMA and before the next ``WARPGROUP.DEPBAR`` (the wait): what the pipelined K loop must not contain, since
+    the wgmma reads its register operand asynchronously."""
+    import re
+
+    bad, live = [], set()
+    for line in sass.splitlines():
+        m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s+([^;]*);", line)
+        if not m:
+            continue
+        op, args = m.group(2), [a.strip() for a in m.group(3).split(",")]
+        if op.startswith("QGMMA") and len(args) > 1 and re.fullmatch(r"R\d+", args[1]):
+            a0 = int(args[1][1:])
+            live |= {f"R{a0 + i}" for i in range(4)}
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            live = set()
+        elif live and args and args[0] in live and not op.startswith(("ST", "RED", "ATOM", "BRA", "ISETP", "FSETP")):
+            bad.append(line.strip())
+    return bad
+
+
+@pytest.mark.slow
+def test_fp4_rs_wide_decodes_under_the_mma_without_touching_its_operand():
+    """The wide tile (chunk 128, 128-row chains) issues the next K block's decode between a block's register-operand
+    wgmmas and their wait, without the e4m3 operands among the wait's deps (Triton 3.6 cannot: "Unexpected bitwidth
+    in WGMMAWaitGroupOp: 8"): correct only while no instruction writes a QGMMA's A registers before its DEPBAR. The
+    SASS says so, and that the decode (PRMT) does sit there."""
+    import pathlib
+    import re
+    import shutil
+
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    r = compile_gluon_phase("fp4_rs", layout, 128, block_n=128, has_clamp=True, keep=True)
+    try:
+        sass = (pathlib.Path(r.directory) / "k.sass").read_text()
+    finally:
+        shutil.rmtree(r.directory, ignore_errors=True)
+    assert _operand_writes_before_wait(sass) == []
+    between = re.findall(r"QGMMA[^\n]*\n((?:(?!WARPGROUP\.DEPBAR)[^\n]*\n)*?)[^\n]*WARPGROUP\.DEPBAR", sass)
+    assert any(chunk.count("PRMT") >= 64 for chunk in between)  # the next block's decode under the MMA
+    # the check itself: a write of the operand before the wait is found
+    assert _operand_writes_before_wait(
+        "/*0*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, R88, gdesc[UR16], RZ ;\n/*1*/ PRMT R90, R1, 0x7, R2 ;\n"
+        "/*2*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n/*3*/ PRMT R88, R1, 0x7, R2 ;") == [
+        "/*1*/ PRMT R90, R1, 0x7, R2 ;"]
