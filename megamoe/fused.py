@@ -351,12 +351,16 @@ FP4_RS_PAIR = {8: 2, 16: 4, 32: 4, 64: 2, 128: 1}
 #: the loader at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B. Chunk 32 at two CTAs an SM, four
 #: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill.
 FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40, 128: 40}
-#: The settings chunk 32 was measured against (above), by name: (CTAs an SM, weight chains a token stage, loader
-#: registers) for ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until
-#: session 22. Kept selectable for the probe (``fp8_ws_probe.py rs_ctas``, ``device_run.sh rs_ctas``), so tested on
-#: the GPU (``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant``). Offline sm_90a: ``c2p2`` 6 stages, no spill;
-#: ``c4p2`` 84 B spilled outside the K loops.
-FP4_RS32_CANDIDATES = {"c4p2": (4, 2, 24), "c2p2": (2, 2, 40)}
+#: The settings chunk 32 was measured against (above) and a new one, by name: (chain rows, CTAs an SM, weight chains
+#: a token stage, loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` /
+#: ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until session 22. Kept selectable for the probe
+#: (``fp8_ws_probe.py rs_ctas``, ``device_run.sh rs_ctas``), so tested on the GPU (``tests/gpu/test_fp4_rs_gpu.py -k
+#: chunk32_variant``). Offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B spilled outside the K loops.
+#: ``w2p2`` (branch ``wip/fp4-rs-wide32``, NOT yet run on a GPU): 128-row chains over two math warpgroups, 2 CTAs an
+#: SM -- 16 math warps an SM where the default has 8, with the chunk's tokens still shared by the tile's 256 weight
+#: rows a stage; pool block 128. Offline: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop
+#: (none in it), K loop 373 SASS a thread a stage (8 QGMMA, 72 PRMT: 128 weights a thread).
+FP4_RS32_CANDIDATES = {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "w2p2": (128, 2, 2, 24)}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 
@@ -457,6 +461,8 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
     rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and not predecode and FP4_RS_ENABLED
           and expected <= FP4_RS_MAX_EXPECTED else 0)
+    if rs and block_m == 64 and fp4_rs_block_m(rs) == 128 <= layout.block_m:  # 128-row chains: pool block 128
+        block_m = 128
     if rs and block_m != fp4_rs_block_m(rs):  # (the tile's pool block: 64, or 128 on 128-row chains)
         rs = 0
     if interpreting() or device.type != "cuda":

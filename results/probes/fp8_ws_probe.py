@@ -407,8 +407,9 @@ def probe_rs_ctas(tokens=(128,)):
     for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``), alternating
     twice, whole call with its error (``FP8 x FP4``, "hopper")."""
     variants = {"as is": {}}
-    for name, (ctas, pair, load) in mf.FP4_RS32_CANDIDATES.items():
-        variants[name] = dict(FP4_RS_CTAS_PER_SM={**mf.FP4_RS_CTAS_PER_SM, 32: ctas},
+    for name, (rows, ctas, pair, load) in mf.FP4_RS32_CANDIDATES.items():
+        variants[name] = dict(FP4_RS_ROWS={**mf.FP4_RS_ROWS, 32: rows},
+                              FP4_RS_CTAS_PER_SM={**mf.FP4_RS_CTAS_PER_SM, 32: ctas},
                               FP4_RS_PAIR={**mf.FP4_RS_PAIR, 32: pair},
                               FP4_RS_LOAD_REGS={**mf.FP4_RS_LOAD_REGS, 32: load})
     for T in _tokens(tokens):

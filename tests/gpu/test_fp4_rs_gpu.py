@@ -65,9 +65,11 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
 
 
-def force_rs32_variant(mf, monkeypatch, ctas: int, pair: int, load_regs: int) -> None:
-    """Token chunk 32 of the register-operand tile at ``ctas`` CTAs an SM, ``pair`` chains a token stage and
-    ``load_regs`` loader registers (``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``)."""
+def force_rs32_variant(mf, monkeypatch, rows: int, ctas: int, pair: int, load_regs: int) -> None:
+    """Token chunk 32 of the register-operand tile on chains of ``rows`` weight rows (64: one math warpgroup; 128:
+    two, pool block 128) at ``ctas`` CTAs an SM, ``pair`` chains a token stage and ``load_regs`` loader registers
+    (``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``)."""
+    monkeypatch.setattr(mf, "FP4_RS_ROWS", {**mf.FP4_RS_ROWS, 32: rows})
     monkeypatch.setattr(mf, "FP4_RS_CTAS_PER_SM", {**mf.FP4_RS_CTAS_PER_SM, 32: ctas})
     monkeypatch.setattr(mf, "FP4_RS_PAIR", {**mf.FP4_RS_PAIR, 32: pair})
     monkeypatch.setattr(mf, "FP4_RS_LOAD_REGS", {**mf.FP4_RS_LOAD_REGS, 32: load_regs})
@@ -95,7 +97,7 @@ def test_fp4_rs_chunk32_variant_one_ep8_rank(variant, monkeypatch):
     case = MoECase(num_ranks=1, num_tokens=128, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(case.layout(), 128, 1, torch.device("cuda"), "hopper")
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, 32)
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", mf.fp4_rs_block_m(32), 32)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T=128 {variant}")
 
 
