@@ -331,7 +331,7 @@ FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2, 128: 1}
 #: lock-step, ``num_warps`` 8, one CTA an SM, pool blocks of 128; NOT yet run on a GPU, chosen only explicitly:
 #: ``FusedConfig(kind="fp4_ws", block_m=128, rs_block_n=128)``). Chunk 64 on 128-row chains (``fused_fp8_ws_profile``'s
 #: ``FP4_RS_WIDE=64`` patches these dicts) compiles too: 168 registers, 150792 B shared (6 stages), no spill.
-FP4_RS_ROWS = {8: 64, 16: 64, 32: 64, 64: 64, 128: 128}
+FP4_RS_ROWS = {8: 64, 16: 64, 32: 128, 64: 64, 128: 128}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
 #: chain one ``[64, chunk]`` float32 accumulator, so four fit the math warpgroup's 104 registers at four CTAs an SM
 #: only up to chunk 16; chunk 32 takes them at two CTAs an SM, 232 registers).
@@ -343,14 +343,14 @@ FP4_RS_ROWS = {8: 64, 16: 64, 32: 64, 64: 64, 128: 128}
 #: chains), whole call alternating twice (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at 1d6df46,
 #: same error): 2 CTAs an SM with four chains 667 / 668 us against 4 CTAs with two chains 700 / 701 and 2 CTAs with
 #: two chains 699 / 698 (FP4_RS32_CANDIDATES).
-FP4_RS_PAIR = {8: 2, 16: 4, 32: 4, 64: 2, 128: 1}
+FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2, 128: 1}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
 #: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 and four CTAs the loader at 40 left the math
 #: spilling in its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spilled 84 B outside the K loops;
 #: at chunk 16 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16):
 #: the loader at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B. Chunk 32 at two CTAs an SM, four
 #: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill.
-FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40, 128: 40}
+FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40, 128: 40}
 #: The settings chunk 32 was measured against (above) and a new one, by name: (chain rows, CTAs an SM, weight chains
 #: a token stage, loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` /
 #: ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until session 22. Kept selectable for the probe
@@ -360,7 +360,7 @@ FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 40, 64: 40, 128: 40}
 #: SM -- 16 math warps an SM where the default has 8, with the chunk's tokens still shared by the tile's 256 weight
 #: rows a stage; pool block 128. Offline: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop
 #: (none in it), K loop 373 SASS a thread a stage (8 QGMMA, 72 PRMT: 128 weights a thread).
-FP4_RS32_CANDIDATES = {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "w2p2": (128, 2, 2, 24)}
+FP4_RS32_CANDIDATES = {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "c2p4": (64, 2, 4, 40)}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 

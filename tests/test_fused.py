@@ -455,10 +455,10 @@ def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
     assert kw["BM"] == block_m and kw["num_warps"] == rows // 16 and kw["PAIR"] == mf.FP4_RS_PAIR[block_n]
 
 
-@pytest.mark.parametrize("variant", ["c4p2", "c2p2", "w2p2"])
+@pytest.mark.parametrize("variant", ["c4p2", "c2p2", "c2p4"])
 def test_fp4_rs_chunk32_candidates_host_path_bitwise(variant, monkeypatch):
-    """Each chunk-32 candidate of the register-operand tile (``megamoe.fused.FP4_RS32_CANDIDATES``; ``w2p2`` on
-    128-row chains, pool block 128) through the host path on a CPU rank, the phase's torch model in place of the
+    """Each chunk-32 candidate of the register-operand tile (``megamoe.fused.FP4_RS32_CANDIDATES``; 128-row
+    chains, the default since session 23, take pool block 128) through the host path on a CPU rank, the phase's torch model in place of the
     Gluon launch: bit-exact, twice, with the descriptors' boxes and the keywords of its rows and pool block."""
     import megamoe.fused as mf
 
