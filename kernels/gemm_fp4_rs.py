@@ -52,8 +52,11 @@ at BN 8 / 16 / 32, and the phase's time followed them: without decode, fold and 
 x 1.02 GB / 1.5 x 1.68 GB, the weights touched with their scales: ``weight_bytes_touched`` of
 ``results/layer_h200.json``), and T = 128 as built (805 us, ``results/probes/rs_sweep_h200.jsonl``) moves 2 x
 1.68 GB at ~4.2 TB/s. Two chains a stage make it 1.125 / 1.25 / 1.5x, four 1.06 / 1.125 / 1.25x at BN 8 / 16 / 32 (four
-accumulators do not fit 104 registers at BN 32: that chunk runs 2 CTAs an SM, 232 math registers; whole call at
-T = 128 667 / 668 us against 700 / 701 with two chains at 4 CTAs, session 22).
+accumulators do not fit 104 registers at BN 32: that chunk ran 2 CTAs an SM, 232 math registers; whole call at
+T = 128 667 / 668 us against 700 / 701 with two chains at 4 CTAs, session 22). Since session 23 chunk 32 moves the
+same 256 weight rows a stage as two 128-row chains (``ROWS`` 128, below), each over two math warpgroups, at 2 CTAs an
+SM: 16 math warps an SM instead of 8, and 649 / 658 us against the four-chain tile's 667 / 665 alternating in one
+call (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at afac6ff, same error).
 
 Measured on an H200 (one EP8 rank of V4-Pro). Correctness: ``tests/gpu/test_fp4_rs_gpu.py`` 21 passed at 50894f9,
 4122266 and (the fold once per block) 43f8755; 27 (chunk 64 added) at 8dd6787; 14 of them (every chunk on two small
@@ -71,7 +74,8 @@ T = 32, four chains 402 / 401 and 572 / 572 (``results/probes/rs_variants_h200.j
 (``fused_fp8_ws_profile_h200.jsonl`` at 25affd4; Nsight Compute: L2 at 84 % of its throughput,
 ``results/probes/ncu_h200.json``); the threshold (``FP4_RS_MAX_EXPECTED`` = 16) not re-swept with them.
 
-The wide variant (chunk 128; on branch ``wip/fp4-rs-wide``, NOT yet run on a GPU, chosen only explicitly): chains of
+The wide variant (128-row chains; chunk 32's default since session 23, at chunks 64 / 128 chosen only explicitly;
+GPU-tested, ``-k wide`` and ``-k chunk32_variant``, 49 passed at afac6ff): chains of
 ``ROWS`` = 128 weight rows (the weight boxes' rows) run by the math partition as ``num_warps`` 8 -- two warpgroups in
 lock-step, each decoding and multiplying its 64 rows -- with one chain a stage (``PAIR`` 1) and the next K block's
 decode issued between the current block's wgmmas and their wait, on 128-row pool blocks, one CTA an SM
@@ -84,11 +88,13 @@ Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registe
 40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
 loop 349 / 358 / 373 SASS instructions a thread a stage of two chains (one chain a stage: 195-207), no spill in it;
 chunk 64: 128 registers (math 232), 108.7 KB (4 stages), no spill. Chunk 32 with four chains a stage at 2 CTAs an SM
-(the default since session 22; loader 40): 128 registers, 104.1 KB (4 stages), no spill; K loop 703 SASS
+(the default in session 22, now candidate ``c2p4``; loader 40): 128 registers, 104.1 KB (4 stages), no spill; K loop 703 SASS
 instructions a thread a stage of four chains (16 QGMMA, 144 PRMT; chunk 16's four chains: 670). At T = 128 that is
 ~2.75 instructions a weight, ~280 M warp-instructions for the ~3.3 G weights decoded: ~270 us of the SMs' issue slots
 at 1.98 GHz against a ~620 us phase -- by this count the tile waits (two math warps a scheduler) more than it issues
-(an estimate from the SASS, not a profile).
+(an estimate from the SASS, not a profile). Chunk 32 on 128-row chains, two a stage, 2 CTAs an SM (the default since
+session 23; loader 24): ``maxnreg`` 80, 4 stages, 110728 B, 88 B spilled outside the K loop, none in it; K loop 373
+SASS a thread a stage (8 QGMMA, 72 PRMT: 128 weights a thread) with twice the math warps issuing.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -314,7 +314,7 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.) Since then two or four
 #: chains share a token stage (``FP4_RS_PAIR``): phase 371 / 572 / 655 us at T = 8 / 32 / 128
 #: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4), and chunk 32 runs
-#: four chains at two CTAs an SM (session 22, below); the threshold was not re-swept with them (T = 256 may now
+#: two 128-row chains over two math warpgroups at two CTAs an SM (session 23, below); the threshold was not re-swept with them (T = 256 may now
 #: belong here: ``device_run.sh rs_sweep``).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 16
@@ -327,9 +327,10 @@ FP4_RS_MAX_EXPECTED = 16
 #: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
 #: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2, 128: 1}
-#: Weight rows of a chain by token chunk: 64 (one math warpgroup), or 128 at chunk 128 (two math warpgroups in
-#: lock-step, ``num_warps`` 8, one CTA an SM, pool blocks of 128; NOT yet run on a GPU, chosen only explicitly:
-#: ``FusedConfig(kind="fp4_ws", block_m=128, rs_block_n=128)``). Chunk 64 on 128-row chains (``fused_fp8_ws_profile``'s
+#: Weight rows of a chain by token chunk: 64 (one math warpgroup), or 128 (two math warpgroups in lock-step,
+#: ``num_warps`` 8, pool blocks of 128): at chunk 32 by default since session 23 (2 CTAs an SM, two chains a stage,
+#: below), at chunk 128 (one CTA an SM) chosen only explicitly: ``FusedConfig(kind="fp4_ws", block_m=128,
+#: rs_block_n=128)``. Chunk 64 on 128-row chains (``fused_fp8_ws_profile``'s
 #: ``FP4_RS_WIDE=64`` patches these dicts) compiles too: 168 registers, 150792 B shared (6 stages), no spill.
 FP4_RS_ROWS = {8: 64, 16: 64, 32: 128, 64: 64, 128: 128}
 #: Weight chains that share one token stage of the register-operand tile, by token chunk (``PAIR``: 2 or 4; each
@@ -342,24 +343,23 @@ FP4_RS_ROWS = {8: 64, 16: 64, 32: 128, 64: 64, 128: 128}
 #: where Nsight Compute had the phase L2-bound, L2 at 84 %: each stage re-read the chunk's 4 KB of tokens per pair of
 #: chains), whole call alternating twice (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at 1d6df46,
 #: same error): 2 CTAs an SM with four chains 667 / 668 us against 4 CTAs with two chains 700 / 701 and 2 CTAs with
-#: two chains 699 / 698 (FP4_RS32_CANDIDATES).
+#: two chains 699 / 698 (FP4_RS32_CANDIDATES). Session 23 (``rs_ctas`` rows at afac6ff, same error): the same 256
+#: weight rows a stage as two 128-row chains over two math warpgroups at 2 CTAs an SM (16 math warps an SM, where
+#: the four-chain tile has 8) 649 / 658 us against the four-chain tile's 667 / 665 -> the default.
 FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2, 128: 1}
 #: The loader warp's ``setmaxnreg`` by token chunk (the math warpgroup gets 104 at four CTAs an SM, 232 at two).
 #: Offline sm_90a (Triton 3.6, two chains a token stage): at chunk 32 and four CTAs the loader at 40 left the math
 #: spilling in its K loop (5 STL + 5 LDL a stage; 304 B spilled in all), at 24 it spilled 84 B outside the K loops;
 #: at chunk 16 36 B (40) against 4 B (24); at chunk 8 none (40) against 4 B (24). Four chains a stage (chunks 8 / 16):
 #: the loader at 24 leaves 24 / 36 B spilled outside the K loops, at 40 56 / 168 B. Chunk 32 at two CTAs an SM, four
-#: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill.
+#: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill. Chunk 32 on 128-row chains (the default),
+#: loader 24: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop (none in it).
 FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40, 128: 40}
-#: The settings chunk 32 was measured against (above) and a new one, by name: (chain rows, CTAs an SM, weight chains
-#: a token stage, loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` /
-#: ``FP4_RS_LOAD_REGS``; ``c4p2`` was the default until session 22. Kept selectable for the probe
-#: (``fp8_ws_probe.py rs_ctas``, ``device_run.sh rs_ctas``), so tested on the GPU (``tests/gpu/test_fp4_rs_gpu.py -k
-#: chunk32_variant``). Offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B spilled outside the K loops.
-#: ``w2p2`` (branch ``wip/fp4-rs-wide32``, NOT yet run on a GPU): 128-row chains over two math warpgroups, 2 CTAs an
-#: SM -- 16 math warps an SM where the default has 8, with the chunk's tokens still shared by the tile's 256 weight
-#: rows a stage; pool block 128. Offline: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop
-#: (none in it), K loop 373 SASS a thread a stage (8 QGMMA, 72 PRMT: 128 weights a thread).
+#: The settings chunk 32 was measured against (above), by name: (chain rows, CTAs an SM, weight chains a token stage,
+#: loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``; ``c4p2``
+#: was the default until session 22, ``c2p4`` in session 22. Kept selectable for the probe (``fp8_ws_probe.py
+#: rs_ctas``, ``device_run.sh rs_ctas``), so tested on the GPU (``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant``).
+#: Offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B spilled outside the K loops.
 FP4_RS32_CANDIDATES = {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "c2p4": (64, 2, 4, 40)}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
@@ -375,7 +375,7 @@ def fp4_rs_maxnreg(block_n: int) -> int:
 
 def fp4_rs_block_m(block_n: int) -> int:
     """The register-operand tile's pool block at token chunk ``block_n``: 64, or 128 where its chains are 128 rows
-    (``FP4_RS_ROWS``: two math warpgroups, one CTA an SM -- a pool block of 128 feeds them whole chunks)."""
+    (``FP4_RS_ROWS``: two math warpgroups -- a pool block of 128 feeds them whole chunks)."""
     return 128 if FP4_RS_ROWS[block_n] == 128 else 64
 
 

@@ -396,9 +396,9 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m,
                  mf.fused_config(L, t, 1, cuda, "hopper").rs_block_n)
              for t in (8, 16, 24, 128, 256, 264, 512, 2048, 8192)}
-    # (the register-operand tile at block 64, up to FP4_RS_MAX_EXPECTED, its token chunk by fp4_rs_block_n)
+    # (the register-operand tile up to FP4_RS_MAX_EXPECTED: token chunk by fp4_rs_block_n, pool block by fp4_rs_block_m)
     assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 16
-    assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 64, 32),
+    assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 128, 32),
                      256: ("fp4_ws", 64, 0), 264: ("fp4_ws", 128, 0), 512: ("fp4_ws", 128, 0),
                      2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)
@@ -423,9 +423,9 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
         assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm
 
 
-@pytest.mark.parametrize("block_n, block_m", [(8, 64), (32, 64), (128, 128)])
+@pytest.mark.parametrize("block_n, block_m", [(8, 64), (32, 128), (128, 128)])
 def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
-    """The register-operand tile's call on a CPU rank ("fp4_ws" at block 64 with ``rs_block_n``): its host code --
+    """The register-operand tile's call on a CPU rank ("fp4_ws" at its pool block with ``rs_block_n``): its host code --
     the TMA descriptors ([block_n, 32] token boxes, [64, 32] packed weight boxes, [64] scale words), its keywords,
     the per-call weight-row maxima -- with the phase's torch model in place of the Gluon launch (the same numerics
     as the decode-partition tile: bit-exact against ``problem.reference(numerics="hopper")``, twice). The row maxima
@@ -441,7 +441,7 @@ def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
     monkeypatch.setattr(mf, "_fp4_rs_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     monkeypatch.setattr(mf, "_fp4_row_maxima", lambda c: maxima.append((c, real_max(c))) or maxima[-1][1])
     _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
-    rows = mf.FP4_RS_ROWS[block_n]  # a chain's weight rows: 64, or 128 at chunk 128 (two math warpgroups)
+    rows = mf.FP4_RS_ROWS[block_n]  # a chain's weight rows: 64, or 128 at chunks 32 and 128 (two math warpgroups)
     assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[rows, 32]] * 2 + [[rows]] * 2
     c, (r1, r2) = maxima[-1]
     for w, r in zip((c.l1, c.l2), (r1, r2)):

@@ -51,11 +51,11 @@
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
 #                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
-#   rs_ctas        the register-operand tile at chunk 32 as is (2 CTAs an SM, four chains a token stage since session
-#                  22) against FP4_RS32_CANDIDATES (4 CTAs / two chains, 2 CTAs / two chains, and on branch
-#                  wip/fp4-rs-wide32 w2p2: 128-row chains over two math warpgroups at 2 CTAs an SM): their GPU tests
-#                  (-k chunk32_variant), then whole calls at T = 128 alternating with their error (-> $OUT/rs_ctas.jsonl;
-#                  65 s for two candidates in session 22)
+#   rs_ctas        the register-operand tile at chunk 32 as is (2 CTAs an SM, two 128-row chains over two math
+#                  warpgroups a token stage since session 23) against FP4_RS32_CANDIDATES (64-row chains: 4 CTAs / two
+#                  chains, 2 CTAs / two chains, 2 CTAs / four chains): their GPU tests (-k chunk32_variant), then whole
+#                  calls at T = 128 alternating with their error (-> $OUT/rs_ctas.jsonl; 37 s for three candidates in
+#                  session 23)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)

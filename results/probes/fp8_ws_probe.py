@@ -404,7 +404,8 @@ def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is against the
     settings of ``megamoe.fused.FP4_RS32_CANDIDATES`` (until session 22 "as is" was 4 CTAs an SM with two weight
     chains a token stage, now ``c4p2``; it lost to 2 CTAs with four chains, each stage moving the chunk's tokens once
-    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``), alternating
+    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``; that, now ``c2p4``,
+    lost in session 23 to the same 256 rows a stage as two 128-row chains over two math warpgroups), alternating
     twice, whole call with its error (``FP8 x FP4``, "hopper")."""
     variants = {"as is": {}}
     for name, (rows, ctas, pair, load) in mf.FP4_RS32_CANDIDATES.items():
