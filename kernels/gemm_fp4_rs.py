@@ -88,11 +88,11 @@ Offline sm_90a (Triton 3.6, two chains a stage, the host's keywords): 64 registe
 40 at chunk 8, 24 at 16 / 32), 54.0 / 53.4 / 46.2 KB of shared memory at chunk 8 / 16 / 32 (5 / 4 / 2 stages), K
 loop 349 / 358 / 373 SASS instructions a thread a stage of two chains (one chain a stage: 195-207), no spill in it;
 chunk 64: 128 registers (math 232), 108.7 KB (4 stages), no spill. Chunk 32 with four chains a stage at 2 CTAs an SM
-(the default in session 22, now candidate ``c2p4``; loader 40): 128 registers, 104.1 KB (4 stages), no spill; K loop 703 SASS
-instructions a thread a stage of four chains (16 QGMMA, 144 PRMT; chunk 16's four chains: 670). At T = 128 that is
-~2.75 instructions a weight, ~280 M warp-instructions for the ~3.3 G weights decoded: ~270 us of the SMs' issue slots
-at 1.98 GHz against a ~620 us phase -- by this count the tile waits (two math warps a scheduler) more than it issues
-(an estimate from the SASS, not a profile). Chunk 32 on 128-row chains, two a stage, 2 CTAs an SM (the default since
+(the default in session 22, now candidate ``c2p4``; loader 40): 128 registers, 104.1 KB (4 stages), no spill; K loop 703
+SASS instructions a thread a stage of four chains (16 QGMMA, 144 PRMT; chunk 16's four chains: 670). At T = 128 that is
+~2.75 instructions a weight, ~280 M warp-instructions for the ~3.3 G weights decoded: ~270 us of the SMs' issue slots at
+1.98 GHz against a ~620 us phase -- by this count the tile waits (two math warps a scheduler) more than it issues (an
+estimate from the SASS, not a profile). Chunk 32 on 128-row chains, two a stage, 2 CTAs an SM (the default since
 session 23; loader 24): ``maxnreg`` 80, 4 stages, 110728 B, 88 B spilled outside the K loop, none in it; K loop 373
 SASS a thread a stage (8 QGMMA, 72 PRMT: 128 weights a thread) with twice the math warps issuing.
 """

@@ -313,9 +313,9 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: 827 / 836: faster up to 16 expected, slower at 32. (Session 18, with the fold in every L2 stage: 424 / 682 / 861
 #: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.) Since then two or four
 #: chains share a token stage (``FP4_RS_PAIR``): phase 371 / 572 / 655 us at T = 8 / 32 / 128
-#: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4), and chunk 32 runs
-#: two 128-row chains over two math warpgroups at two CTAs an SM (session 23, below); the threshold was not re-swept with them (T = 256 may now
-#: belong here: ``device_run.sh rs_sweep``).
+#: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4), and chunk 32 runs two
+#: 128-row chains over two math warpgroups at two CTAs an SM (session 23, below); the threshold was not re-swept with
+#: them (T = 256 may now belong here: ``device_run.sh rs_sweep``).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 16
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched

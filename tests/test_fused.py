@@ -457,9 +457,9 @@ def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["c4p2", "c2p2", "c2p4"])
 def test_fp4_rs_chunk32_candidates_host_path_bitwise(variant, monkeypatch):
-    """Each chunk-32 candidate of the register-operand tile (``megamoe.fused.FP4_RS32_CANDIDATES``; 128-row
-    chains, the default since session 23, take pool block 128) through the host path on a CPU rank, the phase's torch model in place of the
-    Gluon launch: bit-exact, twice, with the descriptors' boxes and the keywords of its rows and pool block."""
+    """Each chunk-32 candidate of the register-operand tile (``megamoe.fused.FP4_RS32_CANDIDATES``; 128-row chains, the
+    default since session 23, take pool block 128) through the host path on a CPU rank, the phase's torch model in place
+    of the Gluon launch: bit-exact, twice, with the descriptors' boxes and the keywords of its rows and pool block."""
     import megamoe.fused as mf
 
     rows, ctas, pair, load = mf.FP4_RS32_CANDIDATES[variant]
