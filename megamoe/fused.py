@@ -317,7 +317,7 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: 128-row chains over two math warpgroups at two CTAs an SM (session 23, below); the threshold was not re-swept with
 #: them (T = 256 may now belong here: ``device_run.sh rs_sweep``).
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 16
+FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
 #: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 16
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
@@ -461,9 +461,9 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
     rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and not predecode and FP4_RS_ENABLED
           and expected <= FP4_RS_MAX_EXPECTED else 0)
-    if rs and block_m == 64 and fp4_rs_block_m(rs) == 128 <= layout.block_m:  # 128-row chains: pool block 128
-        block_m = 128
-    if rs and block_m != fp4_rs_block_m(rs):  # (the tile's pool block: 64, or 128 on 128-row chains)
+    if rs and fp4_rs_block_m(rs) <= layout.block_m:  # the tile's own pool block: 64, or 128 on 128-row chains
+        block_m = fp4_rs_block_m(rs)
+    elif rs:
         rs = 0
     if interpreting() or device.type != "cuda":
         programs = 1

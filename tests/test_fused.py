@@ -395,12 +395,12 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert mf.FP4_WS_MIN_EXPECTED == 0 and mf.FP4_BLOCK64_MAX_EXPECTED == 32
     picks = {t: (mf.fused_config(L, t, 1, cuda, "hopper").kind, mf.fused_config(L, t, 1, cuda, "hopper").block_m,
                  mf.fused_config(L, t, 1, cuda, "hopper").rs_block_n)
-             for t in (8, 16, 24, 128, 256, 264, 512, 2048, 8192)}
+             for t in (8, 16, 24, 128, 256, 264, 512, 520, 2048, 8192)}
     # (the register-operand tile up to FP4_RS_MAX_EXPECTED: token chunk by fp4_rs_block_n, pool block by fp4_rs_block_m)
-    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 16
+    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 64
     assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 128, 32),
-                     256: ("fp4_ws", 64, 0), 264: ("fp4_ws", 128, 0), 512: ("fp4_ws", 128, 0),
-                     2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
+                     256: ("fp4_ws", 64, 64), 264: ("fp4_ws", 64, 64), 512: ("fp4_ws", 64, 64),
+                     520: ("fp4_ws", 128, 0), 2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)
     assert mf.fused_config(L, 8, 1, cuda, "hopper").rs_block_n == 0
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)

@@ -350,8 +350,9 @@ def probe_fp4_threshold(tokens=(8, 32)):
     against the "hopper" reference; ``us``, ``graph_us`` and ``host_us`` as the bench."""
     for T in _tokens(tokens):
         if T < PREDECODE_FROM_T:
-            choices = (("fp4_ws 64", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=float("inf"))),
-                       ("fp4_ws 128", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=-1)))
+            choices = (("fp4_ws 64", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=float("inf"),
+                                          FP4_RS_MAX_EXPECTED=-1)),  # (the decode-partition tile at each block)
+                       ("fp4_ws 128", dict(FP4_WS_MIN_EXPECTED=-1, FP4_BLOCK64_MAX_EXPECTED=-1, FP4_RS_MAX_EXPECTED=-1)))
         else:
             choices = (("per-block decode", dict(FP4_PREDECODE_MIN_EXPECTED=float("inf"))),
                        ("predecoded", dict(FP4_PREDECODE_MIN_EXPECTED=0)))

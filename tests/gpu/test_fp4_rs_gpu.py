@@ -18,8 +18,8 @@ CASES = fp4_gluon_phase_cases(**WS)
 
 
 def _force_rs(monkeypatch, block_n=None):
-    """Every "hopper" call takes the register-operand tile (pool block 64), with token chunk ``block_n`` (None: the
-    host's choice)."""
+    """Every "hopper" call takes the register-operand tile (its pool block ``fp4_rs_block_m``: 64, or 128 on 128-row
+    chains), with token chunk ``block_n`` (None: the host's choice)."""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
@@ -42,7 +42,7 @@ def test_fp4_rs_small_cases(case, block_n, monkeypatch):
 
     _force_rs(monkeypatch, block_n)
     cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, block_n)
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", mf.fp4_rs_block_m(block_n), block_n)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN {block_n}")
 
 
@@ -56,12 +56,13 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     monkeypatch.setattr(mf, "FP4_WS_ENABLED", True)
     if num_tokens * 6 / 48 > mf.FP4_RS_MAX_EXPECTED:
         monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", float("inf"))
-        monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf"))  # (the tile runs 64-row pool blocks)
+        monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", float("inf"))
         monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
     case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
     cfg = mf.fused_config(case.layout(), num_tokens, 1, torch.device("cuda"), "hopper")
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", 64, mf.fp4_rs_block_n(num_tokens * 6 / 48))
+    chunk = mf.fp4_rs_block_n(num_tokens * 6 / 48)
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", mf.fp4_rs_block_m(chunk), chunk)
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
 
 
