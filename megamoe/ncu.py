@@ -83,7 +83,16 @@ def case_of(path: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    out, reports = Path(argv[0]), [Path(p) for p in argv[1:]]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megamoe.ncu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the JSON file to write (e.g. results/probes/ncu_h200.json)")
+    parser.add_argument("reports", type=Path, nargs="+", help="ncu --page details text reports, "
+                        "named <format>_<T>_<commit>.txt")
+    args = parser.parse_args(argv)
+    out, reports = args.out, args.reports
+    if out.suffix != ".json":
+        parser.error(f"out: expected a .json path to write, got {str(out)!r}")
     rows = []
     for path in reports:
         for i, launch in enumerate(parse_details(path.read_text())):

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from megamoe.env import RESULTS_DIR
 from megamoe.ncu import case_of, main, parse_details, summary
 
@@ -36,3 +38,17 @@ def test_the_results_file_is_made_from_the_reports(tmp_path):
     out = tmp_path / "ncu.json"
     main([str(out)] + [str(Path(RESULTS_DIR) / "probes" / "ncu_h200" / n) for n in names])
     assert json.loads(out.read_text())["rows"] == committed["rows"]
+
+
+def test_main_names_a_bad_argument_and_writes_nothing(tmp_path, capsys):
+    """``--help`` prints the usage (it once became the output file's name); a missing report list or an output
+    path that is not JSON is an error naming the argument, before anything is read or written."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "usage: python -m megamoe.ncu" in capsys.readouterr().out
+    for argv, name in (([str(tmp_path / "out.json")], "reports"),
+                       ([str(tmp_path / "x.txt"), str(tmp_path / "fp8_8_abcdef0.txt")], "out")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and name in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
