@@ -72,7 +72,9 @@ at 210c711) T = 32 / 128 699 -> 633 / 852 -> 721 us (graph replays 697 -> 629 / 
 (its eager time waits on the host). The phase alone (session 20): two chains 374 / 368 us at T = 8 and 580 / 580 at
 T = 32, four chains 402 / 401 and 572 / 572 (``results/probes/rs_variants_h200.jsonl``), 655 us at T = 128
 (``fused_fp8_ws_profile_h200.jsonl`` at 25affd4; Nsight Compute: L2 at 84 % of its throughput,
-``results/probes/ncu_h200.json``); the threshold (``FP4_RS_MAX_EXPECTED`` = 16) not re-swept with them.
+``results/probes/ncu_h200.json``). Re-swept with them (session 23, ``rs_sweep`` rows at 1b275c4): the phase at
+T = 256 / 512 (chunk 64) 784 / 1187 us against the decode-partition tile's 834 / 1268, so ``FP4_RS_MAX_EXPECTED``
+is 64 (was 16).
 
 The wide variant (128-row chains; chunk 32's default since session 23, at chunks 64 / 128 chosen only explicitly;
 GPU-tested, ``-k wide`` and ``-k chunk32_variant``, 49 passed at afac6ff): chains of

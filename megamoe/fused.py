@@ -304,8 +304,8 @@ FP4_BLOCK64_MAX_EXPECTED = 32
 #: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e): still per block there.
 FP4_PREDECODE_MIN_EXPECTED = 512
 
-#: "fp4_ws" at pool block 64: up to this many expected tokens per local expert the GEMM phase is the
-#: register-operand tile (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
+#: "fp4_ws": up to this many expected tokens per local expert the GEMM phase is the
+#: register-operand tile (at its own pool block, ``fp4_rs_block_m``; ``fp4_ws_tiles``) (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
 #: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one EP8
 #: rank of V4-Pro, GEMM phase alone, ``results/probes/rs_sweep_h200.jsonl``, session 19 at 43f8755: the L2 A fold
 #: once per pool block): T = 8 / 32 / 128 / 256 (1 / 4 / 16 / 32 expected) register-operand 401 / 658 / 805 / 1185 us
@@ -314,8 +314,10 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: at T = 8 / 32 / 128, ``results/probes/fp4_rs_profile_h200.jsonl``; the threshold was 4.) Since then two or four
 #: chains share a token stage (``FP4_RS_PAIR``): phase 371 / 572 / 655 us at T = 8 / 32 / 128
 #: (``results/probes/rs_variants_h200.jsonl``, ``fused_fp8_ws_profile_h200.jsonl`` at 25affd4), and chunk 32 runs two
-#: 128-row chains over two math warpgroups at two CTAs an SM (session 23, below); the threshold was not re-swept with
-#: them (T = 256 may now belong here: ``device_run.sh rs_sweep``).
+#: 128-row chains over two math warpgroups at two CTAs an SM (session 23, below). Re-swept with them (session 23,
+#: ``rs_sweep`` rows at 1b275c4, phase alone, one call): T = 128 / 256 / 512 (16 / 32 / 64 expected) register-operand
+#: 611 / 784 / 1187 us (chunk 32 / 64 / 64; chunk 32 forced at 256 / 512: 895 / 1560) against the decode-partition
+#: tile's 826 / 834 / 1268 -> 64 (was 16). Not measured between 64 and 256 expected (T = 2048).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
@@ -323,9 +325,10 @@ FP4_RS_MAX_EXPECTED = 64
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
 #: chains share a token stage (below) and need ``maxnreg`` 128; two at chunk 64, whose ``[128, 64]`` float32 stash
 #: alone is 32 KB (four CTAs would leave no room for a second ring stage) and whose two ``[64, 64]`` float32 register
-#: tiles need ``maxnreg`` 128. Chunk 64 measured slower than the alternatives (one chain a stage,
-#: ``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
-#: 32's 803 and the decode-partition tile's 836 / 1272; ``fp4_rs_block_n`` gives it only past FP4_RS_MAX_EXPECTED.
+#: tiles need ``maxnreg`` 128. Chunk 64 with one chain a stage measured slower than the alternatives
+#: (``results/probes/rs_sweep_h200.jsonl`` at 8dd6787): 1062 / 1063 / 1621 us at T = 128 / 256 / 512 against chunk
+#: 32's 803 and the decode-partition tile's 836 / 1272; with two chains a stage (since session 20) 784 / 1187 at
+#: T = 256 / 512 against 834 / 1268 (1b275c4): the default there since session 23.
 FP4_RS_CTAS_PER_SM = {8: 4, 16: 4, 32: 2, 64: 2, 128: 1}
 #: Weight rows of a chain by token chunk: 64 (one math warpgroup), or 128 (two math warpgroups in lock-step,
 #: ``num_warps`` 8, pool blocks of 128): at chunk 32 by default since session 23 (2 CTAs an SM, two chains a stage,
@@ -438,6 +441,22 @@ def tile_kind(layout, numerics: str, expected: float | None = None, device: torc
     return "fp8"
 
 
+def fp4_ws_tiles(layout, expected: float) -> tuple[int, int, bool]:
+    """The "fp4_ws" (FP8 x FP4 Gluon GEMM phase) tiles at ``expected`` tokens per local expert, whatever machine
+    asks (a notebook on a CPU reads the H200's choice here): ``(block_m, rs_block_n, predecode)`` -- the pool block
+    (64 up to FP4_BLOCK64_MAX_EXPECTED, else 128; the register-operand tile's own, ``fp4_rs_block_m``), the
+    register-operand tile's token chunk (0: the decode-partition tile; up to FP4_RS_MAX_EXPECTED, when the layout's
+    pool holds its block) and whether the weights are decoded once per call (from FP4_PREDECODE_MIN_EXPECTED)."""
+    block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128  # (64 rows where 128 would be mostly padding)
+    predecode = expected >= FP4_PREDECODE_MIN_EXPECTED
+    rs = fp4_rs_block_n(expected) if FP4_RS_ENABLED and not predecode and expected <= FP4_RS_MAX_EXPECTED else 0
+    if rs and fp4_rs_block_m(rs) <= layout.block_m:
+        block_m = fp4_rs_block_m(rs)
+    elif rs:
+        rs = 0
+    return block_m, rs, predecode
+
+
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
                  numerics: str = "exact") -> FusedConfig:
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
@@ -453,18 +472,12 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = min(layout.block_m, 64 if expected <= FP8_BLOCK64_MAX_EXPECTED else 128)
     elif kind == "fp8_ws":  # its 64-row tile (both math warpgroups on one block) where 128 rows would be half padding
         block_m = 64 if expected <= FP8_WS_BLOCK64_MAX_EXPECTED else 128
-    elif kind == "fp4_ws":  # its 64-row tiles (the register-operand tile; the decode-partition tile's one math
-        # warpgroup and two decode partitions) at few tokens per expert
-        block_m = 64 if expected <= FP4_BLOCK64_MAX_EXPECTED else 128
+    elif kind == "fp4_ws":
+        block_m, rs, predecode = fp4_ws_tiles(layout, expected)
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
-    predecode = kind == "fp4_ws" and expected >= FP4_PREDECODE_MIN_EXPECTED
-    rs = (fp4_rs_block_n(expected) if kind == "fp4_ws" and not predecode and FP4_RS_ENABLED
-          and expected <= FP4_RS_MAX_EXPECTED else 0)
-    if rs and fp4_rs_block_m(rs) <= layout.block_m:  # the tile's own pool block: 64, or 128 on 128-row chains
-        block_m = fp4_rs_block_m(rs)
-    elif rs:
-        rs = 0
+    if kind != "fp4_ws":
+        rs, predecode = 0, False
     if interpreting() or device.type != "cuda":
         programs = 1
     else:

@@ -401,6 +401,8 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 128, 32),
                      256: ("fp4_ws", 64, 64), 264: ("fp4_ws", 64, 64), 512: ("fp4_ws", 64, 64),
                      520: ("fp4_ws", 128, 0), 2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
+    for t, (kind, block_m, rs) in picks.items():  # the same tiles without a device (what notebook 08 reads)
+        assert mf.fp4_ws_tiles(L, t * 6 / 48) == (block_m, rs, t * 6 / 48 >= mf.FP4_PREDECODE_MIN_EXPECTED)
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)
     assert mf.fused_config(L, 8, 1, cuda, "hopper").rs_block_n == 0
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", True)
