@@ -304,10 +304,10 @@ FP4_BLOCK64_MAX_EXPECTED = 32
 #: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e): still per block there.
 FP4_PREDECODE_MIN_EXPECTED = 512
 
-#: "fp4_ws": up to this many expected tokens per local expert the GEMM phase is the
-#: register-operand tile (at its own pool block, ``fp4_rs_block_m``; ``fp4_ws_tiles``) (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token chunk from
-#: ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one EP8
-#: rank of V4-Pro, GEMM phase alone, ``results/probes/rs_sweep_h200.jsonl``, session 19 at 43f8755: the L2 A fold
+#: "fp4_ws": up to this many expected tokens per local expert the GEMM phase is the register-operand tile (at its own
+#: pool block, ``fp4_rs_block_m``; ``fp4_ws_tiles``) (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token
+#: chunk from ``fp4_rs_block_n``); ``FP4_RS_ENABLED = False`` keeps the decode-partition tile. Measured on an H200 (one
+#: EP8 rank of V4-Pro, GEMM phase alone, ``results/probes/rs_sweep_h200.jsonl``, session 19 at 43f8755: the L2 A fold
 #: once per pool block): T = 8 / 32 / 128 / 256 (1 / 4 / 16 / 32 expected) register-operand 401 / 658 / 805 / 1185 us
 #: (chunk 8 / 16 / 32 / 32; chunk 16 at T = 128 / 256: 1000 / 1649) against the decode-partition tile's 535 / 824 /
 #: 827 / 836: faster up to 16 expected, slower at 32. (Session 18, with the fold in every L2 stage: 424 / 682 / 861
