@@ -77,7 +77,8 @@ T = 256 / 512 (chunk 64) 784 / 1187 us against the decode-partition tile's 834 /
 is 64 (was 16).
 
 The wide variant (128-row chains; chunk 32's default since session 23, at chunks 64 / 128 chosen only explicitly;
-GPU-tested, ``-k wide`` and ``-k chunk32_variant``, 49 passed at afac6ff): chains of
+GPU-tested, ``-k wide`` and the candidates' ``-k rs_variant`` (then ``chunk32_variant``), 49 passed at afac6ff):
+chains of
 ``ROWS`` = 128 weight rows (the weight boxes' rows) run by the math partition as ``num_warps`` 8 -- two warpgroups in
 lock-step, each decoding and multiplying its 64 rows -- with one chain a stage (``PAIR`` 1) and the next K block's
 decode issued between the current block's wgmmas and their wait, on 128-row pool blocks, one CTA an SM

@@ -346,7 +346,7 @@ FP4_RS_ROWS = {8: 64, 16: 64, 32: 128, 64: 64, 128: 128}
 #: where Nsight Compute had the phase L2-bound, L2 at 84 %: each stage re-read the chunk's 4 KB of tokens per pair of
 #: chains), whole call alternating twice (``rs_ctas`` rows of ``results/probes/fp8_ws_probe_h200.jsonl`` at 1d6df46,
 #: same error): 2 CTAs an SM with four chains 667 / 668 us against 4 CTAs with two chains 700 / 701 and 2 CTAs with
-#: two chains 699 / 698 (FP4_RS32_CANDIDATES). Session 23 (``rs_ctas`` rows at afac6ff, same error): the same 256
+#: two chains 699 / 698 (FP4_RS_CANDIDATES). Session 23 (``rs_ctas`` rows at afac6ff, same error): the same 256
 #: weight rows a stage as two 128-row chains over two math warpgroups at 2 CTAs an SM (16 math warps an SM, where
 #: the four-chain tile has 8) 649 / 658 us against the four-chain tile's 667 / 665 -> the default.
 FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2, 128: 1}
@@ -358,14 +358,29 @@ FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2, 128: 1}
 #: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill. Chunk 32 on 128-row chains (the default),
 #: loader 24: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop (none in it).
 FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40, 128: 40}
-#: The settings chunk 32 was measured against (above), by name: (chain rows, CTAs an SM, weight chains a token stage,
-#: loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``; ``c4p2``
-#: was the default until session 22, ``c2p4`` in session 22. Kept selectable for the probe (``fp8_ws_probe.py
-#: rs_ctas``, ``device_run.sh rs_ctas``), so tested on the GPU (``tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant``).
-#: Offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B spilled outside the K loops.
-FP4_RS32_CANDIDATES = {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "c2p4": (64, 2, 4, 40)}
+#: Settings of the register-operand tile measured (or to be measured) against the defaults, by token chunk and name:
+#: (chain rows, CTAs an SM, weight chains a token stage, loader registers) for ``FP4_RS_ROWS`` /
+#: ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS`` (``fp4_rs_variant``). Chunk 32: ``c4p2`` was the
+#: default until session 22, ``c2p4`` in session 22 (offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B
+#: spilled outside the K loops). Chunk 64 (T = 256 / 512; session 23, NOT yet run on a GPU): ``w1p2``, two 128-row
+#: chains over two math warpgroups at one CTA an SM -- 256 weight rows a token stage where the default moves 128, the
+#: same 8 math warps an SM, pool block 128; offline 168 registers, 6 stages, 203016 B, no spill, K loop 404 SASS a
+#: thread a stage (8 QGMMA, 72 PRMT). (At two CTAs an SM 128-row chains spill in the K loop: 46-143 STL a stage.)
+#: Kept selectable for ``fp8_ws_probe.py rs_ctas`` (``device_run.sh rs_ctas``), so GPU-tested
+#: (``tests/gpu/test_fp4_rs_gpu.py -k rs_variant``) and host-path tested on CPU.
+FP4_RS_CANDIDATES = {32: {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "c2p4": (64, 2, 4, 40)},
+                     64: {"w1p2": (128, 1, 2, 40)}}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
+
+
+def fp4_rs_variant(block_n: int, rows: int, ctas: int, pair: int, load_regs: int) -> dict:
+    """The four settings dicts of the register-operand tile with token chunk ``block_n`` on chains of ``rows`` weight
+    rows (64: one math warpgroup; 128: two, pool block 128), ``ctas`` CTAs an SM, ``pair`` chains a token stage and
+    ``load_regs`` loader registers: ``{"FP4_RS_ROWS": {...}, ...}``, the other chunks as they are -- what a test
+    monkeypatches and a probe overrides (one entry of ``FP4_RS_CANDIDATES``: ``fp4_rs_variant(chunk, *entry)``)."""
+    return {"FP4_RS_ROWS": {**FP4_RS_ROWS, block_n: rows}, "FP4_RS_CTAS_PER_SM": {**FP4_RS_CTAS_PER_SM, block_n: ctas},
+            "FP4_RS_PAIR": {**FP4_RS_PAIR, block_n: pair}, "FP4_RS_LOAD_REGS": {**FP4_RS_LOAD_REGS, block_n: load_regs}}
 
 
 def fp4_rs_maxnreg(block_n: int) -> int:

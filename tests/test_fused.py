@@ -457,29 +457,30 @@ def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
     assert kw["BM"] == block_m and kw["num_warps"] == rows // 16 and kw["PAIR"] == mf.FP4_RS_PAIR[block_n]
 
 
-@pytest.mark.parametrize("variant", ["c4p2", "c2p2", "c2p4"])
-def test_fp4_rs_chunk32_candidates_host_path_bitwise(variant, monkeypatch):
-    """Each chunk-32 candidate of the register-operand tile (``megamoe.fused.FP4_RS32_CANDIDATES``; 128-row chains, the
-    default since session 23, take pool block 128) through the host path on a CPU rank, the phase's torch model in place
-    of the Gluon launch: bit-exact, twice, with the descriptors' boxes and the keywords of its rows and pool block."""
+@pytest.mark.parametrize("block_n, variant", [(32, "c4p2"), (32, "c2p2"), (32, "c2p4"), (64, "w1p2")])
+def test_fp4_rs_candidates_host_path_bitwise(block_n, variant, monkeypatch):
+    """Each candidate of the register-operand tile (``megamoe.fused.FP4_RS_CANDIDATES``; 128-row chains take pool
+    block 128) through the host path on a CPU rank, the phase's torch model in place of the Gluon launch: bit-exact,
+    twice, with the descriptors' boxes and the keywords of its rows and pool block."""
     import megamoe.fused as mf
 
-    rows, ctas, pair, load = mf.FP4_RS32_CANDIDATES[variant]
-    monkeypatch.setattr(mf, "FP4_RS_ROWS", {**mf.FP4_RS_ROWS, 32: rows})
-    monkeypatch.setattr(mf, "FP4_RS_CTAS_PER_SM", {**mf.FP4_RS_CTAS_PER_SM, 32: ctas})
-    monkeypatch.setattr(mf, "FP4_RS_PAIR", {**mf.FP4_RS_PAIR, 32: pair})
-    monkeypatch.setattr(mf, "FP4_RS_LOAD_REGS", {**mf.FP4_RS_LOAD_REGS, 32: load})
-    block_m = mf.fp4_rs_block_m(32)
+    assert sorted((bn, v) for bn in mf.FP4_RS_CANDIDATES for v in mf.FP4_RS_CANDIDATES[bn]) == [
+        (32, "c2p2"), (32, "c2p4"), (32, "c4p2"), (64, "w1p2")]  # (each one tested here)
+    rows, ctas, pair, load = mf.FP4_RS_CANDIDATES[block_n][variant]
+    for name, value in mf.fp4_rs_variant(block_n, rows, ctas, pair, load).items():
+        monkeypatch.setattr(mf, name, value)
+    block_m = mf.fp4_rs_block_m(block_n)
     assert block_m == (128 if rows == 128 else 64)
-    cfg = dataclasses.replace(_fp4_ws_config(block_m), rs_block_n=32)
+    cfg = dataclasses.replace(_fp4_ws_config(block_m), rs_block_n=block_n)
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: cfg)
     descs = []
     real_descs = mf._fp4_rs_descriptors
     monkeypatch.setattr(mf, "_fp4_rs_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
-    assert [list(d.block_shape) for d in descs[-1]] == [[32, 32]] * 2 + [[rows, 32]] * 2 + [[rows]] * 2
-    kw = mf.fp4_rs_keywords(Layout(1, 6, 300, 3, 512, 384, 128), block_m, 32, False)
+    assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[rows, 32]] * 2 + [[rows]] * 2
+    kw = mf.fp4_rs_keywords(Layout(1, 6, 300, 3, 512, 384, 128), block_m, block_n, False)
     assert (kw["BM"], kw["PAIR"], kw["LOAD_REGS"], kw["num_warps"]) == (block_m, pair, load, rows // 16)
+    assert kw["maxnreg"] == 65536 // (ctas * (rows // 16 + 4) * 32) // 8 * 8
 
 
 def _weights_of(case: MoECase, sb: SymmBuffer, seed: int):

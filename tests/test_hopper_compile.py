@@ -65,15 +65,40 @@ def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     in its K loops, no spill inside them (at 128 -- two math warpgroups on 128-row chains, pool block 128 -- 516 B
     spilled in the chain epilogues; Triton 3.6)."""
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    r = compile_gluon_phase("fp4_rs", layout, max(64, block_n), block_n=block_n, has_clamp=True)
+    r = compile_gluon_phase("fp4_rs", layout, mf.fp4_rs_block_m(block_n), block_n=block_n, has_clamp=True)
+    _assert_rs_within_budgets(r, block_n, 600 if block_n == 128 else 96)
+
+
+def _assert_rs_within_budgets(r, block_n: int, spill_budget: int) -> None:
+    """A register-operand tile's compile (``r``) fits its ``maxnreg`` and its CTAs an SM in shared memory (as the
+    constants in force say), spills at most ``spill_budget`` bytes and none inside a K loop, whose wgmmas have the
+    decode beside them."""
     assert r.registers <= mf.fp4_rs_maxnreg(block_n)
     per_sm = mf._SM90_LIMITS["shared_memory_per_multiprocessor"]
     assert mf.FP4_RS_CTAS_PER_SM[block_n] * (r.shared + 1024) <= per_sm, r.shared
-    assert r.spill_stores <= (600 if block_n == 128 else 96), r.spill_stores
+    assert r.spill_stores <= spill_budget, r.spill_stores
     mma_loops = [lp for lp in _innermost(r.loops) if lp[3].get("QGMMA")]
     assert mma_loops and all(lp[3].get("PRMT", 0) >= 32 for lp in mma_loops)  # the decode is in the MMA's loop
     for first, last, n, ops in mma_loops:
         assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n, variant", [(bn, v) for bn in sorted(mf.FP4_RS_CANDIDATES)
+                                              for v in sorted(mf.FP4_RS_CANDIDATES[bn])])
+def test_fp4_rs_candidates_compile_within_their_budgets(block_n, variant, monkeypatch):
+    """Each candidate of ``megamoe.fused.FP4_RS_CANDIDATES`` compiles for sm_90a as the probe and the GPU tests run it
+    (its settings in the compiling process: ``compile_gluon_phase(settings=...)``): within the ``maxnreg`` and
+    shared memory of its CTAs an SM, at most 96 spilled bytes (``c4p2``: 84, outside the K loops), none in a K loop."""
+    settings = mf.fp4_rs_variant(block_n, *mf.FP4_RS_CANDIDATES[block_n][variant])
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    for name, value in settings.items():  # (what the assertions read, in this process)
+        monkeypatch.setattr(mf, name, value)
+    r = compile_gluon_phase("fp4_rs", layout, mf.fp4_rs_block_m(block_n), block_n=block_n, has_clamp=True,
+                            settings=settings)
+    _assert_rs_within_budgets(r, block_n, 96)
+    assert r.registers == mf.fp4_rs_maxnreg(block_n)  # (a warp-specialised kernel takes its whole budget: the
+    # candidate's, not the default's -- 168 for w1p2 where chunk 64 as is takes 128)
 
 
 def _operand_writes_before_wait(sass: str) -> list[str]:
@@ -122,3 +147,10 @@ def test_fp4_rs_wide_decodes_under_the_mma_without_touching_its_operand():
         "/*0*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, R88, gdesc[UR16], RZ ;\n/*1*/ PRMT R90, R1, 0x7, R2 ;\n"
         "/*2*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n/*3*/ PRMT R88, R1, 0x7, R2 ;") == [
         "/*1*/ PRMT R90, R1, 0x7, R2 ;"]
+
+
+def test_compile_settings_name_constants_of_the_fused_module():
+    """A setting that is not a constant of ``megamoe.fused`` is an error naming it, before any compile."""
+    with pytest.raises(ValueError, match=r"settings: \['FP4_RS_ROW'\]"):
+        compile_gluon_phase("fp4_rs", Layout(1, 48, 8192, 6, 7168, 3072, 128), 64, block_n=8,
+                            settings={"FP4_RS_ROW": {8: 64}})

@@ -111,6 +111,43 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     assert [r["format"] for r in hosts] == ["fp8", "fp8_fp4"] and all(r["host_us"] > 0 and r["top"] for r in hosts)
 
 
+@pytest.mark.slow
+def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
+    """The probe's ``rs_ctas`` mode on a CPU rank at a small shape (as the test above): at each T it runs the tile as
+    is and every candidate of the chunk that T takes (``megamoe.fused.FP4_RS_CANDIDATES``), twice, each row on the
+    register-operand tile at that chunk and its candidate's pool block, within the bench's tolerance, and the
+    constants it overrides are put back."""
+    import json
+
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=128, num_experts=4, num_topk=2,
+                                             block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [64])  # 32 expected: chunk 64 (chunk 32's candidates:
+    # test_fused.py's host-path test, the probe's loop being the same)
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    names = ("FP4_RS_ROWS", "FP4_RS_CTAS_PER_SM", "FP4_RS_PAIR", "FP4_RS_LOAD_REGS")
+    saved = {n: dict(getattr(mf, n)) for n in names}
+    probe.probe_rs_ctas()
+    assert {n: getattr(mf, n) for n in names} == saved
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = [(64, label) for _ in range(2) for label in ("as is", *mf.FP4_RS_CANDIDATES[64])]
+    assert [(r["T"], r["choice"]) for r in rows] == want
+    for r in rows:
+        chunk = 64
+        rows_ = mf.FP4_RS_CANDIDATES[chunk][r["choice"]][0] if r["choice"] != "as is" else mf.FP4_RS_ROWS[chunk]
+        assert (r["kind"], r["rs_block_n"], r["block_m"]) == ("fp4_ws", chunk, 128 if rows_ == 128 else 64), r
+        assert r["rel_fro"] < 2e-2, r
+
+
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

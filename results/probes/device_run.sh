@@ -51,10 +51,10 @@
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
 #                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
-#   rs_ctas        the register-operand tile at chunk 32 as is (2 CTAs an SM, two 128-row chains over two math
-#                  warpgroups a token stage since session 23) against FP4_RS32_CANDIDATES (64-row chains: 4 CTAs / two
-#                  chains, 2 CTAs / two chains, 2 CTAs / four chains): their GPU tests (-k chunk32_variant), then whole
-#                  calls at T = 128 alternating with their error (-> $OUT/rs_ctas.jsonl; 37 s for three candidates in
+#   rs_ctas        the register-operand tile as is against FP4_RS_CANDIDATES at the chunk each T takes (chunk 32 at
+#                  T = 128: 64-row chains at 4 CTAs / two chains, 2 CTAs / two chains, 2 CTAs / four chains; chunk 64
+#                  at T = 512: 128-row chains at 1 CTA / two chains): their GPU tests (-k rs_variant), then whole calls
+#                  alternating with their error (-> $OUT/rs_ctas.jsonl; 37 s for three candidates at T = 128 in
 #                  session 23)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
@@ -196,10 +196,10 @@ step_group_sync() {  # WS_GROUP_SYNC: its GPU tests (same bits on and off), then
     done
 }
 
-step_rs_ctas() {  # the register-operand tile at chunk 32 as is against FP4_RS32_CANDIDATES: their GPU tests first,
-    # then fp8_ws_probe.py rs_ctas at T = 128, alternating (-> $OUT/rs_ctas.jsonl)
-    $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k chunk32_variant || return 1
-    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128}" >>"$OUT/rs_ctas.jsonl" || return 1
+step_rs_ctas() {  # the register-operand tile as is against FP4_RS_CANDIDATES: their GPU tests first, then
+    # fp8_ws_probe.py rs_ctas at T = 128 and 512, alternating (-> $OUT/rs_ctas.jsonl)
+    $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k rs_variant || return 1
+    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128,512}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"
 }
 

@@ -321,7 +321,7 @@ def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict) -> No
         torch.cuda.synchronize()
         err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
         emit(probe=probe, T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
-             **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+             rs_block_n=cfg.rs_block_n, **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
         sb.destroy()
     finally:
         for n, v in saved.items():
@@ -401,20 +401,18 @@ def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
                 _choice_row("back_programs", T, f"back {programs}", fmt, {"WS_BACK_PROGRAMS_PER_SM": programs})
 
 
-def probe_rs_ctas(tokens=(128,)):
-    """The register-operand tile at token chunk 32 (T = 128: 16 expected tokens per expert) as is against the
-    settings of ``megamoe.fused.FP4_RS32_CANDIDATES`` (until session 22 "as is" was 4 CTAs an SM with two weight
+def probe_rs_ctas(tokens=(128, 512)):
+    """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128, 64 at T = 512: 16 / 64
+    expected tokens per expert) as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (chunk 32:
+    until session 22 "as is" was 4 CTAs an SM with two weight
     chains a token stage, now ``c4p2``; it lost to 2 CTAs with four chains, each stage moving the chunk's tokens once
     for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``; that, now ``c2p4``,
     lost in session 23 to the same 256 rows a stage as two 128-row chains over two math warpgroups), alternating
     twice, whole call with its error (``FP8 x FP4``, "hopper")."""
-    variants = {"as is": {}}
-    for name, (rows, ctas, pair, load) in mf.FP4_RS32_CANDIDATES.items():
-        variants[name] = dict(FP4_RS_ROWS={**mf.FP4_RS_ROWS, 32: rows},
-                              FP4_RS_CTAS_PER_SM={**mf.FP4_RS_CTAS_PER_SM, 32: ctas},
-                              FP4_RS_PAIR={**mf.FP4_RS_PAIR, 32: pair},
-                              FP4_RS_LOAD_REGS={**mf.FP4_RS_LOAD_REGS, 32: load})
     for T in _tokens(tokens):
+        chunk = mf.fp4_rs_block_n(T * SHAPE["num_ranks"] * SHAPE["num_topk"] / SHAPE["num_experts"])
+        variants = {"as is": {}, **{name: mf.fp4_rs_variant(chunk, *setting)
+                                    for name, setting in mf.FP4_RS_CANDIDATES.get(chunk, {}).items()}}
         for _ in range(2):
             for label, overrides in variants.items():
                 _choice_row("rs_ctas", T, label, "fp8_fp4", overrides)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe.cases import MoECase, assert_cuda_graph_replays, assert_reports, fp4_gluon_phase_cases, run_case_local
-from megamoe.fused import FP4_RS32_CANDIDATES
+from megamoe.fused import FP4_RS_CANDIDATES
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phase is sm_90 only")
 
@@ -66,40 +66,46 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={num_tokens}")
 
 
-def force_rs32_variant(mf, monkeypatch, rows: int, ctas: int, pair: int, load_regs: int) -> None:
-    """Token chunk 32 of the register-operand tile on chains of ``rows`` weight rows (64: one math warpgroup; 128:
-    two, pool block 128) at ``ctas`` CTAs an SM, ``pair`` chains a token stage and ``load_regs`` loader registers
-    (``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS``)."""
-    monkeypatch.setattr(mf, "FP4_RS_ROWS", {**mf.FP4_RS_ROWS, 32: rows})
-    monkeypatch.setattr(mf, "FP4_RS_CTAS_PER_SM", {**mf.FP4_RS_CTAS_PER_SM, 32: ctas})
-    monkeypatch.setattr(mf, "FP4_RS_PAIR", {**mf.FP4_RS_PAIR, 32: pair})
-    monkeypatch.setattr(mf, "FP4_RS_LOAD_REGS", {**mf.FP4_RS_LOAD_REGS, 32: load_regs})
+def force_rs_variant(mf, monkeypatch, block_n: int, variant: str) -> None:
+    """Token chunk ``block_n`` of the register-operand tile at candidate ``variant`` of
+    ``megamoe.fused.FP4_RS_CANDIDATES`` (chain rows, CTAs an SM, chains a token stage, loader registers)."""
+    for name, value in mf.fp4_rs_variant(block_n, *mf.FP4_RS_CANDIDATES[block_n][variant]).items():
+        monkeypatch.setattr(mf, name, value)
 
 
-@pytest.mark.parametrize("variant", sorted(FP4_RS32_CANDIDATES))
+#: Every candidate, as (token chunk, name); and the T of one EP8 rank whose host picks that chunk.
+RS_VARIANTS = [(bn, name) for bn in sorted(FP4_RS_CANDIDATES) for name in sorted(FP4_RS_CANDIDATES[bn])]
+RS_VARIANT_T = {32: 128, 64: 512}
+
+
+@pytest.mark.parametrize("block_n, variant", RS_VARIANTS)
 @pytest.mark.parametrize("case", CASES[2:4], ids=["r4-clamp-i640", "r2-skew-3calls"])
-def test_fp4_rs_chunk32_variant_small_cases(case, variant, monkeypatch):
-    """A chunk-32 candidate (``megamoe.fused.FP4_RS32_CANDIDATES``) on the clamp / odd I / empty-rank case and the
-    skewed repeated one."""
+def test_fp4_rs_variant_small_cases(case, block_n, variant, monkeypatch):
+    """A candidate of the register-operand tile (``megamoe.fused.FP4_RS_CANDIDATES``) on the clamp / odd I /
+    empty-rank case and the skewed repeated one."""
     import megamoe.fused as mf
 
-    _force_rs(monkeypatch, 32)
-    force_rs32_variant(mf, monkeypatch, *mf.FP4_RS32_CANDIDATES[variant])
-    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN 32 {variant}")
+    _force_rs(monkeypatch, block_n)
+    force_rs_variant(mf, monkeypatch, block_n, variant)
+    cfg = mf.fused_config(case.layout(), 300, case.num_ranks, torch.device("cuda"), "hopper")
+    assert (cfg.block_m, cfg.rs_block_n) == (mf.fp4_rs_block_m(block_n), block_n)
+    assert_reports(run_case_local(case, device="cuda"),
+                   f"hopper fused (FP4 register-operand tile) BN {block_n} {variant}")
 
 
-@pytest.mark.parametrize("variant", sorted(FP4_RS32_CANDIDATES))
-def test_fp4_rs_chunk32_variant_one_ep8_rank(variant, monkeypatch):
-    """A chunk-32 candidate at one EP8 rank's share of V4-Pro, T = 128 (16 expected tokens per expert: chunk 32),
-    masked rows, two calls."""
+@pytest.mark.parametrize("block_n, variant", RS_VARIANTS)
+def test_fp4_rs_variant_one_ep8_rank(block_n, variant, monkeypatch):
+    """A candidate at one EP8 rank's share of V4-Pro at the T whose expected tokens per expert take its chunk (T =
+    128 for chunk 32, 512 for 64), masked rows, two calls."""
     import megamoe.fused as mf
 
-    force_rs32_variant(mf, monkeypatch, *mf.FP4_RS32_CANDIDATES[variant])
-    case = MoECase(num_ranks=1, num_tokens=128, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+    force_rs_variant(mf, monkeypatch, block_n, variant)
+    T = RS_VARIANT_T[block_n]
+    case = MoECase(num_ranks=1, num_tokens=T, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
                    block_m=128, masked_ratio=0.1, num_calls=2, seed=7, impl="fused", numerics="hopper")
-    cfg = mf.fused_config(case.layout(), 128, 1, torch.device("cuda"), "hopper")
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", mf.fp4_rs_block_m(32), 32)
-    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T=128 {variant}")
+    cfg = mf.fused_config(case.layout(), T, 1, torch.device("cuda"), "hopper")
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n) == ("fp4_ws", mf.fp4_rs_block_m(block_n), block_n)
+    assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) T={T} {variant}")
 
 
 def test_fp4_rs_real_size_four_local_ranks(monkeypatch):
