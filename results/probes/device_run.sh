@@ -56,6 +56,10 @@
 #                  at T = 512: 128-row chains at 1 CTA / two chains): their GPU tests (-k rs_variant), then whole calls
 #                  alternating with their error (-> $OUT/rs_ctas.jsonl; 37 s for three candidates at T = 128 in
 #                  session 23)
+#   rs_variant_sweep  the register-operand tile's GEMM phase at T = 256 / 512 / 1024 / 2048 (forced past
+#                  FP4_RS_MAX_EXPECTED at chunk 64: as is and each chunk-64 candidate of FP4_RS_CANDIDATES) against
+#                  the decode-partition tile's (-> $OUT/rs_variant_sweep.jsonl; where the threshold belongs past 64
+#                  expected and whether w1p2 helps there; not timed: est. 2 min after the GPU tests of rs_ctas)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
@@ -201,6 +205,18 @@ step_rs_ctas() {  # the register-operand tile as is against FP4_RS_CANDIDATES: t
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k rs_variant || return 1
     $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128,512}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"
+}
+
+step_rs_variant_sweep() {  # see the header; RS_VARIANT_TOKENS overrides the T list
+    local t=${RS_VARIANT_TOKENS:-256,512,1024,2048} v
+    FP4_RS_MAX_EXPECTED=1000 FP4_RS_BLOCK_N=64 $PY results/probes/fused_fp8_ws_profile.py "$t" fp8_fp4 \
+        >>"$OUT/rs_variant_sweep.jsonl" || return 1
+    for v in $($PY -c "import megamoe.fused as mf; print(' '.join(mf.FP4_RS_CANDIDATES.get(64, {})))"); do
+        FP4_RS_MAX_EXPECTED=1000 FP4_RS_BLOCK_N=64 FP4_RS_VARIANT="64:$v" \
+            $PY results/probes/fused_fp8_ws_profile.py "$t" fp8_fp4 >>"$OUT/rs_variant_sweep.jsonl" || return 1
+    done
+    FP4_RS_MAX_EXPECTED=-1 $PY results/probes/fused_fp8_ws_profile.py "$t" fp8_fp4 >>"$OUT/rs_variant_sweep.jsonl"
+    cut -c1-300 "$OUT/rs_variant_sweep.jsonl"
 }
 
 step_back_programs() {  # WS_BACK_PROGRAMS_PER_SM 1 / 4: its GPU tests (same bits), then 1 / 4 / 1 / 4 whole call

@@ -17,6 +17,8 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   NCU                      set: no torch profiler and no row; after the warm-up one call runs between
                            ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
   FP4_RS_WIDE              chunks (e.g. ``64``) run on 128-row chains: two math warpgroups, one CTA an SM, block 128
+  FP4_RS_VARIANT           candidates of ``megamoe.fused.FP4_RS_CANDIDATES`` by chunk, e.g. ``64:w1p2`` or
+                           ``32:c2p4,64:w1p2`` (``fp4_rs_variant``)
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of
@@ -94,6 +96,12 @@ def main(argv: list[str]) -> None:
             mf.FP4_RS_PAIR = {**mf.FP4_RS_PAIR, bn: 1}
             mf.FP4_RS_LOAD_REGS = {**mf.FP4_RS_LOAD_REGS, bn: 40}
         overrides["FP4_RS_WIDE"] = os.environ["FP4_RS_WIDE"]
+    if "FP4_RS_VARIANT" in os.environ:  # named candidates, per chunk
+        for kv in os.environ["FP4_RS_VARIANT"].split(","):
+            bn, name = kv.split(":")
+            for setting, value in mf.fp4_rs_variant(int(bn), *mf.FP4_RS_CANDIDATES[int(bn)][name]).items():
+                setattr(mf, setting, value)
+        overrides["FP4_RS_VARIANT"] = os.environ["FP4_RS_VARIANT"]
     if "FRONT_PROGRAMS" in os.environ:
         front_programs, config = int(os.environ["FRONT_PROGRAMS"]), mf.fused_config
         mf.fused_config = lambda *a, **k: dataclasses.replace(config(*a, **k), programs_per_rank=front_programs)
