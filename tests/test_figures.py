@@ -127,8 +127,8 @@ def test_saved_png_is_a_compact_palette_rendering(dirs):
 
     fig = figures.pool_size_sweep()
     png = figures.save_figure(fig, "sweep")[0]
-    image = Image.open(png)
-    assert image.mode == "P"
+    with Image.open(png) as image:  # (closed: an open file left to the collector is a ResourceWarning)
+        assert image.mode == "P"
     full = io.BytesIO()
     fig.savefig(full, format="png", dpi=150, bbox_inches="tight")
     assert png.stat().st_size < len(full.getvalue()) / 3
