@@ -63,6 +63,10 @@
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
+#   ncu_source     Nsight Compute's PC sampling of the GEMM phase alone, per SASS instruction (which instructions the
+#                  warps stall at, and why: e.g. the FP8 phase's barrier stall at T = 8192, pull warps or math
+#                  warpgroups?) -> $OUT/ncu_src_<fmt>_<T>.ncu-rep and its source page as CSV, gzipped
+#                  (NCU_SOURCE_CASES, default fp8:8192; not yet run)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -242,6 +246,22 @@ step_ncu() {  # Nsight Compute on one fused call per case (front, GEMM phase, ba
             --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
             $PY results/probes/fused_fp8_ws_profile.py "$t" "$fmt" >"$OUT/ncu_${fmt}_$t.txt" 2>&1
         echo "ncu $case rc=$?: $(grep -c "gemm_phase\|fused_mega_moe" "$OUT/ncu_${fmt}_$t.txt") kernel lines"
+    done
+}
+
+step_ncu_source() {  # see the header
+    local ncu case fmt t rep
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu"; return 1; }
+    for case in ${NCU_SOURCE_CASES:-fp8:8192}; do
+        fmt=${case%%:*} t=${case##*:} rep="$OUT/ncu_src_${fmt}_$t"
+        NCU=1 timeout 300 "$ncu" --clock-control none --profile-from-start off --target-processes all \
+            --kernel-name regex:"gemm_phase" --section SourceCounters --section WarpStateStats --import-source no \
+            -f -o "$rep" $PY results/probes/fused_fp8_ws_profile.py "$t" "$fmt" >"$rep.log" 2>&1
+        echo "ncu_source $case rc=$?: $(ls -la "$rep.ncu-rep" 2>&1)"
+        "$ncu" --import "$rep.ncu-rep" --page source --print-source sass --csv 2>&1 | gzip >"$rep.sass.csv.gz"
+        echo "source page: $(zcat "$rep.sass.csv.gz" | wc -l) lines; $(zcat "$rep.sass.csv.gz" | head -2 | cut -c1-600)"
+        tail -3 "$rep.log"; rm -f "$rep.log"
     done
 }
 
