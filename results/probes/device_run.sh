@@ -65,8 +65,9 @@
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
 #   ncu_source     Nsight Compute's PC sampling of the GEMM phase alone, per SASS instruction (which instructions the
 #                  warps stall at, and why: e.g. the FP8 phase's barrier stall at T = 8192, pull warps or math
-#                  warpgroups?) -> $OUT/ncu_src_<fmt>_<T>.ncu-rep and its source page as CSV, gzipped
-#                  (NCU_SOURCE_CASES, default fp8:8192; not yet run)
+#                  warpgroups?; the decode-partition phase's excess shared wavefronts at T = 2048, which
+#                  instructions?) -> $OUT/ncu_src_<fmt>_<T>.ncu-rep and its source page as CSV, gzipped
+#                  (NCU_SOURCE_CASES, default "fp8:8192 fp8_fp4:2048": 4 files; not yet run)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -253,7 +254,7 @@ step_ncu_source() {  # see the header
     local ncu case fmt t rep
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     [ -n "$ncu" ] || { echo "no ncu"; return 1; }
-    for case in ${NCU_SOURCE_CASES:-fp8:8192}; do
+    for case in ${NCU_SOURCE_CASES:-fp8:8192 fp8_fp4:2048}; do
         fmt=${case%%:*} t=${case##*:} rep="$OUT/ncu_src_${fmt}_$t"
         NCU=1 timeout 300 "$ncu" --clock-control none --profile-from-start off --target-processes all \
             --kernel-name regex:"gemm_phase" --section SourceCounters --section WarpStateStats --import-source no \
