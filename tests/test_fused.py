@@ -457,17 +457,20 @@ def test_fp4_rs_host_path_bitwise(block_n, block_m, monkeypatch):
     assert kw["BM"] == block_m and kw["num_warps"] == rows // 16 and kw["PAIR"] == mf.FP4_RS_PAIR[block_n]
 
 
-@pytest.mark.parametrize("block_n, variant", [(32, "c4p2"), (32, "c2p2"), (32, "c2p4"), (64, "w1p2")])
+RS_CANDIDATES = [(8, "c4p2o"), (16, "c4p2o"), (32, "c2p2"), (32, "c2p2o"), (32, "c2p4"), (32, "c4p2"), (64, "c2p2o"),
+                 (64, "w1p2")]
+
+
+@pytest.mark.parametrize("block_n, variant", RS_CANDIDATES)
 def test_fp4_rs_candidates_host_path_bitwise(block_n, variant, monkeypatch):
     """Each candidate of the register-operand tile (``megamoe.fused.FP4_RS_CANDIDATES``; 128-row chains take pool
     block 128) through the host path on a CPU rank, the phase's torch model in place of the Gluon launch: bit-exact,
     twice, with the descriptors' boxes and the keywords of its rows and pool block."""
     import megamoe.fused as mf
 
-    assert sorted((bn, v) for bn in mf.FP4_RS_CANDIDATES for v in mf.FP4_RS_CANDIDATES[bn]) == [
-        (32, "c2p2"), (32, "c2p4"), (32, "c4p2"), (64, "w1p2")]  # (each one tested here)
-    rows, ctas, pair, load = mf.FP4_RS_CANDIDATES[block_n][variant]
-    for name, value in mf.fp4_rs_variant(block_n, rows, ctas, pair, load).items():
+    assert sorted((bn, v) for bn in mf.FP4_RS_CANDIDATES for v in mf.FP4_RS_CANDIDATES[bn]) == RS_CANDIDATES
+    rows, ctas, pair, load, *overlap = mf.FP4_RS_CANDIDATES[block_n][variant]
+    for name, value in mf.fp4_rs_variant(block_n, rows, ctas, pair, load, *overlap).items():
         monkeypatch.setattr(mf, name, value)
     block_m = mf.fp4_rs_block_m(block_n)
     assert block_m == (128 if rows == 128 else 64)
@@ -480,6 +483,7 @@ def test_fp4_rs_candidates_host_path_bitwise(block_n, variant, monkeypatch):
     assert [list(d.block_shape) for d in descs[-1]] == [[block_n, 32]] * 2 + [[rows, 32]] * 2 + [[rows]] * 2
     kw = mf.fp4_rs_keywords(Layout(1, 6, 300, 3, 512, 384, 128), block_m, block_n, False)
     assert (kw["BM"], kw["PAIR"], kw["LOAD_REGS"], kw["num_warps"]) == (block_m, pair, load, rows // 16)
+    assert kw["OVERLAP"] is bool(overlap and overlap[0])
     assert kw["maxnreg"] == 65536 // (ctas * (rows // 16 + 4) * 32) // 8 * 8
 
 

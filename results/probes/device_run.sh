@@ -51,11 +51,11 @@
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
 #                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
-#   rs_ctas        the register-operand tile as is against FP4_RS_CANDIDATES at the chunk each T takes (chunk 32 at
-#                  T = 128: 64-row chains at 4 CTAs / two chains, 2 CTAs / two chains, 2 CTAs / four chains; chunk 64
-#                  at T = 512: 128-row chains at 1 CTA / two chains): their GPU tests (-k rs_variant), then whole calls
-#                  alternating with their error (-> $OUT/rs_ctas.jsonl; 37 s for three candidates at T = 128 in
-#                  session 23)
+#   rs_ctas        the register-operand tile as is against FP4_RS_CANDIDATES at the chunk each T takes (T = 8 / 32:
+#                  two overlapped chains; T = 128: 64-row chains at 4 CTAs / two chains, 2 CTAs / two chains (also
+#                  overlapped), 2 CTAs / four chains; T = 512: 128-row chains at 1 CTA / two chains, two overlapped
+#                  64-row chains): their GPU tests (-k rs_variant, 24), then whole calls alternating with their error
+#                  (-> $OUT/rs_ctas.jsonl; 37 s for three candidates at T = 128 in session 23; est. 3-4 min in all)
 #   rs_variant_sweep  the register-operand tile's GEMM phase at T = 256 / 512 / 1024 / 2048 (forced past
 #                  FP4_RS_MAX_EXPECTED at chunk 64: as is and each chunk-64 candidate of FP4_RS_CANDIDATES) against
 #                  the decode-partition tile's (-> $OUT/rs_variant_sweep.jsonl; where the threshold belongs past 64
@@ -206,9 +206,9 @@ step_group_sync() {  # WS_GROUP_SYNC: its GPU tests (same bits on and off), then
 }
 
 step_rs_ctas() {  # the register-operand tile as is against FP4_RS_CANDIDATES: their GPU tests first, then
-    # fp8_ws_probe.py rs_ctas at T = 128 and 512, alternating (-> $OUT/rs_ctas.jsonl)
+    # fp8_ws_probe.py rs_ctas at T = 8, 32, 128 and 512, alternating (-> $OUT/rs_ctas.jsonl)
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k rs_variant || return 1
-    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128,512}" >>"$OUT/rs_ctas.jsonl" || return 1
+    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-8,32,128,512}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"
 }
 

@@ -401,9 +401,9 @@ def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
                 _choice_row("back_programs", T, f"back {programs}", fmt, {"WS_BACK_PROGRAMS_PER_SM": programs})
 
 
-def probe_rs_ctas(tokens=(128, 512)):
-    """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128, 64 at T = 512: 16 / 64
-    expected tokens per expert) as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (chunk 32:
+def probe_rs_ctas(tokens=(8, 32, 128, 512)):
+    """The register-operand tile at the token chunk each T takes (chunks 8 / 16 / 32 / 64 at T = 8 / 32 / 128 / 512:
+    1 / 4 / 16 / 64 expected tokens per expert) as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (chunk 32:
     until session 22 "as is" was 4 CTAs an SM with two weight
     chains a token stage, now ``c4p2``; it lost to 2 CTAs with four chains, each stage moving the chunk's tokens once
     for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``; that, now ``c2p4``,

@@ -75,7 +75,7 @@ def force_rs_variant(mf, monkeypatch, block_n: int, variant: str) -> None:
 
 #: Every candidate, as (token chunk, name); and the T of one EP8 rank whose host picks that chunk.
 RS_VARIANTS = [(bn, name) for bn in sorted(FP4_RS_CANDIDATES) for name in sorted(FP4_RS_CANDIDATES[bn])]
-RS_VARIANT_T = {32: 128, 64: 512}
+RS_VARIANT_T = {8: 8, 16: 32, 32: 128, 64: 512}
 
 
 @pytest.mark.parametrize("block_n, variant", RS_VARIANTS)
@@ -96,7 +96,7 @@ def test_fp4_rs_variant_small_cases(case, block_n, variant, monkeypatch):
 @pytest.mark.parametrize("block_n, variant", RS_VARIANTS)
 def test_fp4_rs_variant_one_ep8_rank(block_n, variant, monkeypatch):
     """A candidate at one EP8 rank's share of V4-Pro at the T whose expected tokens per expert take its chunk (T =
-    128 for chunk 32, 512 for 64), masked rows, two calls."""
+    8 / 32 / 128 / 512 for chunks 8 / 16 / 32 / 64), masked rows, two calls."""
     import megamoe.fused as mf
 
     force_rs_variant(mf, monkeypatch, block_n, variant)
