@@ -68,7 +68,8 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
 
 def force_rs_variant(mf, monkeypatch, block_n: int, variant: str) -> None:
     """Token chunk ``block_n`` of the register-operand tile at candidate ``variant`` of
-    ``megamoe.fused.FP4_RS_CANDIDATES`` (chain rows, CTAs an SM, chains a token stage, loader registers)."""
+    ``megamoe.fused.FP4_RS_CANDIDATES`` (chain rows, CTAs an SM, chains a token stage, loader registers, and
+    optionally the chains overlapped)."""
     for name, value in mf.fp4_rs_variant(block_n, *mf.FP4_RS_CANDIDATES[block_n][variant]).items():
         monkeypatch.setattr(mf, name, value)
 
