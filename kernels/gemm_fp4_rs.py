@@ -374,11 +374,17 @@ def _l2_chain_epilogue(acc, buf, buffer_ptrs, me, a_row, n0, nv, OFF_META: gl.co
 
 
 @gluon.jit
+def _chain_operand(wp, sw, slot, rm, lut, dot_a: gl.constexpr):
+    """Weight slot ``slot``'s K block decoded with its scale words (``sw`` slot ``slot``) into the register A
+    operand: its four K=32 pieces (``_decode_stage``)."""
+    return _decode_stage(wp, slot, sw.index(slot).load(gl.SliceLayout(1, dot_a)), rm, lut, dot_a)
+
+
+@gluon.jit
 def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc):
-    """One chain's K block of ring stage ``s``: its weight slot ``slot`` (and scale words) decoded into the register
-    operand, the fresh wgmma chain against the stage's tokens, waited for, added into ``acc``."""
-    word = sw.index(slot).load(gl.SliceLayout(1, dot_a))
-    g0, g1, g2, g3 = _decode_stage(wp, slot, word, rm, lut, dot_a)
+    """One chain's K block of ring stage ``s``: its weight slot ``slot`` decoded into the register operand
+    (``_chain_operand``), the fresh wgmma chain against the stage's tokens, waited for, added into ``acc``."""
+    g0, g1, g2, g3 = _chain_operand(wp, sw, slot, rm, lut, dot_a)
     return acc + _k_block_chain(g0, g1, g2, g3, ab, s, acc)
 
 
@@ -389,9 +395,9 @@ def _pair_step_overlapped(wp, sw, ab, s, slot, rm0, rm1, lut, dot_a: gl.constexp
     for at once, each partial sum added into its accumulator as ``_chain_step`` adds it (the same bits). The first
     chain's decoded operand stays live until the wait (ptxas keeps a wgmma's register operands until its
     wait_group): 16 registers more a thread at 64 rows a warpgroup."""
-    a0, a1, a2, a3 = _decode_stage(wp, slot, sw.index(slot).load(gl.SliceLayout(1, dot_a)), rm0, lut, dot_a)
+    a0, a1, a2, a3 = _chain_operand(wp, sw, slot, rm0, lut, dot_a)
     d0 = _k_block_issue(a0, a1, a2, a3, ab, s, acc0)
-    b0, b1, b2, b3 = _decode_stage(wp, slot + 1, sw.index(slot + 1).load(gl.SliceLayout(1, dot_a)), rm1, lut, dot_a)
+    b0, b1, b2, b3 = _chain_operand(wp, sw, slot + 1, rm1, lut, dot_a)
     d1 = _k_block_issue(b0, b1, b2, b3, ab, s, acc1)
     p0, p1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
     return acc0 + p0, acc1 + p1
@@ -485,16 +491,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 if PAIR == 1:  # the next K block's decode under the current block's wgmmas
                     s = it % STAGES
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    word = sw.index(s).load(gl.SliceLayout(1, dot_a))
-                    g0, g1, g2, g3 = _decode_stage(wp, s, word, rm0, lut, dot_a)
+                    g0, g1, g2, g3 = _chain_operand(wp, sw, s, rm0, lut, dot_a)
                     for kb in range(KB):
                         dot = _k_block_issue(g0, g1, g2, g3, ab, s, acc0)
                         n0, n1, n2, n3 = g0, g1, g2, g3
                         if kb + 1 < KB:
                             s_n = (it + 1) % STAGES
                             mbarrier.wait(ready.index(s_n), ((it + 1) // STAGES) & 1)
-                            word = sw.index(s_n).load(gl.SliceLayout(1, dot_a))
-                            n0, n1, n2, n3 = _decode_stage(wp, s_n, word, rm0, lut, dot_a)
+                            n0, n1, n2, n3 = _chain_operand(wp, sw, s_n, rm0, lut, dot_a)
                         # (the e4m3 operands cannot be wait deps -- "Unexpected bitwidth in WGMMAWaitGroupOp: 8" --
                         # ptxas keeps a wgmma's register operands live until its wait_group)
                         part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))

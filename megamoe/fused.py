@@ -387,11 +387,11 @@ FP4_RS_MAX_STAGES = 6
 
 
 def fp4_rs_variant(block_n: int, rows: int, ctas: int, pair: int, load_regs: int, overlap: bool = False) -> dict:
-    """The four settings dicts of the register-operand tile with token chunk ``block_n`` on chains of ``rows`` weight
-    rows (64: one math warpgroup; 128: two, pool block 128), ``ctas`` CTAs an SM, ``pair`` chains a token stage and
-    ``load_regs`` loader registers, ``overlap`` (``FP4_RS_OVERLAP``): ``{"FP4_RS_ROWS": {...}, ...}``, the other
-    chunks as they are -- what a test
-    monkeypatches and a probe overrides (one entry of ``FP4_RS_CANDIDATES``: ``fp4_rs_variant(chunk, *entry)``)."""
+    """The five settings dicts of the register-operand tile with token chunk ``block_n`` on chains of ``rows`` weight
+    rows (64: one math warpgroup; 128: two, pool block 128), ``ctas`` CTAs an SM, ``pair`` chains a token stage,
+    ``load_regs`` loader registers and ``overlap`` (``FP4_RS_OVERLAP``): ``{"FP4_RS_ROWS": {...}, ...}``, the other
+    chunks as they are -- what a test monkeypatches and a probe overrides (one entry of ``FP4_RS_CANDIDATES``:
+    ``fp4_rs_variant(chunk, *entry)``)."""
     return {"FP4_RS_ROWS": {**FP4_RS_ROWS, block_n: rows}, "FP4_RS_CTAS_PER_SM": {**FP4_RS_CTAS_PER_SM, block_n: ctas},
             "FP4_RS_PAIR": {**FP4_RS_PAIR, block_n: pair}, "FP4_RS_LOAD_REGS": {**FP4_RS_LOAD_REGS, block_n: load_regs},
             "FP4_RS_OVERLAP": {**FP4_RS_OVERLAP, block_n: overlap}}
@@ -493,6 +493,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     want = triton.next_power_of_2(max(1, int(expected + 0.999)))
     kind = tile_kind(layout, numerics, expected, device)
     warps, stages = WARPS_STAGES[kind]
+    rs, predecode = 0, False  # (the register-operand chunk and the predecode: "fp4_ws" only)
     if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
     elif kind == "fp8_swap":  # tokens on the MMA's N; expected <= FP8_SWAP_MAX_EXPECTED
@@ -505,8 +506,6 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m, rs, predecode = fp4_ws_tiles(layout, expected)
     else:  # tokens on the MMA's N
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
-    if kind != "fp4_ws":
-        rs, predecode = 0, False
     if interpreting() or device.type != "cuda":
         programs = 1
     else:
@@ -1066,8 +1065,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
         PAIR=FP4_RS_PAIR[block_n], OVERLAP=FP4_RS_OVERLAP[block_n], num_warps=fp4_rs_num_warps(block_n),
-        maxnreg=fp4_rs_maxnreg(block_n),
-        **_pdl_keywords())
+        maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:

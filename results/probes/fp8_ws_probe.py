@@ -410,7 +410,7 @@ def probe_rs_ctas(tokens=(8, 32, 128, 512)):
     lost in session 23 to the same 256 rows a stage as two 128-row chains over two math warpgroups), alternating
     twice, whole call with its error (``FP8 x FP4``, "hopper")."""
     for T in _tokens(tokens):
-        chunk = mf.fp4_rs_block_n(T * SHAPE["num_ranks"] * SHAPE["num_topk"] / SHAPE["num_experts"])
+        chunk = mf.fp4_rs_block_n(mf.expected_tokens_per_expert(MoECase(num_tokens=T, **SHAPE).layout(), T))
         variants = {"as is": {}, **{name: mf.fp4_rs_variant(chunk, *setting)
                                     for name, setting in mf.FP4_RS_CANDIDATES.get(chunk, {}).items()}}
         for _ in range(2):
