@@ -389,21 +389,6 @@ def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc):
 
 
 @gluon.jit
-def _pair_step_overlapped(wp, sw, ab, s, slot, rm0, rm1, lut, dot_a: gl.constexpr, acc0, acc1):
-    """``_chain_step`` for two chains of ring stage ``s`` (weight slots ``slot``, ``slot + 1``) with the second
-    chain's decode issued while the first chain's wgmmas run (``OVERLAP``): both K-block chains in flight, waited
-    for at once, each partial sum added into its accumulator as ``_chain_step`` adds it (the same bits). The first
-    chain's decoded operand stays live until the wait (ptxas keeps a wgmma's register operands until its
-    wait_group): 16 registers more a thread at 64 rows a warpgroup."""
-    a0, a1, a2, a3 = _chain_operand(wp, sw, slot, rm0, lut, dot_a)
-    d0 = _k_block_issue(a0, a1, a2, a3, ab, s, acc0)
-    b0, b1, b2, b3 = _chain_operand(wp, sw, slot + 1, rm1, lut, dot_a)
-    d1 = _k_block_issue(b0, b1, b2, b3, ab, s, acc1)
-    p0, p1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
-    return acc0 + p0, acc1 + p1
-
-
-@gluon.jit
 def _chain_epilogue(acc, q: gl.constexpr, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf, buffer_ptrs, me,
                     a_row, nt, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr,
                     H: gl.constexpr, SL: gl.constexpr, HAS_CLAMP: gl.constexpr):
@@ -426,13 +411,12 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
-                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr, ROWS: gl.constexpr, OVERLAP: gl.constexpr):
+                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr, ROWS: gl.constexpr):
     """The math warpgroup(s) (module docstring; ``ROWS / 16`` warps: one warpgroup at ``ROWS`` 64, two in lock-step
     at 128): per stage the decode into the register A operand, four wgmmas (one fresh chain a K block), the stage
     released once they are done, the chain's partial sum added into its float32 accumulator; per chain the
     epilogue, per L1 chunk the requant, per L1 tile its arrival bits. ``PAIR`` 1 (one chain a stage) decodes the
-    next K block's operand while the current block's wgmmas run; ``OVERLAP`` (``PAIR`` 2) decodes a stage's second
-    chain while its first chain's wgmmas run (``_pair_step_overlapped``)."""
+    next K block's operand while the current block's wgmmas run."""
     NW: gl.constexpr = ROWS // 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -518,13 +502,8 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     for kb in range(KB):
                         s = it % STAGES
                         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                        if OVERLAP:
-                            gl.static_assert(PAIR == 2, "OVERLAP overlaps the two chains of a stage")
-                            acc0, acc1 = _pair_step_overlapped(wp, sw, ab, s, PAIR * s, rm0, rm1, lut, dot_a, acc0,
-                                                               acc1)
-                        else:
-                            acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
-                            acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
+                        acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
+                        acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
                         if PAIR == 4:
                             acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2)
                             acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3)
@@ -561,8 +540,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                              OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                              T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
                              HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False,
-                             OVERLAP: gl.constexpr = False):
+                             KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
@@ -607,7 +585,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
         (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                            tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF,
                            OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES,
-                           HAS_CLAMP, KW2_PAD, PAIR, ROWS, OVERLAP)),
+                           HAS_CLAMP, KW2_PAD, PAIR, ROWS)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, BM, STAGES, PAIR)),

@@ -358,43 +358,33 @@ FP4_RS_PAIR = {8: 2, 16: 4, 32: 2, 64: 2, 128: 1}
 #: chains, loader 40: 128 registers, 4 stages, 106632 B shared, no spill. Chunk 32 on 128-row chains (the default),
 #: loader 24: maxnreg 80, 4 stages, 110728 B shared, 88 B spilled outside the K loop (none in it).
 FP4_RS_LOAD_REGS = {8: 24, 16: 24, 32: 24, 64: 40, 128: 40}
-#: Settings of the register-operand tile measured (or to be measured) against the defaults, by token chunk and name:
-#: (chain rows, CTAs an SM, weight chains a token stage, loader registers) for ``FP4_RS_ROWS`` /
-#: ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` / ``FP4_RS_LOAD_REGS`` (``fp4_rs_variant``). Chunk 32: ``c4p2`` was the
-#: default until session 22, ``c2p4`` in session 22 (offline sm_90a: ``c2p2`` 6 stages, no spill; ``c4p2`` 84 B
-#: spilled outside the K loops). Chunk 64 (T = 256 / 512; session 23, NOT yet run on a GPU): ``w1p2``, two 128-row
-#: chains over two math warpgroups at one CTA an SM -- 256 weight rows a token stage where the default moves 128, the
-#: same 8 math warps an SM, pool block 128; offline 168 registers, 6 stages, 203016 B, no spill, K loop 404 SASS a
-#: thread a stage (8 QGMMA, 72 PRMT). (At two CTAs an SM 128-row chains spill in the K loop: 46-143 STL a stage.)
-#: A fifth field True: the two chains of a stage overlapped (``FP4_RS_OVERLAP``; session 23, NOT yet run on a GPU).
-#: Offline (Triton 3.6): the second chain's decode lands between the first chain's QGMMAs and their DEPBAR (59-60
-#: PRMT there, against 16-24 as is), no QGMMA operand written before its wait; ``c4p2o`` at chunk 8 / 16: 4 / 8 B
-#: spilled (as is: 4), ``c2p2o`` at chunk 32: 6 stages, no spill, at chunk 64: 56 B outside the K loop. (On the
-#: default chunk-32 tile, 128-row chains at maxnreg 80, it spills in the K loop: 9 STL a stage -- no candidate.)
-#: Kept selectable for ``fp8_ws_probe.py rs_ctas`` (``device_run.sh rs_ctas``), so GPU-tested
-#: (``tests/gpu/test_fp4_rs_gpu.py -k rs_variant``) and host-path tested on CPU.
-FP4_RS_CANDIDATES = {8: {"c4p2o": (64, 4, 2, 24, True)}, 16: {"c4p2o": (64, 4, 2, 24, True)},
-                     32: {"c4p2": (64, 4, 2, 24), "c2p2": (64, 2, 2, 40), "c2p4": (64, 2, 4, 40),
-                          "c2p2o": (64, 2, 2, 40, True)},
-                     64: {"w1p2": (128, 1, 2, 40), "c2p2o": (64, 2, 2, 40, True)}}
-#: Chunks whose two weight chains a stage overlap: the second chain's decode issued while the first chain's wgmmas
-#: run (``gemm_fp4_rs._pair_step_overlapped``; ``FP4_RS_PAIR`` 2 only; the same bits). Off everywhere until
-#: measured (session 23 wrote it, NOT yet run on a GPU; candidates with a fifth field True in FP4_RS_CANDIDATES,
-#: defined below).
-FP4_RS_OVERLAP = {8: False, 16: False, 32: False, 64: False, 128: False}
+#: Settings of the register-operand tile measured against the defaults, by token chunk and name: (chain rows, CTAs an
+#: SM, weight chains a token stage, loader registers) for ``FP4_RS_ROWS`` / ``FP4_RS_CTAS_PER_SM`` / ``FP4_RS_PAIR`` /
+#: ``FP4_RS_LOAD_REGS`` (``fp4_rs_variant``). ``c2p4`` (chunk 32, T = 128: four 64-row chains a stage at 2 CTAs an SM)
+#: was the default in session 22; whole call against the default (``rs_ctas`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl`` at 39e2be2, session 24, alternating twice, same error): 674 / 674 us
+#: against 653 / 658. Kept selectable for ``fp8_ws_probe.py rs_ctas`` (``device_run.sh rs_ctas``), so GPU-tested
+#: (``tests/gpu/test_fp4_rs_gpu.py -k rs_variant``) and host-path tested on CPU. Measured and dropped (session 24, same
+#: rows): at chunk 32 64-row chains, two a stage, at 4 / 2 CTAs an SM (``c4p2`` / ``c2p2``: 708-715 / 702 us; slower
+#: in sessions 22 and 23 too); at chunk 64 two 128-row chains over two math warpgroups at one CTA an SM (``w1p2``:
+#: whole call 1321 / 1322 us against 1301 / 1305 at T = 512; GEMM phase, ``rs_variant_sweep.jsonl``, 804 / 1259 /
+#: 1969 / 3525 us against 787 / 1185 / 1868 / 3297 at T = 256 / 512 / 1024 / 2048); and the two chains of a stage
+#: overlapped (the second chain's decode issued under the first chain's wgmmas, both waited for at once; session 23,
+#: e28e026): whole call at T = 8 434 / 434 us against 412 / 412, T = 32 621 / 617 against 613 / 608, T = 128 (on
+#: ``c2p2``) 687 / 689, T = 512 1318 / 1316 against 1301 / 1305 -- removed from the kernel.
+FP4_RS_CANDIDATES = {32: {"c2p4": (64, 2, 4, 40)}}
 #: Most ring stages of the register-operand tile (``fp4_rs_probe``: 6 at 64 weight rows a stage).
 FP4_RS_MAX_STAGES = 6
 
 
-def fp4_rs_variant(block_n: int, rows: int, ctas: int, pair: int, load_regs: int, overlap: bool = False) -> dict:
-    """The five settings dicts of the register-operand tile with token chunk ``block_n`` on chains of ``rows`` weight
+def fp4_rs_variant(block_n: int, rows: int, ctas: int, pair: int, load_regs: int) -> dict:
+    """The four settings dicts of the register-operand tile with token chunk ``block_n`` on chains of ``rows`` weight
     rows (64: one math warpgroup; 128: two, pool block 128), ``ctas`` CTAs an SM, ``pair`` chains a token stage,
-    ``load_regs`` loader registers and ``overlap`` (``FP4_RS_OVERLAP``): ``{"FP4_RS_ROWS": {...}, ...}``, the other
+    ``load_regs`` loader registers: ``{"FP4_RS_ROWS": {...}, ...}``, the other
     chunks as they are -- what a test monkeypatches and a probe overrides (one entry of ``FP4_RS_CANDIDATES``:
     ``fp4_rs_variant(chunk, *entry)``)."""
     return {"FP4_RS_ROWS": {**FP4_RS_ROWS, block_n: rows}, "FP4_RS_CTAS_PER_SM": {**FP4_RS_CTAS_PER_SM, block_n: ctas},
-            "FP4_RS_PAIR": {**FP4_RS_PAIR, block_n: pair}, "FP4_RS_LOAD_REGS": {**FP4_RS_LOAD_REGS, block_n: load_regs},
-            "FP4_RS_OVERLAP": {**FP4_RS_OVERLAP, block_n: overlap}}
+            "FP4_RS_PAIR": {**FP4_RS_PAIR, block_n: pair}, "FP4_RS_LOAD_REGS": {**FP4_RS_LOAD_REGS, block_n: load_regs}}
 
 
 def fp4_rs_maxnreg(block_n: int) -> int:
@@ -1064,7 +1054,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        PAIR=FP4_RS_PAIR[block_n], OVERLAP=FP4_RS_OVERLAP[block_n], num_warps=fp4_rs_num_warps(block_n),
+        PAIR=FP4_RS_PAIR[block_n], num_warps=fp4_rs_num_warps(block_n),
         maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 

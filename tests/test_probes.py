@@ -127,8 +127,7 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
     probe = _load("fp8_ws_probe")
     monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=128, num_experts=4, num_topk=2,
                                              block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [64])  # 32 expected: chunk 64 (chunk 32's candidates:
-    # test_fused.py's host-path test, the probe's loop being the same)
+    monkeypatch.setattr(probe, "_tokens", lambda default: [32])  # 16 expected: chunk 32
     monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
     monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
     monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
@@ -139,10 +138,10 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
     probe.probe_rs_ctas()
     assert {n: getattr(mf, n) for n in names} == saved
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    want = [(64, label) for _ in range(2) for label in ("as is", *mf.FP4_RS_CANDIDATES[64])]
+    want = [(32, label) for _ in range(2) for label in ("as is", *mf.FP4_RS_CANDIDATES[32])]
     assert [(r["T"], r["choice"]) for r in rows] == want
     for r in rows:
-        chunk = 64
+        chunk = 32
         rows_ = mf.FP4_RS_CANDIDATES[chunk][r["choice"]][0] if r["choice"] != "as is" else mf.FP4_RS_ROWS[chunk]
         assert (r["kind"], r["rs_block_n"], r["block_m"]) == ("fp4_ws", chunk, 128 if rows_ == 128 else 64), r
         assert r["rel_fro"] < 2e-2, r

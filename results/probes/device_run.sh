@@ -51,15 +51,16 @@
 #   ws_regs        FP4_WS_REGS[128] as is against 200 / 24 / 88 (decode-partition tile, T = 512 / 2048; not timed)
 #   group_sync     WS_GROUP_SYNC: GPU tests, off / on at T = 512 / 2048 / 8192, both formats (-> $OUT/group_sync.jsonl;
 #                  not timed: ~24 rows of a fresh V4-Pro buffer each + 8 profile runs, est. 4-6 min)
-#   rs_ctas        the register-operand tile as is against FP4_RS_CANDIDATES at the chunk each T takes (T = 8 / 32:
-#                  two overlapped chains; T = 128: 64-row chains at 4 CTAs / two chains, 2 CTAs / two chains (also
-#                  overlapped), 2 CTAs / four chains; T = 512: 128-row chains at 1 CTA / two chains, two overlapped
-#                  64-row chains): their GPU tests (-k rs_variant, 24), then whole calls alternating with their error
-#                  (-> $OUT/rs_ctas.jsonl; 37 s for three candidates at T = 128 in session 23; est. 3-4 min in all)
+#   rs_ctas        the register-operand tile as is against FP4_RS_CANDIDATES at the chunk each T takes (T = 128:
+#                  c2p4): its GPU tests (-k rs_variant), then whole calls alternating with their error
+#                  (-> $OUT/rs_ctas.jsonl; 224 s for 8 candidates' 24 tests and rows at T = 8 / 32 / 128 / 512 in
+#                  session 24)
 #   rs_variant_sweep  the register-operand tile's GEMM phase at T = 256 / 512 / 1024 / 2048 (forced past
 #                  FP4_RS_MAX_EXPECTED at chunk 64: as is and each chunk-64 candidate of FP4_RS_CANDIDATES) against
-#                  the decode-partition tile's (-> $OUT/rs_variant_sweep.jsonl; where the threshold belongs past 64
-#                  expected and whether w1p2 helps there; not timed: est. 2 min after the GPU tests of rs_ctas)
+#                  the decode-partition tile's (-> $OUT/rs_variant_sweep.jsonl; 94 s in session 24)
+#   rs_threshold   FP4_RS_MAX_EXPECTED: the GPU test of the register-operand tile at T = 1024, then whole calls at
+#                  T = $RS_THRESHOLD_TOKENS (1024) with the tile at chunk 64 against the decode-partition tile,
+#                  alternating twice (-> $OUT/rs_threshold.jsonl; not timed)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
@@ -208,7 +209,7 @@ step_group_sync() {  # WS_GROUP_SYNC: its GPU tests (same bits on and off), then
 step_rs_ctas() {  # the register-operand tile as is against FP4_RS_CANDIDATES: their GPU tests first, then
     # fp8_ws_probe.py rs_ctas at T = 8, 32, 128 and 512, alternating (-> $OUT/rs_ctas.jsonl)
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k rs_variant || return 1
-    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-8,32,128,512}" >>"$OUT/rs_ctas.jsonl" || return 1
+    $PY results/probes/fp8_ws_probe.py rs_ctas "${RS_CTAS_TOKENS:-128}" >>"$OUT/rs_ctas.jsonl" || return 1
     cat "$OUT/rs_ctas.jsonl"
 }
 
@@ -222,6 +223,13 @@ step_rs_variant_sweep() {  # see the header; RS_VARIANT_TOKENS overrides the T l
     done
     FP4_RS_MAX_EXPECTED=-1 $PY results/probes/fused_fp8_ws_profile.py "$t" fp8_fp4 >>"$OUT/rs_variant_sweep.jsonl"
     cut -c1-300 "$OUT/rs_variant_sweep.jsonl"
+}
+
+step_rs_threshold() {  # see the header
+    $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k "one_ep8_rank and not variant and not wide and 1024" \
+        || return 1
+    $PY results/probes/fp8_ws_probe.py rs_threshold "${RS_THRESHOLD_TOKENS:-1024}" >>"$OUT/rs_threshold.jsonl" || return 1
+    cat "$OUT/rs_threshold.jsonl"
 }
 
 step_back_programs() {  # WS_BACK_PROGRAMS_PER_SM 1 / 4: its GPU tests (same bits), then 1 / 4 / 1 / 4 whole call

@@ -401,14 +401,21 @@ def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
                 _choice_row("back_programs", T, f"back {programs}", fmt, {"WS_BACK_PROGRAMS_PER_SM": programs})
 
 
-def probe_rs_ctas(tokens=(8, 32, 128, 512)):
-    """The register-operand tile at the token chunk each T takes (chunks 8 / 16 / 32 / 64 at T = 8 / 32 / 128 / 512:
-    1 / 4 / 16 / 64 expected tokens per expert) as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (chunk 32:
-    until session 22 "as is" was 4 CTAs an SM with two weight
-    chains a token stage, now ``c4p2``; it lost to 2 CTAs with four chains, each stage moving the chunk's tokens once
-    for four chains: Nsight Compute had this phase L2-bound, ``ncu_h200/fp8_fp4_128_193bd42.txt``; that, now ``c2p4``,
-    lost in session 23 to the same 256 rows a stage as two 128-row chains over two math warpgroups), alternating
-    twice, whole call with its error (``FP8 x FP4``, "hopper")."""
+def probe_rs_threshold(tokens=(1024,)):
+    """Where the register-operand tile should hand over to the decode-partition tile (``FP4_RS_MAX_EXPECTED``): at
+    each T the register-operand tile at chunk 64 (``FP4_RS_MAX_EXPECTED`` raised past T's expected tokens per expert)
+    against the decode-partition tile (-1), alternating twice, whole call with its error (``FP8 x FP4``, "hopper").
+    Session 24's GEMM-phase sweep (``rs_variant_sweep``) had them at 1868 / 1911 us at T = 1024 (128 expected)."""
+    for T in _tokens(tokens):
+        for _ in range(2):
+            for label, limit in (("rs 64", float("inf")), ("decode-partition", -1)):
+                _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit})
+
+
+def probe_rs_ctas(tokens=(128,)):
+    """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128: 16 expected tokens per expert)
+    as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (the measured alternatives, dropped
+    ones in that dict's comment), alternating twice, whole call with its error (``FP8 x FP4``, "hopper")."""
     for T in _tokens(tokens):
         chunk = mf.fp4_rs_block_n(mf.expected_tokens_per_expert(MoECase(num_tokens=T, **SHAPE).layout(), T))
         variants = {"as is": {}, **{name: mf.fp4_rs_variant(chunk, *setting)
@@ -498,4 +505,4 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
-         "back_programs": probe_back_programs}[name]()
+         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs}[name]()

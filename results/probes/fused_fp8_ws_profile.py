@@ -17,8 +17,8 @@ Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   NCU                      set: no torch profiler and no row; after the warm-up one call runs between
                            ``cudaProfilerStart`` / ``Stop``, for ``ncu --profile-from-start off`` (``device_run.sh ncu``)
   FP4_RS_WIDE              chunks (e.g. ``64``) run on 128-row chains: two math warpgroups, one CTA an SM, block 128
-  FP4_RS_VARIANT           candidates of ``megamoe.fused.FP4_RS_CANDIDATES`` by chunk, e.g. ``64:w1p2`` or
-                           ``32:c2p4,64:w1p2`` (``fp4_rs_variant``)
+  FP4_RS_VARIANT           candidates of ``megamoe.fused.FP4_RS_CANDIDATES`` by chunk, e.g. ``32:c2p4``
+                           (``fp4_rs_variant``)
 
 A row: ``launches`` [(kernel name, median us)] in call order, ``gaps_us`` between consecutive launches' end and
 start, ``span_us`` from the first launch's start to the last's end (median), ``kernels_us`` as the earlier rows of

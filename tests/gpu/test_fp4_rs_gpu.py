@@ -46,10 +46,10 @@ def test_fp4_rs_small_cases(case, block_n, monkeypatch):
     assert_reports(run_case_local(case, device="cuda"), f"hopper fused (FP4 register-operand tile) BN {block_n}")
 
 
-@pytest.mark.parametrize("num_tokens", [8, 32, 128, 256, 512])
+@pytest.mark.parametrize("num_tokens", [8, 32, 128, 256, 512, 1024])
 def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
-    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 / 64 expected tokens
-    per expert with the token chunk the host picks (8 / 16 / 32 / 64 / 64); the host itself takes the
+    """One EP8 rank's share of V4-Pro (48 experts, H 7168, I 3072, top-6) at 1 / 4 / 16 / 32 / 64 / 128 expected
+    tokens per expert with the token chunk the host picks (8 / 16 / 32 / 64 / 64 / 64); the host itself takes the
     register-operand tile up to FP4_RS_MAX_EXPECTED, above it the tile is forced; masked rows, two calls."""
     import megamoe.fused as mf
 
@@ -68,8 +68,7 @@ def test_fp4_rs_one_ep8_rank(num_tokens, monkeypatch):
 
 def force_rs_variant(mf, monkeypatch, block_n: int, variant: str) -> None:
     """Token chunk ``block_n`` of the register-operand tile at candidate ``variant`` of
-    ``megamoe.fused.FP4_RS_CANDIDATES`` (chain rows, CTAs an SM, chains a token stage, loader registers, and
-    optionally the chains overlapped)."""
+    ``megamoe.fused.FP4_RS_CANDIDATES`` (chain rows, CTAs an SM, chains a token stage, loader registers)."""
     for name, value in mf.fp4_rs_variant(block_n, *mf.FP4_RS_CANDIDATES[block_n][variant]).items():
         monkeypatch.setattr(mf, name, value)
 
