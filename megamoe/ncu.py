@@ -4,11 +4,19 @@ goes (what it saturates, and the stall reasons of its warps).
 
     python -m megamoe.ncu OUT.json REPORT.txt [REPORT.txt ...]      (one results file of every launch's summary)
 
-The text reports stay in ``results/probes/ncu_h200/`` as ncu printed them; ``results/probes/ncu_h200.json`` is made
-from them by this module (the notebooks read that, through ``megamoe.figures.read_results``).
+Also the SASS source page of a PC-sampling report (``ncu --import R.ncu-rep --page source --print-source sass
+--csv``, gzipped: what ``device_run.sh ncu_source`` writes) as a per-instruction stall ledger: which instructions the
+warps were sampled at and why (``parse_source``, ``source_summary``; the same command with ``.sass.csv.gz`` files).
+
+The text reports stay in ``results/probes/ncu_h200/`` as ncu printed them; ``results/probes/ncu_h200.json`` (and
+``ncu_source_h200.json``) are made from them by this module (the notebooks read those, through
+``megamoe.figures.read_results``).
 """
 from __future__ import annotations
 
+import csv
+import gzip
+import io
 import json
 import re
 import sys
@@ -76,9 +84,70 @@ def summary(launch: dict) -> dict:
             "stalls": dict(sorted(stalls.items(), key=lambda kv: -kv[1]))}
 
 
+#: The source page's column of every sample at an instruction (issued or not) and the per-reason columns' prefix.
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+_REASON = "stall_"
+
+
+def parse_source(text: str) -> list[dict]:
+    """The instructions of a ``--page source --print-source sass --csv`` page in address order: ``{"address",
+    "sass", "samples", "executed", "reasons": {reason: samples}}`` (the lines above the ``"Address"`` header -- the
+    kernel's name -- are skipped; empty cells read as 0)."""
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if header is None:
+        raise ValueError("not an ncu source page: no \"Address\" header line")
+    rows = []
+    for r in csv.DictReader(io.StringIO("\n".join(lines[header:]))):
+        num = lambda k: float(r.get(k) or 0)  # noqa: E731
+        rows.append({"address": int(r["Address"], 16), "sass": r["Source"].strip(), "samples": num(_SAMPLES),
+                     "executed": num("Instructions Executed"),
+                     "reasons": {k[len(_REASON):]: num(k) for k in r if k.startswith(_REASON) and "(" not in k}})
+    return rows
+
+
+def _is_join_wait(rows: list[dict], i: int) -> bool:
+    """Instruction ``i`` is where a finished warp-specialised partition waits for the others: the ``NOP`` of the
+    ``USETMAXREG.TRY_ALLOC`` retry loop after the partitions' closing ``BAR.SYNC`` (its samples are idle warps --
+    a pull or loader warp done early -- not a cost of the running ones)."""
+    return rows[i]["sass"] == "NOP" and i + 1 < len(rows) and "USETMAXREG.TRY_ALLOC" in rows[i + 1]["sass"]
+
+
+def source_summary(rows: list[dict], top: int = 12) -> dict:
+    """Where the sampled warps were: all samples; the share at the partitions' join (``_is_join_wait``, excluded
+    from what follows); the rest by stall reason (% of the rest, largest first) and by opcode; the ``top``
+    instructions by samples with their main reason, and for an mbarrier wait loop (``@!P BRA`` back to a
+    ``SYNCS.PHASECHK``) the barrier's shared-memory operand, which names the ring barrier waited on."""
+    total = sum(r["samples"] for r in rows)
+    join = {i for i in range(len(rows)) if _is_join_wait(rows, i)}
+    rest = [r for i, r in enumerate(rows) if i not in join]
+    busy = sum(r["samples"] for r in rest) or 1.0
+    reasons, ops = {}, {}
+    for r in rest:
+        for k, v in r["reasons"].items():
+            reasons[k] = reasons.get(k, 0.0) + v
+        op = re.sub(r"^@!?U?P\w+\s+", "", r["sass"]).split(" ")[0].split(".")[0]
+        ops[op] = ops.get(op, 0.0) + r["samples"]
+    by_reason_total = sum(reasons.values()) or 1.0
+    pct = lambda d, n: {k: round(100 * v / n, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v}  # noqa: E731
+    hot = []
+    for i, r in sorted(((i, r) for i, r in enumerate(rows) if i not in join), key=lambda ir: -ir[1]["samples"])[:top]:
+        entry = {"address": hex(r["address"] - rows[0]["address"]), "sass": r["sass"], "pct": round(100 * r["samples"]
+                 / busy, 1), "reason": max(r["reasons"], key=r["reasons"].get) if r["reasons"] else None}
+        wait = [q["sass"] for q in rows[max(0, i - 2):i] if q["sass"].startswith("SYNCS.PHASECHK")]
+        if "BRA" in r["sass"] and wait:
+            entry["mbarrier"] = re.search(r"\[([^\]]*)\]", wait[-1]).group(1)
+        hot.append(entry)
+    return {"samples": total, "join_wait_pct": round(100 * (total - busy) / (total or 1), 1),
+            "reasons_pct": pct(reasons, by_reason_total), "opcodes_pct": dict(list(pct(ops, busy).items())[:12]),
+            "top": hot}
+
+
 def case_of(path: Path) -> dict:
-    """``<format>_<T>_<commit>.txt`` (``device_run.sh ncu``'s files, renamed with the commit) -> its fields."""
-    fmt, t, commit = re.fullmatch(r"(?P<f>.+)_(?P<t>\d+)_(?P<c>[0-9a-f]{7,40})", path.stem).group("f", "t", "c")
+    """``<format>_<T>_<commit>.txt`` or ``.sass.csv.gz`` (``device_run.sh ncu`` / ``ncu_source``'s files, renamed
+    with the commit) -> its fields."""
+    stem = path.name.split(".")[0]
+    fmt, t, commit = re.fullmatch(r"(?P<f>.+)_(?P<t>\d+)_(?P<c>[0-9a-f]{7,40})", stem).group("f", "t", "c")
     return {"format": fmt, "num_tokens_per_rank": int(t), "commit": commit}
 
 
@@ -88,19 +157,28 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m megamoe.ncu", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the JSON file to write (e.g. results/probes/ncu_h200.json)")
     parser.add_argument("reports", type=Path, nargs="+", help="ncu --page details text reports, "
-                        "named <format>_<T>_<commit>.txt")
+                        "named <format>_<T>_<commit>.txt, or gzipped SASS source pages, <format>_<T>_<commit>"
+                        ".sass.csv.gz (all of one kind)")
     args = parser.parse_args(argv)
     out, reports = args.out, args.reports
     if out.suffix != ".json":
         parser.error(f"out: expected a .json path to write, got {str(out)!r}")
+    sources = [p.name.endswith(".sass.csv.gz") for p in reports]
+    if any(sources) and not all(sources):
+        parser.error("reports: details reports (.txt) and source pages (.sass.csv.gz) go to separate files")
     rows = []
     for path in reports:
+        if sources[0]:
+            rows.append({**case_of(path), "report": path.name,
+                         **source_summary(parse_source(gzip.decompress(path.read_bytes()).decode()))})
+            continue
         for i, launch in enumerate(parse_details(path.read_text())):
             rows.append({**case_of(path), "launch": i, "report": path.name, **summary(launch)})
-    out.write_text(json.dumps({"kind": "ncu", "provenance": {
-        "command": "python -m megamoe.ncu " + " ".join(argv), "source": "Nsight Compute --page details reports of "
-        "results/probes/device_run.sh ncu (one fused call a case; the commit in each row)"}, "rows": rows},
-        indent=1) + "\n")
+    source = ("Nsight Compute PC sampling of the Gluon GEMM phase, its SASS source page (results/probes/device_run.sh "
+              "ncu_source; the commit in each row)" if sources[0] else "Nsight Compute --page details reports of "
+              "results/probes/device_run.sh ncu (one fused call a case; the commit in each row)")
+    out.write_text(json.dumps({"kind": "ncu_source" if sources[0] else "ncu", "provenance": {
+        "command": "python -m megamoe.ncu " + " ".join(argv), "source": source}, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

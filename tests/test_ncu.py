@@ -1,14 +1,17 @@
 """``megamoe.ncu``: the Nsight Compute text reports of ``results/probes/ncu_h200/`` read back as rows, and
-``results/probes/ncu_h200.json`` being exactly what ``python -m megamoe.ncu`` makes from them."""
+``results/probes/ncu_h200.json`` being exactly what ``python -m megamoe.ncu`` makes from them; the same for the
+SASS source pages (PC sampling) and ``results/probes/ncu_source_h200.json``."""
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
 from megamoe.env import RESULTS_DIR
-from megamoe.ncu import case_of, main, parse_details, summary
+from megamoe.ncu import case_of, main, parse_details, parse_source, source_summary, summary
 
 REPORTS = sorted((Path(RESULTS_DIR) / "probes" / "ncu_h200").glob("*.txt"))
+SOURCES = sorted((Path(RESULTS_DIR) / "probes" / "ncu_h200").glob("*.sass.csv.gz"))
 
 
 def test_a_report_reads_as_its_launches_with_every_section():
@@ -52,3 +55,48 @@ def test_main_names_a_bad_argument_and_writes_nothing(tmp_path, capsys):
             main(argv)
         assert e.value.code == 2 and name in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+#: A source page's shape (two header lines, then one line an instruction; two reasons of the 18 kept): a partition
+#: done early waiting at the join (the NOP of the TRY_ALLOC loop), a wgmma wait, and an mbarrier wait loop.
+SOURCE_PAGE = """"Kernel Name","k",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",\
+"Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"
+"0x100","BAR.SYNC.DEFER_BLOCKING 0x1","1","1","10","1","0","1"
+"0x110","NOP","60","60","10","60","0","60"
+"0x120","USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x50","","","10","","",""
+"0x130","WARPGROUP.DEPBAR.LE gsb0, 0x0","30","25","99","30","0","25"
+"0x140","SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R2+UR4+0x34800], R3","1","1","99","0","1","0"
+"0x150","@!P1  BRA 0x190","8","8","99","0","8","0"
+"""
+
+
+def test_a_source_page_reads_as_a_stall_ledger():
+    """Every instruction with its samples and reasons (the "(Not Issued)" columns not double-counted); the
+    partitions' join wait set apart; the rest by reason and opcode; a wait loop's branch named by its mbarrier."""
+    rows = parse_source(SOURCE_PAGE)
+    assert [r["address"] for r in rows] == [0x100, 0x110, 0x120, 0x130, 0x140, 0x150]
+    assert rows[1]["reasons"] == {"barrier": 60.0, "long_sb": 0.0} and rows[2]["samples"] == 0.0
+    s = source_summary(rows, top=3)
+    assert s["samples"] == 100 and s["join_wait_pct"] == 60.0
+    assert s["reasons_pct"] == {"barrier": 77.5, "long_sb": 22.5}
+    assert s["opcodes_pct"] == {"WARPGROUP": 75.0, "BRA": 20.0, "BAR": 2.5, "SYNCS": 2.5}
+    assert [(t["address"], t["pct"], t["reason"]) for t in s["top"]] == [("0x30", 75.0, "barrier"),
+                                                                       ("0x50", 20.0, "long_sb"),
+                                                                       ("0x0", 2.5, "barrier")]
+    assert s["top"][1]["mbarrier"] == "R2+UR4+0x34800" and "mbarrier" not in s["top"][0]
+    with pytest.raises(ValueError, match="Address"):
+        parse_source("not a page")
+
+
+def test_the_source_results_file_is_made_from_the_source_pages(tmp_path):
+    committed = json.loads((Path(RESULTS_DIR) / "probes" / "ncu_source_h200.json").read_text())
+    names = [Path(a).name for a in committed["provenance"]["command"].split()[4:]]
+    assert sorted(names) == [p.name for p in SOURCES]
+    out = tmp_path / "ncu_source.json"
+    main([str(out)] + [str(Path(RESULTS_DIR) / "probes" / "ncu_h200" / n) for n in names])
+    assert json.loads(out.read_text())["rows"] == committed["rows"]
+    mixed = [str(REPORTS[0]), str(SOURCES[0])]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x.json"), *mixed])
+    assert gzip.decompress(SOURCES[0].read_bytes()).startswith(b'"Kernel Name"')
