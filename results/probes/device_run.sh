@@ -59,8 +59,9 @@
 #                  FP4_RS_MAX_EXPECTED at chunk 64: as is and each chunk-64 candidate of FP4_RS_CANDIDATES) against
 #                  the decode-partition tile's (-> $OUT/rs_variant_sweep.jsonl; 94 s in session 24)
 #   rs_threshold   FP4_RS_MAX_EXPECTED: the GPU test of the register-operand tile at T = 1024, then whole calls at
-#                  T = $RS_THRESHOLD_TOKENS (1024) with the tile at chunk 64 against the decode-partition tile,
-#                  alternating twice (-> $OUT/rs_threshold.jsonl; not timed)
+#                  T = $RS_THRESHOLD_TOKENS (512, 1024) with the tile at chunk 64 against the decode-partition tile,
+#                  alternating twice, also timed back to back without the L2 flush (-> $OUT/rs_threshold.jsonl; 54 s
+#                  at T = 1024 without that, session 24)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
@@ -228,7 +229,7 @@ step_rs_variant_sweep() {  # see the header; RS_VARIANT_TOKENS overrides the T l
 step_rs_threshold() {  # see the header
     $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k "one_ep8_rank and not variant and not wide and 1024" \
         || return 1
-    $PY results/probes/fp8_ws_probe.py rs_threshold "${RS_THRESHOLD_TOKENS:-1024}" >>"$OUT/rs_threshold.jsonl" || return 1
+    $PY results/probes/fp8_ws_probe.py rs_threshold "${RS_THRESHOLD_TOKENS:-512,1024}" >>"$OUT/rs_threshold.jsonl" || return 1
     cat "$OUT/rs_threshold.jsonl"
 }
 

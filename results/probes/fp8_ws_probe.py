@@ -303,10 +303,25 @@ def _timed(call) -> dict:
     return dict(us=_median_ms(call) * 1e3, **_timing_fields(call, graph=True))
 
 
-def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict) -> None:
+def _noflush_us(call, n: int = 20) -> float:
+    """Median device time (us) of ``n`` calls enqueued back to back, CUDA events around each, no L2 flush between
+    them (``_median_ms`` flushes before every call): the weights a call leaves in L2 are there for the next."""
+    call()
+    starts, ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)], [torch.cuda.Event(enable_timing=True)
+                                                                            for _ in range(n)]
+    for s, e in zip(starts, ends):
+        s.record()
+        call()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[n // 2] * 1e3
+
+
+def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False) -> None:
     """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
     put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
-    the format's reference ("hopper" numerics for ``fp8_fp4``) and its timings."""
+    the format's reference ("hopper" numerics for ``fp8_fp4``) and its timings (``noflush``: also ``us_noflush``,
+    ``_noflush_us``)."""
     from megamoe.testing import moe_error_stats
 
     saved = {n: getattr(mf, n) for n in overrides}
@@ -321,7 +336,8 @@ def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict) -> No
         torch.cuda.synchronize()
         err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
         emit(probe=probe, T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
-             rs_block_n=cfg.rs_block_n, **_timed(call), rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+             rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _noflush_us(call)} if noflush else {}),
+             rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
         sb.destroy()
     finally:
         for n, v in saved.items():
@@ -401,15 +417,17 @@ def probe_back_programs(tokens=(8, 128, 512, 2048, 8192)):
                 _choice_row("back_programs", T, f"back {programs}", fmt, {"WS_BACK_PROGRAMS_PER_SM": programs})
 
 
-def probe_rs_threshold(tokens=(1024,)):
+def probe_rs_threshold(tokens=(512, 1024)):
     """Where the register-operand tile should hand over to the decode-partition tile (``FP4_RS_MAX_EXPECTED``): at
     each T the register-operand tile at chunk 64 (``FP4_RS_MAX_EXPECTED`` raised past T's expected tokens per expert)
     against the decode-partition tile (-1), alternating twice, whole call with its error (``FP8 x FP4``, "hopper").
-    Session 24's GEMM-phase sweep (``rs_variant_sweep``) had them at 1868 / 1911 us at T = 1024 (128 expected)."""
+    Session 24's GEMM-phase sweep (``rs_variant_sweep``) had them at 1868 / 1911 us at T = 1024 (128 expected), the
+    whole call at 2057 / 1997; ``us_noflush`` (calls back to back, no L2 flush, as the phase profile runs them) asks
+    whether the flush before each timed call is what turns the phase's lead around."""
     for T in _tokens(tokens):
         for _ in range(2):
             for label, limit in (("rs 64", float("inf")), ("decode-partition", -1)):
-                _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit})
+                _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit}, noflush=True)
 
 
 def probe_rs_ctas(tokens=(128,)):
