@@ -44,6 +44,22 @@ def _median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def _events_median_us(fn, n: int = 30) -> float:
+    """Median device time (us) of ``n`` calls of a warmed-up ``fn`` enqueued back to back, CUDA events around each,
+    no L2 flush between them (``_median_ms`` flushes before every call): what a call left in L2 is there for the
+    next."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[n // 2] * 1e3
+
+
 #: Eager calls whose host time (enqueue, no sync) ``_host_us`` takes the median of.
 HOST_TIMING_CALLS = 20
 

@@ -119,11 +119,10 @@ def source_summary(rows: list[dict], top: int = 12) -> dict:
     instructions by samples with their main reason, and for an mbarrier wait loop (``@!P BRA`` back to a
     ``SYNCS.PHASECHK``) the barrier's shared-memory operand, which names the ring barrier waited on."""
     total = sum(r["samples"] for r in rows)
-    join = {i for i in range(len(rows)) if _is_join_wait(rows, i)}
-    rest = [r for i, r in enumerate(rows) if i not in join]
-    busy = sum(r["samples"] for r in rest) or 1.0
+    rest = [i for i in range(len(rows)) if not _is_join_wait(rows, i)]
+    busy = sum(rows[i]["samples"] for i in rest) or 1.0
     reasons, ops = {}, {}
-    for r in rest:
+    for r in (rows[i] for i in rest):
         for k, v in r["reasons"].items():
             reasons[k] = reasons.get(k, 0.0) + v
         op = re.sub(r"^@!?U?P\w+\s+", "", r["sass"]).split(" ")[0].split(".")[0]
@@ -131,7 +130,8 @@ def source_summary(rows: list[dict], top: int = 12) -> dict:
     by_reason_total = sum(reasons.values()) or 1.0
     pct = lambda d, n: {k: round(100 * v / n, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v}  # noqa: E731
     hot = []
-    for i, r in sorted(((i, r) for i, r in enumerate(rows) if i not in join), key=lambda ir: -ir[1]["samples"])[:top]:
+    for i in sorted(rest, key=lambda i: -rows[i]["samples"])[:top]:
+        r = rows[i]
         entry = {"address": hex(r["address"] - rows[0]["address"]), "sass": r["sass"], "pct": round(100 * r["samples"]
                  / busy, 1), "reason": max(r["reasons"], key=r["reasons"].get) if r["reasons"] else None}
         wait = [q["sass"] for q in rows[max(0, i - 2):i] if q["sass"].startswith("SYNCS.PHASECHK")]

@@ -51,7 +51,7 @@ import megamoe  # noqa: F401  (before triton)
 import megamoe.fused as mf
 import megamoe.kernels as mk
 from megamoe import direct_launch
-from megamoe.bench import _median_ms
+from megamoe.bench import _events_median_us, _median_ms
 from megamoe.cases import MoECase, prepare_rank
 from megamoe.ops import fp8_fp4_mega_moe
 from megamoe.ops_fp8 import fp8_mega_moe
@@ -303,25 +303,11 @@ def _timed(call) -> dict:
     return dict(us=_median_ms(call) * 1e3, **_timing_fields(call, graph=True))
 
 
-def _noflush_us(call, n: int = 20) -> float:
-    """Median device time (us) of ``n`` calls enqueued back to back, CUDA events around each, no L2 flush between
-    them (``_median_ms`` flushes before every call): the weights a call leaves in L2 are there for the next."""
-    call()
-    starts, ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)], [torch.cuda.Event(enable_timing=True)
-                                                                            for _ in range(n)]
-    for s, e in zip(starts, ends):
-        s.record()
-        call()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[n // 2] * 1e3
-
-
 def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False) -> None:
     """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
     put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
     the format's reference ("hopper" numerics for ``fp8_fp4``) and its timings (``noflush``: also ``us_noflush``,
-    ``_noflush_us``)."""
+    ``megamoe.bench._events_median_us`` of 20 calls)."""
     from megamoe.testing import moe_error_stats
 
     saved = {n: getattr(mf, n) for n in overrides}
@@ -336,7 +322,7 @@ def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflu
         torch.cuda.synchronize()
         err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
         emit(probe=probe, T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
-             rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _noflush_us(call)} if noflush else {}),
+             rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _events_median_us(call, 20)} if noflush else {}),
              rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
         sb.destroy()
     finally:

@@ -8,6 +8,7 @@ import json, sys, time
 import torch
 import triton
 import megamoe.fused as mf
+from megamoe.bench import _events_median_us as events_median_us
 from megamoe.cases import MoECase, prepare_rank
 from megamoe.symm import SymmBuffer
 from megamoe.ops_fp8 import fp8_mega_moe
@@ -16,15 +17,6 @@ from torch.profiler import profile, ProfilerActivity
 tokens = [int(t) for t in sys.argv[1].split(",")]
 case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format="fp8")
 sb = SymmBuffer.local(1, 48, max(tokens), 6, 7168, 3072, block_m=128, device="cuda", format="fp8")[0]
-
-
-def events_median_us(fn, n=30):
-    s = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    e = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for i in range(n):
-        s[i].record(); fn(); e[i].record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in zip(s, e))[n // 2] * 1e3
 
 
 for n in tokens:
