@@ -189,6 +189,14 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
+#: "fp8_ws" at pool block 128: whether each math warpgroup loads its 64 token rows of a K block from the ring into
+#: registers once (``A_REGS`` of ``megamoe.kernels.gemm_fp8_ws._math_partition``) and both halves' wgmmas read them
+#: there ("RS"), instead of each half's wgmma reading them from shared memory again ("SS"). Same bits.
+FP8_WS_A_REGS = False
+#: The register split (as ``FP8_WS_REGS``) when ``FP8_WS_A_REGS``: the 16 registers a thread of the token tile needs
+#: come from the loader warp and the pull warps. Offline sm_90a compile (Triton 3.6): at 216 math registers the K
+#: loop spills (4 / 8 STL a K block), at 224 it does not.
+FP8_WS_REGS_A = (224, 32, 32, 128)
 #: By tile kind: whether the Gluon phase's programs whose tiles of one wave share a weight tile start them together
 #: (``GROUP_SYNC`` of ``megamoe.kernels.gemm_fp8_ws._group_sync``, on the group words and counters the front launch
 #: writes after the tile table), so the weight boxes they load meet in the L2 cache instead of streaming from DRAM
@@ -1099,7 +1107,8 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"])
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_A_REGS,
+           FP8_WS_REGS_A)
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
@@ -1108,13 +1117,14 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128), as ``fp4_ws_keywords``."""
     offs = _offsets(L)
-    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
+    a_regs = FP8_WS_A_REGS and bm == 128
+    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS_A if a_regs else FP8_WS_REGS
     return dict(
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        A_REGS=a_regs, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.
