@@ -567,7 +567,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, A_REGS: gl.constexpr):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
 
     ``LEAD`` > 0 (``megamoe.fused.FP8_WS_LEAD``): warpgroup 1 starts once warpgroup 0 has taken ``LEAD`` ring stages
@@ -578,7 +578,6 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
     run's spread, so off by default (``FP8_WS_LEAD``'s comment cites the rows)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     cols = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
     gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
     spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes into it)
@@ -613,8 +612,6 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             hi_g = gl.where(is_l2, y, x)
             mbarrier.wait(ready.index(s), ph)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
-            if A_REGS:
-                a_s = a_s.load(dot_a)
             w_s = w_bufs.index(s)
             dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
             sa = sa_bufs.index(s).slice(wg * WM, WM).load(rows_l)
@@ -655,8 +652,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False,
-                          A_REGS: gl.constexpr = False):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -711,10 +707,10 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, A_REGS)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, A_REGS)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
                            I, SP, STAGES, GROUP_SYNC)),

@@ -189,14 +189,13 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
-#: "fp8_ws" at pool block 128: whether each math warpgroup loads its 64 token rows of a K block from the ring into
-#: registers once (``A_REGS`` of ``megamoe.kernels.gemm_fp8_ws._math_partition``) and both halves' wgmmas read them
-#: there ("RS"), instead of each half's wgmma reading them from shared memory again ("SS"). Same bits.
-FP8_WS_A_REGS = False
-#: The register split (as ``FP8_WS_REGS``) when ``FP8_WS_A_REGS``: the 16 registers a thread of the token tile needs
-#: come from the loader warp and the pull warps. Offline sm_90a compile (Triton 3.6): at 216 math registers the K
-#: loop spills (4 / 8 STL a K block), at 224 it does not.
-FP8_WS_REGS_A = (224, 32, 32, 128)
+# Tried and removed (session 25, e546abb): the math warpgroups reading a K block's 64 token rows into registers once
+# for both halves' wgmmas ("RS", ``A_REGS``) instead of from shared memory per half ("SS"), at 224 math registers
+# (216 spilled in the K loop). The question: is the phase bound by shared-memory bandwidth (SS: 48 KB in by TMA and
+# 96 KB out to the tensor cores per ~1024 MMA cycles)? Same bits; whole call, as is / RS at three register splits,
+# alternating twice (``a_regs`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``): T = 2048 2041 / 2054 us against
+# 2095 - 2116, T = 8192 6773 / 6758 against 6992 - 7016 -- RS 3 % slower, so shared memory is not what binds.
+
 #: By tile kind: whether the Gluon phase's programs whose tiles of one wave share a weight tile start them together
 #: (``GROUP_SYNC`` of ``megamoe.kernels.gemm_fp8_ws._group_sync``, on the group words and counters the front launch
 #: writes after the tile table), so the weight boxes they load meet in the L2 cache instead of streaming from DRAM
@@ -325,7 +324,11 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: 128-row chains over two math warpgroups at two CTAs an SM (session 23, below). Re-swept with them (session 23,
 #: ``rs_sweep`` rows at 1b275c4, phase alone, one call): T = 128 / 256 / 512 (16 / 32 / 64 expected) register-operand
 #: 611 / 784 / 1187 us (chunk 32 / 64 / 64; chunk 32 forced at 256 / 512: 895 / 1560) against the decode-partition
-#: tile's 826 / 834 / 1268 -> 64 (was 16). Not measured between 64 and 256 expected (T = 2048).
+#: tile's 826 / 834 / 1268 -> 64 (was 16). Whole call, alternating twice (``rs_threshold`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl``, session 25, also timed back to back without the L2 flush): T = 512
+#: register-operand at chunk 64 1280 / 1284 us (unflushed 1289 / 1298) against 1320 / 1316 (1313 / 1312); T = 1024
+#: (128 expected) 2016 / 2027 (2146 / 2242) against 1999 / 1997 (1993 / 1993) -- there its phase's 2 % lead is lost in
+#: the whole call, flushed or not. Not measured between 128 and 256 expected (T = 2048).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
@@ -1107,8 +1110,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_A_REGS,
-           FP8_WS_REGS_A)
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"])
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
 
@@ -1117,14 +1119,13 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128), as ``fp4_ws_keywords``."""
     offs = _offsets(L)
-    a_regs = FP8_WS_A_REGS and bm == 128
-    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS_A if a_regs else FP8_WS_REGS
+    math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
     return dict(
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        A_REGS=a_regs, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

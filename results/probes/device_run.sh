@@ -62,9 +62,6 @@
 #                  T = $RS_THRESHOLD_TOKENS (512, 1024) with the tile at chunk 64 against the decode-partition tile,
 #                  alternating twice, also timed back to back without the L2 flush (-> $OUT/rs_threshold.jsonl; 54 s
 #                  at T = 1024 without that, session 24)
-#   a_regs         FP8_WS_A_REGS (the FP8 phase's token rows read into registers once a K block, "RS"): its GPU test
-#                  (same bits off / on), then whole calls as is against it at three register splits, alternating
-#                  twice, at T = $A_REGS_TOKENS (2048, 8192) (-> $OUT/a_regs.jsonl; not yet timed, est. 3-4 min)
 #   back_programs  the back launch at 1 / 4 programs an SM: its GPU tests (same bits), then whole calls alternating
 #                  at T = 8 ... 8192, both formats, with the error (-> $OUT/back_programs.jsonl; 40 rows, 159 s in session 22)
 #   ncu            Nsight Compute sections of one fused call's launches per case (-> $OUT/ncu_<fmt>_<T>.txt; not timed)
@@ -234,12 +231,6 @@ step_rs_threshold() {  # see the header
         || return 1
     $PY results/probes/fp8_ws_probe.py rs_threshold "${RS_THRESHOLD_TOKENS:-512,1024}" >>"$OUT/rs_threshold.jsonl" || return 1
     cat "$OUT/rs_threshold.jsonl"
-}
-
-step_a_regs() {  # see the header
-    $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "A_REGS and fp8 and not fp8_fp4" || return 1
-    $PY results/probes/fp8_ws_probe.py a_regs "${A_REGS_TOKENS:-2048,8192}" >>"$OUT/a_regs.jsonl" || return 1
-    cat "$OUT/a_regs.jsonl"
 }
 
 step_back_programs() {  # WS_BACK_PROGRAMS_PER_SM 1 / 4: its GPU tests (same bits), then 1 / 4 / 1 / 4 whole call

@@ -429,25 +429,6 @@ def probe_rs_ctas(tokens=(128,)):
                 _choice_row("rs_ctas", T, label, "fp8_fp4", overrides)
 
 
-def probe_a_regs(tokens=(2048, 8192)):
-    """The FP8 phase's math warpgroups reading a K block's 64 token rows once into registers for both halves' wgmmas
-    (``FP8_WS_A_REGS``, "RS") instead of from shared memory per half ("SS"), at the register splits
-    ``A_REGS_SPLITS`` (``FP8_WS_REGS_A``), alternating twice with as is, whole call with its error. Why: per K block
-    a tile's shared memory moves 48 KB in (TMA) and, SS, 2 x (2 x 8 + 2 x 16) = 96 KB out to the tensor cores against
-    ~1024 cycles of MMA at 128 bytes a cycle: ~1125 cycles of shared-memory traffic; RS makes the out 80 KB (1000)."""
-    for T in _tokens(tokens):
-        for _ in range(2):
-            _choice_row("a_regs", T, "as is", "fp8", {"FP8_WS_A_REGS": False})
-            for regs in A_REGS_SPLITS:
-                _choice_row("a_regs", T, f"a_regs {'/'.join(map(str, regs[:3]))}", "fp8",
-                            {"FP8_WS_A_REGS": True, "FP8_WS_REGS_A": regs})
-
-
-#: ``a_regs``: the register splits (math / loader / pull, maxnreg) tried with ``FP8_WS_A_REGS`` (offline sm_90a: none
-#: spills in the K loop; 76 / 68 / 56 bytes of spill stores elsewhere against 28 as is).
-A_REGS_SPLITS = ((224, 32, 32, 128), (224, 24, 40, 128), (232, 24, 24, 128))
-
-
 def probe_host(tokens=(128, 512)):
     """Where the host's enqueue time of one eager call goes (session 7's wall-gap probe: 0.66-1.35 ms a call, about
     the GPU time of an FP8 x FP4 call at T <= 128): per T and format, ``host_us`` and the 25 functions of largest
@@ -528,4 +509,4 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
-         "rs_threshold": probe_rs_threshold, "a_regs": probe_a_regs, "back_programs": probe_back_programs}[name]()
+         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs}[name]()

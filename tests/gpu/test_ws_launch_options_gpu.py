@@ -1,9 +1,8 @@
 """The launch options of a Gluon kind's call on a GPU, each off and on: programmatic dependent launch between its
 three launches (``megamoe.fused.WS_PDL``; session 14/15 also had the front's L2 prefetch here, since removed), the FP8
-phase's math warpgroups started a ring apart (``FP8_WS_LEAD``) and reading their token rows from registers
-(``FP8_WS_A_REGS``; the FP8 x FP4 phase has neither option: its cases then run twice alike), both phases' programs
-that share a weight tile starting it together (``WS_GROUP_SYNC``, set for both kinds at once) and the back launch's
-programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on").
+phase's math warpgroups started a ring apart (``FP8_WS_LEAD``; the FP8 x FP4 phase has no such option: its cases
+then run twice alike), both phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``, set
+for both kinds at once) and the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on").
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -15,7 +14,7 @@ from megamoe.cases import MoECase, gluon_phase_cases, prepare_rank
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phases are sm_90 only")
 
 #: option -> its (off, on) values
-OPTIONS = {"WS_PDL": (False, True), "FP8_WS_LEAD": (False, True), "FP8_WS_A_REGS": (False, True),
+OPTIONS = {"WS_PDL": (False, True), "FP8_WS_LEAD": (False, True),
            "WS_GROUP_SYNC": tuple({"fp8_ws": v, "fp4_ws": v} for v in (False, True)),
            "WS_BACK_PROGRAMS_PER_SM": (1, 4)}
 
