@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.fused import _decode_chunk, _fold_tables, _row_exponent_max
-from megamoe.kernels.numerics import e2m1_lut, e2m1x2_lut_prmt
+from megamoe.kernels.numerics import e2m1_lut, e2m1x2_lut_prmt, e2m1x2_nibbles
 
 
 @triton.jit
@@ -80,7 +80,8 @@ def _decode_wide(w_e, sf_e, rmax, rows, k0, N: tl.constexpr, K: tl.constexpr, lu
         z = tl.zeros(packed.shape, tl.int32)
         lo, hi = e2m1x2_lut_prmt(packed, la0 + z, la1 + z, lb0 + z, lb1 + z)
     else:
-        lo, hi = e2m1_lut(packed.to(tl.int32) & 0xF, la0, la1), e2m1_lut(packed.to(tl.int32) >> 4, lb0, lb1)
+        n0, n1 = e2m1x2_nibbles(packed)
+        lo, hi = e2m1_lut(n0, la0, la1), e2m1_lut(n1, lb0, lb1)
     v = tl.permute(tl.join(lo, hi), (0, 1, 2, 4, 3))                                         # [BN, S, 2, 2, 32]
     return tl.reshape(v, [BN, STEP_K])
 
@@ -91,7 +92,7 @@ def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.conste
                        LOOP_STAGES: tl.constexpr = 1, WIDE: tl.constexpr = False, STEP_K: tl.constexpr = 128,
                        K_SPLIT: tl.constexpr = 1, RMAX_CHUNK: tl.constexpr = 0, STREAM: tl.constexpr = False):
     """One program: ``BN`` rows of one local expert (``K_SPLIT`` > 1: ``K / K_SPLIT`` of their K values). ``w`` int8
-    ``[El, N, K/2]`` transformed FP4 (split nibble order, ``transform_weights_for_mega_moe``), ``w_sf`` int32
+    ``[El, N, K/2]`` transformed FP4 (register-order nibbles, ``transform_weights_for_mega_moe``), ``w_sf`` int32
     MN-major ``[El][K/128][N]`` UE8M0 words, ``lut`` ``fold_lut``; writes ``out`` e4m3 ``[El, N, K]`` in K order and
     ``row_exp`` int32 ``[El, N]``. ``PRMT_DECODE``: the GPU's byte-permute lookup (the interpreter runs its twin,
     ``e2m1_lut``). ``LOOP_STAGES``: software-pipeline stages of the K loop (its loads in flight ahead of the decode).

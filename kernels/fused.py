@@ -74,6 +74,7 @@ from megamoe.kernels.numerics import (
     ceil_ue8m0,
     e2m1_lut,
     e2m1x2_lut_prmt,
+    e2m1x2_nibbles,
     f32_to_bf16_bits,
     f32_to_e4m3_bits,
     round_to_bf16,
@@ -290,7 +291,8 @@ def _decode_chunk(w, w_sf_word, rmax, rows, k0, c: tl.constexpr, K: tl.constexpr
         z = tl.zeros(packed.shape, tl.int32)
         return e2m1x2_lut_prmt(packed, la0 + z, la1 + z, lb0 + z, lb1 + z)
     else:
-        return e2m1_lut(packed.to(tl.int32) & 0xF, la0, la1), e2m1_lut(packed.to(tl.int32) >> 4, lb0, lb1)
+        n0, n1 = e2m1x2_nibbles(packed)
+        return e2m1_lut(n0, la0, la1), e2m1_lut(n1, lb0, lb1)
 
 
 @triton.jit

@@ -22,9 +22,10 @@ H200 (``results/tune_h200.json``).
 Both kernels are persistent: ``tile = program_id; tile += num_programs`` over ``(pool block, N tile)`` pairs up to the
 number of used pool blocks, computed on the device from ``expert_recv_count`` (no host sync, no empty programs).
 
-The K loop steps 64 elements at a time. ``transform_weights_for_mega_moe`` packed the weights so that byte ``j`` of a
-64-chunk holds elements ``j`` (low nibble) and ``j+32`` (high nibble): a step loads 32 bytes per weight row and
-decodes two 32-wide FP8 operands, each inside exactly one per-32 scale group. Each operand pair feeds one
+The K loop steps 64 elements at a time. ``transform_weights_for_mega_moe`` packed the weights so that byte lane ``j``
+of a 64-chunk carries elements ``j`` ("low") and ``j+32`` ("high"), each 4-byte word's bits in register order: a
+step loads 32 bytes per weight row and decodes two 32-wide FP8 operands (``numerics.e2m1x2_nibbles`` /
+``e2m1x2_to_e4m3_prmt``), each inside exactly one per-32 scale group. Each operand pair feeds one
 ``tl.dot`` (K=32, the FP8 MMA's native K) whose fp32 result is scaled by ``sa[m] * sb[n]`` and accumulated -- the
 per-32 analogue of DeepGEMM's SM90 per-128 "promotion". FP4 is decoded to FP8 (exactly) so the dot runs at FP8
 tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpreter, bf16-rate on Hopper).
@@ -37,6 +38,7 @@ from megamoe.kernels.numerics import (
     ceil_ue8m0,
     e2m1_scaled_f32,
     e2m1_to_e4m3,
+    e2m1x2_nibbles,
     e2m1x2_to_e4m3_prmt,
     f32_to_bf16_bits,
     f32_to_e4m3_bits,
@@ -75,8 +77,9 @@ def _weight_step(acc, a0, a1, sa0, sa1, packed, word, k0, PRMT_DECODE: tl.conste
     if PRMT_DECODE:
         b0, b1 = e2m1x2_to_e4m3_prmt(packed)
     else:
-        b0 = e2m1_to_e4m3(packed.to(tl.int32) & 0xF)
-        b1 = e2m1_to_e4m3(packed.to(tl.int32) >> 4)
+        n0, n1 = e2m1x2_nibbles(packed)
+        b0 = e2m1_to_e4m3(n0)
+        b1 = e2m1_to_e4m3(n1)
     g = k0 // SF_GRAN_K
     sb0 = ue8m0_to_f32(sf_byte(word, g))
     sb1 = ue8m0_to_f32(sf_byte(word, g + 1))
@@ -96,11 +99,12 @@ def _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, K: tl.constexpr, N: 
                         DOT_DTYPE: tl.constexpr):
     """acc += a0w . (W[n, k0:k0+32] * sb0) + a1w . (W[n, k0+32:k0+64] * sb1), scales folded into the decoded weights
     (exact: e2m1 * 2^k has 2 significant bits). No per-group promotion: both dots chain on one accumulator."""
-    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :]).to(tl.int32)
+    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :])
     word = tl.load(w_sf + (k0 // 128) * N + n_rows)
     g = k0 // SF_GRAN_K
-    b0 = e2m1_scaled_f32(packed & 0xF, sf_byte(word, g)[:, None]).to(DOT_DTYPE)
-    b1 = e2m1_scaled_f32(packed >> 4, sf_byte(word, g + 1)[:, None]).to(DOT_DTYPE)
+    n0, n1 = e2m1x2_nibbles(packed)
+    b0 = e2m1_scaled_f32(n0, sf_byte(word, g)[:, None]).to(DOT_DTYPE)
+    b1 = e2m1_scaled_f32(n1, sf_byte(word, g + 1)[:, None]).to(DOT_DTYPE)
     acc = tl.dot(a0w, tl.trans(b0), acc)
     acc = tl.dot(a1w, tl.trans(b1), acc)
     return acc

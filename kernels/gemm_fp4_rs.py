@@ -9,8 +9,9 @@ reads; at few tokens per expert the whole call is bound by that decode and strea
 ``results/probes/fp4_rs_probe.py`` measured the alternative CUTLASS's mixed-input Hopper GEMMs use: swap-AB, the
 **weights on the MMA's M as a register operand** (``wgmma`` "RS"), decoded by the warps that issue the MMA, the
 tokens (8-32) on N from shared memory. No decoded stage, no second set of warps to hand it over; with a loader
-warp, ``maxnreg`` 64 and 4 CTAs an SM the GEMM alone streamed 2.5 TB/s of FP4 (``DECODE`` 2, the split packing this
-kernel reads; 2.7-2.9 TB/s with 8 tokens).
+warp, ``maxnreg`` 64 and 4 CTAs an SM the GEMM alone streamed 2.5 TB/s of FP4 (``DECODE`` 2, the byte-per-pair packing
+this kernel read until session 25; 2.7-2.9 TB/s with 8 tokens; the register-order packing it reads now was
+``DECODE`` 3 there, ~8 % faster at 8 tokens).
 
 Numerics: those of ``gemm_fp4_ws`` (``megamoe.reference`` with ``numerics="hopper"``; per-tile torch twin
 :mod:`megamoe.gemm_phase`): every operand an e4m3 value folded to one power of two per row over all of K, each
@@ -36,14 +37,14 @@ block's L2 rows and then sets all odd bits. L2: each chain's 64 hidden columns a
 ranks' combine buffers. An L2 tile's loader and math first wait for the block's full arrival mask (every L1 tile of
 the block, and the fold).
 
-Roles (``gl.warp_specialize``): the math warpgroup (the default partition, 4 warps) and a loader warp, which per
-(chunk, chain pair, K block) TMA's the stage: per chain packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K
-``[0, 64)`` and ``[64, 128)`` in the split packing of ``transform_weights_for_mega_moe``: box ``c`` byte ``j`` = K
-``64c + j`` low nibble, ``64c + 32 + j`` high) and the rows' 64 UE8M0 scale words of the K block; once for the pair,
-the tokens ``[BN, 128]`` as four ``[BN, 32]`` boxes (one per K=32 MMA). The tokens are re-loaded per chain pair (from
-L2: 0.5 / 1 / 2 / 4 KB a stage at BN 8 / 16 / 32 / 64, against 8 KB of weights). The weight rows' largest exponents
-(the fold's reference) come from ``rmax1`` / ``rmax2`` (uint8 per weight row, ``megamoe.fused._fp4_row_maxima``:
-made again when the scales change).
+Roles (``gl.warp_specialize``): the math warpgroup (the default partition, 4 warps) and a loader warp, which per (chunk,
+chain pair, K block) TMA's the stage: per chain packed W ``[64, 64]`` bytes as two ``[64, 32]`` boxes (K ``[0, 64)`` and
+``[64, 128)`` in the nibble order of ``transform_weights_for_mega_moe``: box ``c`` byte lane ``j`` carries K ``64c + j``
+and ``64c + 32 + j``, each 4-byte word in register order) and the rows' 64 UE8M0 scale words of the K block; once for
+the pair, the tokens ``[BN, 128]`` as four ``[BN, 32]`` boxes (one per K=32 MMA). The tokens are re-loaded per chain
+pair (from L2: 0.5 / 1 / 2 / 4 KB a stage at BN 8 / 16 / 32 / 64, against 8 KB of weights). The weight rows' largest
+exponents (the fold's reference) come from ``rmax1`` / ``rmax2`` (uint8 per weight row,
+``megamoe.fused._fp4_row_maxima``: made again when the scales change).
 
 Why two chains a stage: what a stage moves from L2 into shared memory bounds this tile. Per stage one chain's weights
 are 4 KB and the chunk's tokens BN x 128 bytes, so with one chain a stage the bytes were 1.25 / 1.5 / 2x the weights'

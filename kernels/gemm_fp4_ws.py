@@ -295,9 +295,10 @@ def _bc(x, like):
 
 @gluon.jit
 def _decode_prmt(packed, t0, t1, u0, u1):
-    """Both nibbles of ``packed`` (uint8 ``[R, 32]``) through per-row byte tables (low nibbles ``t0``/``t1``, high
-    ``u0``/``u1``, int32 ``[R]``): ``megamoe.kernels.numerics.e2m1x2_lut_prmt``'s PTX, four values a ``prmt``.
-    Returns (low nibbles, high nibbles) as e4m3."""
+    """The low and high values of ``packed`` (uint8 ``[R, 32]``, register order: each thread's 4 bytes an aligned
+    word) through per-row byte tables (low ``t0``/``t1``, high ``u0``/``u1``, int32 ``[R]``):
+    ``megamoe.kernels.numerics.e2m1x2_lut_prmt``'s PTX, 7 instructions per 8 values. Returns (low values, high
+    values) as e4m3."""
     lo, hi = gl.inline_asm_elementwise(asm=_PRMT_LUT_ASM, constraints="=r,=r," + "r," * 16 + "r",
                                        args=[packed, _bc(t0, packed), _bc(t1, packed), _bc(u0, packed),
                                              _bc(u1, packed)], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
@@ -561,7 +562,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
-    ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, split nibble order), box [256, 64];
+    ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
     ``ws1`` / ``ws2`` the weight scales below and ``as1`` / ``as2`` the pools' MN-major ``[K/128][SP]`` scale
     words, flat int32, boxes [256] / [BM] (read only with ``SF_TMA``). ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /

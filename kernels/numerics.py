@@ -104,56 +104,57 @@ def e2m1_scaled_f32(nibble, scale_byte):
     return tl.where(code == 0, 0, bits).to(tl.float32, bitcast=True)
 
 
-# Per byte lane: the 3 magnitude bits of a nibble -> e4m3 magnitude byte through a PRMT lookup table (LUT bytes 0..7
-# = 0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C), then the nibble's sign bit -> bit 7. ``{src}`` holds the four
-# lanes' nibbles in bits [0, 4) of each byte (the high nibbles: the packed word shifted right by 4); ``{sign}`` is
-# the packed word shifted so that those nibbles' sign bits sit at bit 7 of each byte. The four magnitudes become the
-# low 16 bits of the selector in two steps: ``x = v | v >> 4`` puts lanes (0, 1) in byte 0 and lanes (2, 3) in byte
-# 2, and a byte PRMT moves byte 2 next to byte 0. 8 instructions per 4 values (``megamoe.inline_asm`` checks it on
-# CPU against the model, ``tests/test_inline_asm.py``; the first form, 11, built the selector with five masks and
-# shifts).
+# The FP4 -> e4m3 decode of one 32-bit word of transformed weights (``megamoe.quant.transform_weights_for_mega_moe``
+# (b): byte lanes 4q .. 4q + 3 of a 64-element chunk in register order -- lane i's low value: magnitude at bit 4i,
+# sign at bit 8i + 7; its high value: magnitude at bit 16 + 4i, sign at bit 8i + 3). ``prmt`` reads its selector's
+# low 16 bits, four 4-bit byte indices, so the masked word is the selector of the four low values' magnitudes and
+# the masked word shifted by 16 that of the four high ones; each lookup takes a table of the eight e2m1 magnitudes
+# as e4m3 bytes (``{lo0}, {lo1}``: codes 0..3, 4..7), then each value's sign goes to bit 7 of its byte by one mask
+# (the word itself for the low values, the word shifted by 4 for the high ones). 7 SASS instructions per 8 values
+# (ptxas fuses each and + or into one LOP3); the previous byte-per-pair packing needed ~12 (two masks, a shift-add
+# and a compacting ``prmt`` a selector). ``megamoe.inline_asm`` checks it on CPU against the model
+# (``tests/test_inline_asm.py``). Outputs ``$0`` / ``$1``: the low / high values, four e4m3 bytes each; ``$2`` the
+# packed word (``pack=4`` of uint8 lanes: the four bytes of one aligned word, lane 0 in bits 0-7).
 _PRMT_DECODE = """
-    and.b32 v, {src}, 0x07070707;
-    shr.b32 x, v, 4;
-    or.b32 x, x, v;
-    prmt.b32 sel, x, x, 0x0020;
-    prmt.b32 {dst}, lut0, lut1, sel;
-    and.b32 t, {sign}, 0x80808080;
-    or.b32 {dst}, {dst}, t;
+    and.b32 m, $2, 0x77777777;
+    prmt.b32 $0, {lo0}, {lo1}, m;
+    and.b32 t, $2, 0x80808080;
+    or.b32 $0, $0, t;
+    shr.b32 m, m, 16;
+    prmt.b32 $1, {hi0}, {hi1}, m;
+    shl.b32 t, $2, 4;
+    and.b32 t, t, 0x80808080;
+    or.b32 $1, $1, t;
 """
 
 
 _PRMT_ASM = tl.constexpr(
-    "{\n.reg .b32 v, x, sel, t, lut0, lut1, src, sgn;\nmov.b32 lut0, 0x3C383000;\nmov.b32 lut1, 0x4C484440;\n"
-    + "shl.b32 sgn, $2, 4;\n" + _PRMT_DECODE.format(src="$2", dst="$0", sign="sgn") + "shr.b32 src, $2, 4;\n"
-    + _PRMT_DECODE.format(src="src", dst="$1", sign="$2") + "}")
+    "{\n.reg .b32 m, t, lut0, lut1;\nmov.b32 lut0, 0x3C383000;\nmov.b32 lut1, 0x4C484440;\n"
+    + _PRMT_DECODE.format(lo0="lut0", lo1="lut1", hi0="lut0", hi1="lut1") + "}")
 
 
 @triton.jit
 def e2m1x2_to_e4m3_prmt(packed):
-    """GPU-only fast path of :func:`e2m1_to_e4m3` for both nibbles of uint8 ``packed``: 4 bytes per 32-bit register,
-    8 instructions per 4 values instead of ~10 per value. Returns (low nibbles, high nibbles) as FP8 e4m3."""
+    """GPU-only fast path of :func:`e2m1_to_e4m3` over uint8 ``packed`` (transformed weights, the last dimension a
+    whole number of aligned 4-byte words in each thread's registers): 7 instructions per 8 values. Returns (low
+    values, high values) as FP8 e4m3, each of ``packed``'s shape (see :func:`e2m1x2_nibbles` for which is which)."""
     lo, hi = tl.inline_asm_elementwise(asm=_PRMT_ASM, constraints="=r,=r,r", args=[packed],
                                        dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
     return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
 
-# The same decode with the byte table as operands: per byte lane, e2m1 magnitude code -> byte ``code`` of the pair
-# (lut0 = codes 0..3, lut1 = codes 4..7), then the sign. Operands: $0/$1 outputs (low/high nibbles, 4 lanes each),
-# $2 the packed bytes, then 4 registers per int32 table operand (pack=4; the lanes of a word share one table, so
-# only the first of each is read): $3 low-nibble lut0, $7 low-nibble lut1, $11 high-nibble lut0, $15 high lut1.
+# The same decode with the byte tables as operands: $3 / $7 the low values' table pair, $11 / $15 the high values'
+# (``megamoe.quant.fold_lut``'s rows; 4 registers per int32 table operand at pack=4, the lanes of a word share
+# one table, so only the first of each is read).
 _PRMT_LUT_ASM = tl.constexpr(
-    "{\n.reg .b32 v, x, sel, t, src, sgn;\n" + "shl.b32 sgn, $2, 4;\n"
-    + _PRMT_DECODE.format(src="$2", dst="$0", sign="sgn").replace("lut0, lut1", "$3, $7")
-    + "shr.b32 src, $2, 4;\n" + _PRMT_DECODE.format(src="src", dst="$1", sign="$2").replace("lut0, lut1", "$11, $15")
-    + "}")
+    "{\n.reg .b32 m, t;\n" + _PRMT_DECODE.format(lo0="$3", lo1="$7", hi0="$11", hi1="$15") + "}")
 
 
 @triton.jit
 def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
-    """GPU: both nibbles of uint8 ``packed`` through per-lane byte tables (low nibbles: ``la0``/``la1``, high:
-    ``lb0``/``lb1``, int32 broadcast to ``packed``'s shape; see ``megamoe.quant.fold_lut``). Returns FP8 e4m3
-    (low nibbles, high nibbles)."""
+    """GPU: uint8 ``packed`` (as :func:`e2m1x2_to_e4m3_prmt`) through per-lane byte tables (low values: ``la0`` /
+    ``la1``, high: ``lb0`` / ``lb1``, int32 broadcast to ``packed``'s shape; see ``megamoe.quant.fold_lut``).
+    Returns FP8 e4m3 (low values, high values)."""
     lo, hi = tl.inline_asm_elementwise(asm=_PRMT_LUT_ASM, constraints="=r,=r," + "r," * 16 + "r",
                                        args=[packed, la0, la1, lb0, lb1], dtype=(tl.uint8, tl.uint8),
                                        is_pure=True, pack=4)
@@ -161,9 +162,28 @@ def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def e2m1x2_nibbles(packed):
+    """Interpreter twin of the register-order unpacking (and the arithmetic decodes' input): int8 or uint8 ``packed`` of
+    transformed weights (any shape, the last dimension a whole number of aligned 4-byte words) -> (low, high)
+    e2m1 nibbles, int32 of ``packed``'s shape (sign << 3 | magnitude code): byte lane ``j`` of a 64-element chunk
+    carries elements ``j`` (low) and ``32 + j`` (high) of the chunk."""
+    b = tl.reshape(packed.to(tl.int32) & 0xFF, [packed.numel // 4, 4])  # int8 sign-extends: keep the byte
+    lane = tl.arange(0, 4)[None, :]
+    word = tl.reduce(b << (8 * lane), 1, _or)[:, None]
+    lo = ((word >> (4 * lane)) & 7) | (((word >> (8 * lane + 7)) & 1) << 3)
+    hi = ((word >> (16 + 4 * lane)) & 7) | (((word >> (8 * lane + 3)) & 1) << 3)
+    return tl.reshape(lo, packed.shape), tl.reshape(hi, packed.shape)
+
+
+@triton.jit
 def e2m1_lut(nibble, lut0, lut1):
-    """Interpreter twin of :func:`e2m1x2_lut_prmt` for one nibble (int32, low 4 bits): the table byte of its
-    magnitude code, then its sign, as FP8 e4m3."""
+    """Interpreter twin of :func:`e2m1x2_lut_prmt` for one nibble (int32, low 4 bits, from
+    :func:`e2m1x2_nibbles`): the table byte of its magnitude code, then its sign, as FP8 e4m3."""
     code = nibble & 7
     word = tl.where(code < 4, lut0, lut1)
     bits = ((word >> (8 * (code & 3))) & 0xFF) | ((nibble & 8) << 4)

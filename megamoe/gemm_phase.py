@@ -23,7 +23,7 @@ table (layout: :data:`megamoe.kernels.formats.TILE_HEADER`):
 
 The FP8 x FP4 phase (``"fp4_ws"``, ``megamoe.reference`` with ``numerics="hopper"`` as the model) has no pull: the
 front launch copied and folded the rows (one scale word per row, the token's largest exponent). Per tile, with the
-weight rows of the *transformed* weights (gate/up interleaved by 8, split nibble order) decoded and folded relative
+weight rows of the *transformed* weights (gate/up interleaved by 8, register-order nibbles) decoded and folded relative
 to each row's largest exponent (:func:`megamoe.quant.fold_scales`, what the decode warps' table lookup computes):
 
 * L1: ``acc = a @ w^T`` in float32, then ``(acc * 2^(s_row - 127)) * 2^(s_token - 127)`` (exact powers of two:
@@ -45,7 +45,7 @@ import torch
 from megamoe.kernels.formats import TILE_GROUP_SIZES, TILE_HEADER, TILE_WORDS, WS_TILE_N
 from megamoe.quant import (
     L1_INTERLEAVE_ROWS,
-    _unrepack_nibbles_split,
+    _unrepack_nibbles,
     e2m1_decode,
     fold_scales,
     per_128_cast_to_fp8,
@@ -131,10 +131,11 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 def _folded_fp4_rows(w: torch.Tensor, sf: torch.Tensor, e: int, rows: torch.Tensor):
-    """Rows ``rows`` of local expert ``e`` of transformed FP4 weights (``w`` int8 ``[El, N, K/2]`` in split nibble
-    order, ``sf`` int32 ``[El, N, K/128]``) as the decode warps write them: e4m3 values folded relative to each row's
-    largest scale exponent, float32 ``[len(rows), K]`` in K order, and that exponent (int32 ``[len(rows)]``)."""
-    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles_split(w[e, rows])))
+    """Rows ``rows`` of local expert ``e`` of transformed FP4 weights (``w`` int8 ``[El, N, K/2]`` in the
+    transform's nibble order, ``sf`` int32 ``[El, N, K/128]``) as the decode warps write them: e4m3 values folded
+    relative to each row's largest scale exponent, float32 ``[len(rows), K]`` in K order, and that exponent (int32
+    ``[len(rows)]``)."""
+    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles(w[e, rows])))
     folded, row_exp = fold_scales(values, sf[e, rows])
     return folded.float(), row_exp
 

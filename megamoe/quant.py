@@ -388,16 +388,29 @@ def _deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(e, two_i, c)
 
 
-def _repack_nibbles_split(w: torch.Tensor) -> torch.Tensor:
-    """K-major nibbles ``[..., k/2]`` -> per 64-element chunk, byte ``j`` = element ``j`` | element ``32+j`` << 4."""
-    chunks = unpack_nibbles(w).unflatten(-1, (-1, 2, FP4_REPACK_K // 2))
-    return (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).flatten(-2).view(torch.int8)
+def _repack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """K-major nibbles ``[..., k/2]`` -> the kernel order of :func:`transform_weights_for_mega_moe` (b): per
+    64-element chunk ``c``, byte lane ``j`` (0..31) carries element ``64c + j`` ("low") and ``64c + 32 + j``
+    ("high"), and each little-endian 32-bit word of lanes ``4q .. 4q + 3`` holds their bits in register order:
+    lane ``i``'s low magnitude (3 bits) at bit ``4i``, its sign at bit ``8i + 7``; its high magnitude at bit
+    ``16 + 4i``, its sign at bit ``8i + 3``."""
+    chunks = unpack_nibbles(w).long().unflatten(-1, (-1, 2, FP4_REPACK_K // 2 // 4, 4))  # [..., c, lo/hi, q, i]
+    lo, hi = chunks[..., 0, :, :], chunks[..., 1, :, :]
+    i = torch.arange(4, device=w.device)
+    word = (((lo & 7) << (4 * i)) | ((lo >> 3) << (8 * i + 7)) | ((hi & 7) << (16 + 4 * i))
+            | ((hi >> 3) << (8 * i + 3))).sum(dim=-1)  # disjoint bits: the sum is the OR
+    lanes = (word.unsqueeze(-1) >> (8 * i)) & 0xFF  # the word's little-endian bytes
+    return lanes.to(torch.uint8).flatten(-3).view(torch.int8)
 
 
-def _unrepack_nibbles_split(w: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_repack_nibbles_split`."""
-    chunks = w.view(torch.uint8).unflatten(-1, (-1, FP4_REPACK_K // 2))
-    nibbles = torch.stack((chunks & 0xF, chunks >> 4), dim=-2).flatten(-3)
+def _unrepack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_repack_nibbles`."""
+    lanes = w.view(torch.uint8).long().unflatten(-1, (-1, FP4_REPACK_K // 2 // 4, 4))  # [..., c, q, i]
+    i = torch.arange(4, device=w.device)
+    word = (lanes << (8 * i)).sum(dim=-1, keepdim=True)
+    lo = ((word >> (4 * i)) & 7) | (((word >> (8 * i + 7)) & 1) << 3)
+    hi = ((word >> (16 + 4 * i)) & 7) | (((word >> (8 * i + 3)) & 1) << 3)
+    nibbles = torch.stack((lo, hi), dim=-3).flatten(-4).to(torch.uint8)  # [..., c, lo/hi, q, i] -> K order
     return pack_nibbles(nibbles)
 
 
@@ -481,11 +494,16 @@ def transform_weights_for_mega_moe(
        ``[gate0..7, up0..7, gate8..15, up8..15, ...]``, as DeepGEMM's ``_interleave_weights(gran=8)``. Every
        16-row period holds matching gate and up rows, so an L1 output tile of ``2*BN`` weight rows contains
        ``BN`` complete gate/up pairs and the SwiGLU epilogue needs no exchange across tiles.
-    b. **Split nibble order** (L1 and L2 weights): along K, in chunks of 64 elements, byte ``j`` (0..31) of
-       chunk ``c`` holds element ``64c + j`` in its low nibble and element ``64c + 32 + j`` in its high nibble.
-       A K-step of 64 loads 32 bytes whose low nibbles form one 32-wide operand and whose high nibbles form the
-       next; each lies in exactly one per-32 scale group, so the kernel decodes ``lo = b & 15`` and
-       ``hi = b >> 4`` straight into two FP8 dot operands with no join/interleave shuffle.
+    b. **Nibble order** (L1 and L2 weights): along K, in chunks of 64 elements, byte lane ``j`` (0..31) of
+       chunk ``c`` carries element ``64c + j`` ("low") and element ``64c + 32 + j`` ("high"). The low values of
+       lanes ``4q .. 4q + 3`` are one 4-byte register of a 32-wide FP8 dot operand, their high values one of the
+       next operand, each in exactly one per-32 scale group. Within each little-endian 32-bit word of lanes
+       ``4q .. 4q + 3`` the bits are in **register order**: lane ``i``'s low magnitude (e2m1's 3 bits) at bit
+       ``4i``, its sign at bit ``8i + 7``, its high magnitude at bit ``16 + 4i``, its sign at bit ``8i + 3``. So a
+       byte-permute lookup (``prmt``, whose selector is a word's low 16 bits) takes the masked word itself as the
+       selector of the four low values and the word shifted by 16 as that of the four high ones, and each half's
+       signs are one mask (of the word, or the word shifted by 4) away from bit 7 of their bytes: 7 instructions
+       per 8 values (``megamoe.kernels.numerics``) where a byte per (low, high) pair took ~12.
     c. **MN-major scales** (L1 and L2): shape stays ``[El, N, K/128]`` but strides become
        ``(N*K/128, 1, N)``, like DeepGEMM's MN-major SF, so a kernel reads one int32 per ``(k/128, n)`` with
        ``n`` contiguous. (DeepGEMM's further UTCCP row permutation is an SM100 tensor-memory detail and is
@@ -500,9 +518,9 @@ def transform_weights_for_mega_moe(
     _check_untransformed(l1_weights, "l1_weights")
     _check_untransformed(l2_weights, "l2_weights")
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    l1 = TransformedWeights(_repack_nibbles_split(_interleave_gate_up(w1)).contiguous(),
+    l1 = TransformedWeights(_repack_nibbles(_interleave_gate_up(w1)).contiguous(),
                             _to_mn_major(_interleave_gate_up(sf1.contiguous())), "l1")
-    l2 = TransformedWeights(_repack_nibbles_split(w2).contiguous(), _to_mn_major(sf2), "l2")
+    l2 = TransformedWeights(_repack_nibbles(w2).contiguous(), _to_mn_major(sf2), "l2")
     return l1, l2
 
 
@@ -518,6 +536,6 @@ def untransform_weights_for_mega_moe(
                             f"got {type(pair).__name__}" + (f" of role {pair.role!r}"
                                                             if isinstance(pair, TransformedWeights) else ""))
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    l1 = (_deinterleave_gate_up(_unrepack_nibbles_split(w1)), _deinterleave_gate_up(sf1.contiguous()))
-    l2 = (_unrepack_nibbles_split(w2).contiguous(), sf2.contiguous())
+    l1 = (_deinterleave_gate_up(_unrepack_nibbles(w1)), _deinterleave_gate_up(sf1.contiguous()))
+    l2 = (_unrepack_nibbles(w2).contiguous(), sf2.contiguous())
     return l1, l2

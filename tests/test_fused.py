@@ -354,7 +354,7 @@ def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
     from megamoe.quant import ue8m0_bytes
 
     def unfolded(w, sf, e, rows):
-        values = gp.e2m1_decode(gp.unpack_nibbles(gp._unrepack_nibbles_split(w[e, rows])))
+        values = gp.e2m1_decode(gp.unpack_nibbles(gp._unrepack_nibbles(w[e, rows])))
         scale = torch.pow(2.0, (ue8m0_bytes(sf[e, rows]) - 127).float()).repeat_interleave(32, dim=1)
         return values * scale, torch.full((len(rows),), 127, dtype=torch.int32)
 

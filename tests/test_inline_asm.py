@@ -1,7 +1,8 @@
 """The kernels' inline PTX, run on CPU by ``megamoe.inline_asm``: the FP4 -> e4m3 decode strings of
-``megamoe.kernels.numerics`` against the torch model on every byte value (plain decode) and on random words with
-every fold shift (the table decode of the "hopper" tiles and the FP8 x FP4 Gluon phase). The interpreter runs the
-strings' ``tl`` twins, so without this a wrong string would only show on a GPU, as a wrong tile."""
+``megamoe.kernels.numerics`` against the torch model on every nibble pair in every lane (plain decode) and on
+random words with every fold shift (the table decode of the "hopper" tiles and the FP8 x FP4 Gluon phase). The
+interpreter runs the strings' ``tl`` twins, so without this a wrong string would only show on a GPU, as a wrong
+tile."""
 import numpy as np
 import pytest
 import torch
@@ -36,31 +37,55 @@ def test_unknown_instruction_raises():
         run("{\nmul.lo.u32 $0, $1, $1;\n}", {1: np.array([3], np.uint32)})
 
 
-def test_plain_prmt_decode_every_byte():
-    """``_PRMT_ASM`` (constant table: e2m1 magnitudes in e4m3) on all 256 bytes in every lane position."""
-    b = np.arange(256, dtype=np.uint8)
-    lanes = np.stack([np.roll(b, 64 * i) for i in range(4)], axis=-1).reshape(-1)  # every byte in every lane
-    out = run(kn._PRMT_ASM.value, {2: pack_bytes(lanes)})
+def _pack_register_order(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """uint8 bytes of words in register order (``megamoe.quant.transform_weights_for_mega_moe`` (b), written out
+    here from its definition) from the e2m1 nibbles ``lo`` / ``hi`` ``[n, 4]`` of each word's four lanes."""
+    i = np.arange(4, dtype=np.uint32)
+    lo, hi = lo.astype(np.uint32), hi.astype(np.uint32)
+    w = (((lo & 7) << (4 * i)) | ((lo >> 3) << (8 * i + 7)) | ((hi & 7) << (16 + 4 * i))
+         | ((hi >> 3) << (8 * i + 3)))
+    return np.bitwise_or.reduce(w, axis=-1).astype("<u4").view(np.uint8)
+
+
+def test_plain_prmt_decode_every_pair():
+    """``_PRMT_ASM`` (constant table: e2m1 magnitudes in e4m3) on every (low, high) nibble pair in every lane."""
+    pairs = np.arange(256, dtype=np.uint8)
+    lanes = np.stack([np.roll(pairs, 64 * i) for i in range(4)], axis=-1)  # [256 words, 4 lanes]: each pair, each lane
+    lo, hi = lanes & 0xF, lanes >> 4
+    out = run(kn._PRMT_ASM.value, {2: pack_bytes(_pack_register_order(lo, hi))})
     table = np.broadcast_to(_e4m3_bits(E2M1_MAGNITUDES), (lanes.size, 8))
-    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lanes & 0xF, table))
-    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(lanes >> 4, table))
+    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lo.reshape(-1), table))
+    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(hi.reshape(-1), table))
 
 
 def test_table_prmt_decode_every_shift():
     """``_PRMT_LUT_ASM`` with ``fold_lut``'s tables at every fold shift, a different shift for the low and the
-    high nibbles of each word (as two 32-groups of one row), on random bytes."""
+    high values of each word (as two 32-groups of one row), on random nibbles."""
     rng = np.random.default_rng(7)
     n = 4096
-    lanes = rng.integers(0, 256, size=4 * n, dtype=np.uint8)
+    lo, hi = rng.integers(0, 16, size=(2, n, 4), dtype=np.uint8)
     lut = fold_lut().numpy().astype(np.uint32)
     d_lo, d_hi = rng.integers(0, FOLD_LUT_MAX_SHIFT + 1, size=(2, n))
-    ops = {2: pack_bytes(lanes), 3: lut[2 * d_lo], 7: lut[2 * d_lo + 1], 11: lut[2 * d_hi], 15: lut[2 * d_hi + 1]}
+    ops = {2: pack_bytes(_pack_register_order(lo, hi)), 3: lut[2 * d_lo], 7: lut[2 * d_lo + 1], 11: lut[2 * d_hi],
+           15: lut[2 * d_hi + 1]}
     out = run(kn._PRMT_LUT_ASM.value, ops)
 
     def table(d):  # [n, 8] magnitude bytes of each word, repeated for its four lanes
         t = np.stack([lut[2 * d], lut[2 * d + 1]], axis=-1).astype("<u4").view(np.uint8)
         return np.repeat(t, 4, axis=0)
 
-    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lanes & 0xF, table(d_lo)))
-    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(lanes >> 4, table(d_hi)))
+    np.testing.assert_array_equal(unpack_bytes(out[0]), _decode_model(lo.reshape(-1), table(d_lo)))
+    np.testing.assert_array_equal(unpack_bytes(out[1]), _decode_model(hi.reshape(-1), table(d_hi)))
     assert len({int(x) for x in d_lo}) == FOLD_LUT_MAX_SHIFT + 1  # every shift drawn
+
+
+def test_register_order_matches_the_transform():
+    """The words this file packs from the definition are the transform's bytes: ``megamoe.quant._repack_nibbles``
+    of a K-major row whose chunk holds ``lo`` at elements ``j`` and ``hi`` at ``32 + j``."""
+    from megamoe.quant import _repack_nibbles, pack_nibbles
+
+    rng = np.random.default_rng(3)
+    lo, hi = rng.integers(0, 16, size=(2, 8, 4), dtype=np.uint8)  # one 64-element chunk: 8 words of 4 lanes
+    row = np.concatenate([lo.reshape(-1), hi.reshape(-1)])  # K order: elements 0..31 low, 32..63 high
+    got = _repack_nibbles(pack_nibbles(torch.from_numpy(row)[None])).view(torch.uint8)[0].numpy()
+    np.testing.assert_array_equal(got, _pack_register_order(lo, hi))

@@ -187,7 +187,7 @@ def test_fp4_rs_probe_model_is_the_library_fold():
     kernel computed the ``hopper`` numerics' operands."""
     import torch
 
-    from megamoe.quant import _unrepack_nibbles_split, e2m1_decode, fold_lut, fold_scales, pack_ue8m0, unpack_nibbles
+    from megamoe.quant import _unrepack_nibbles, e2m1_decode, fold_lut, fold_scales, pack_ue8m0, unpack_nibbles
 
     probe = _load("fp4_rs_probe")
     g = torch.Generator().manual_seed(3)
@@ -196,7 +196,7 @@ def test_fp4_rs_probe_model_is_the_library_fold():
     sf = torch.randint(100, 131, (N, K // 32), generator=g, dtype=torch.int32)  # shifts up to 30: the table's clamp
     rmax = sf.amax(dim=1)
     got = probe.decoded_weights(packed, sf, rmax, fold_lut())
-    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles_split(packed.view(torch.int8))))
+    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles(packed.view(torch.int8))))
     scales = torch.pow(2.0, (sf - 127).float())
     folded, row = fold_scales(values, pack_ue8m0(scales))
     assert torch.equal(row, rmax)
@@ -204,14 +204,15 @@ def test_fp4_rs_probe_model_is_the_library_fold():
     assert not torch.equal(probe.decoded_weights(packed, sf, rmax - 1, fold_lut()), got)  # the check can fail
 
 
-def test_fp4_rs_probe_register_order_asm_is_its_model():
-    """``PRMT_REG_ASM`` (the probe's register-order decode, ``DECODE`` 3), run by ``megamoe.inline_asm`` on every
-    word of random weights with the kernel's per-(row, 32-group) tables, gives the bytes of the probe's torch model
-    for that packing -- so a GPU row of ``DECODE`` 3 is checked against the right model."""
+def test_fp4_rs_probe_model_is_the_table_asm():
+    """The library's table decode (``_PRMT_LUT_ASM``, the Gluon kernels' and this probe's), run by
+    ``megamoe.inline_asm`` on every word of random weights with the kernel's per-(row, 32-group) tables, gives the
+    bytes of the probe's torch model -- so a GPU row is checked against the right model."""
     import numpy as np
     import torch
 
     from megamoe.inline_asm import run
+    from megamoe.kernels.numerics import _PRMT_LUT_ASM
     from megamoe.quant import FOLD_LUT_MAX_SHIFT, fold_lut
 
     probe = _load("fp4_rs_probe")
@@ -221,7 +222,7 @@ def test_fp4_rs_probe_register_order_asm_is_its_model():
     sf = torch.randint(110, 128, (N, K // 32), generator=g, dtype=torch.int32)
     rmax = sf.amax(dim=1)
     lut = fold_lut()
-    want = probe.decoded_weights(packed, sf, rmax, lut, "reg").to(torch.float8_e4m3fn).view(torch.uint8)
+    want = probe.decoded_weights(packed, sf, rmax, lut).to(torch.float8_e4m3fn).view(torch.uint8)
     words = packed.view(torch.int32).numpy().view(np.uint32)  # [N, K/8], little-endian
     table = lut.numpy().view(np.uint32).reshape(-1, 2)
     widx = np.arange(K // 8)
@@ -230,14 +231,11 @@ def test_fp4_rs_probe_register_order_asm_is_its_model():
     shift = np.minimum(rmax.numpy()[:, None, None] - sf.numpy()[:, np.stack([gA, gB])].transpose(0, 1, 2),
                        FOLD_LUT_MAX_SHIFT).transpose(1, 0, 2)  # [2, N, K/8]
     tA, tB = table[shift[0]], table[shift[1]]
-    out = run(probe.PRMT_REG_ASM.value, {2: words, 3: tA[..., 0], 7: tA[..., 1], 11: tB[..., 0], 15: tB[..., 1]})
+    out = run(_PRMT_LUT_ASM.value, {2: words, 3: tA[..., 0], 7: tA[..., 1], 11: tB[..., 0], 15: tB[..., 1]})
     got = np.zeros((N, K), np.uint8)
     for half, reg in ((0, out[0]), (1, out[1])):
         for i in range(4):
             got[:, blk * 128 + 64 * c + 32 * half + 4 * j + i] = (reg >> (8 * i)) & 0xFF
     assert np.array_equal(got, want.numpy())
-    assert not np.array_equal(got, probe.decoded_weights(packed, sf, rmax, lut, "split").to(
-        torch.float8_e4m3fn).view(torch.uint8).numpy())  # the two packings differ: the check can fail
-    # and the probe's repack of split-packed weights is the same weights in the register order
-    split = probe.decoded_weights(packed, sf, rmax, lut, "split")
-    assert torch.equal(probe.decoded_weights(probe.to_register_order(packed), sf, rmax, lut, "reg"), split)
+    assert not np.array_equal(got, probe.decoded_weights(packed, sf, rmax - 1, lut).to(
+        torch.float8_e4m3fn).view(torch.uint8).numpy())  # the check can fail

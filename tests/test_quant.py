@@ -289,9 +289,13 @@ def _decode_transformed(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     b = w.view(torch.uint8).long()
     values = torch.empty(e, n, 2 * half_k)
     for c in range(half_k // 32):
-        for j in range(32):
-            values[:, :, 64 * c + j] = e2m1_decode((b[:, :, 32 * c + j] & 0xF).to(torch.uint8))
-            values[:, :, 64 * c + 32 + j] = e2m1_decode((b[:, :, 32 * c + j] >> 4).to(torch.uint8))
+        for q in range(8):  # the little-endian word of byte lanes 4q .. 4q + 3 of chunk c, in register order
+            word = sum(b[:, :, 32 * c + 4 * q + i] << (8 * i) for i in range(4))
+            for i in range(4):
+                lo = ((word >> (4 * i)) & 7) | (((word >> (8 * i + 7)) & 1) << 3)
+                hi = ((word >> (16 + 4 * i)) & 7) | (((word >> (8 * i + 3)) & 1) << 3)
+                values[:, :, 64 * c + 4 * q + i] = e2m1_decode(lo.to(torch.uint8))
+                values[:, :, 64 * c + 32 + 4 * q + i] = e2m1_decode(hi.to(torch.uint8))
     scales = torch.empty_like(values)
     sf_bytes = sf.long()
     for g in range(2 * half_k // 32):

@@ -25,21 +25,30 @@ def interleave_demo(intermediate: int = 128, hidden: int = 128, show: int = 32) 
     return sf[0, :show, 0].tolist()
 
 
+def _transformed_bit(k: int, nibble: int, hidden: int = 128, intermediate: int = 128) -> int:
+    """The one set bit (index in the transformed row's bits, little-endian bytes) of a row whose element ``k`` is the
+    e2m1 bit pattern ``nibble`` (a single bit) and every other element 0."""
+    nib = torch.zeros(1, hidden, intermediate, dtype=torch.uint8)
+    nib[0, 0, k] = nibble
+    l1, _ = _tiny_weights(hidden, intermediate)
+    l2 = (pack_nibbles(nib), torch.zeros(1, hidden, intermediate // 128, dtype=torch.int32))
+    _, (w, _) = transform_weights_for_mega_moe(l1, l2)
+    bits = (w[0, 0].view(torch.uint8).long().unsqueeze(-1) >> torch.arange(8)) & 1
+    (bit,) = bits.flatten().nonzero().flatten().tolist()
+    return bit
+
+
 def nibble_split_demo(chunk: int = 64) -> list[dict]:
-    """Where element ``k`` (0..63) of a weight row lives before (K-major, ``pack_nibbles``) and after the transform:
-    (byte, low/high nibble). Found by transforming one-hot rows (only element ``k`` non-zero)."""
-    hidden, intermediate = 128, 128
+    """Where element ``k`` (0..63) of a weight row lives before (K-major, ``pack_nibbles``: byte ``k // 2``, low or
+    high nibble) and after the transform: its byte lane (the byte of its sign bit), and where its 3-bit magnitude and its sign bit sit in the
+    little-endian 32-bit word of byte lanes ``4q .. 4q + 3`` that holds it. Found by transforming one-hot rows:
+    element ``k`` = e2m1 ``0b0001`` (magnitude code 1: the magnitude's lowest bit) and ``0b1000`` (the sign alone)."""
     out = []
     for k in range(chunk):
-        nib = torch.zeros(1, hidden, intermediate, dtype=torch.uint8)
-        nib[0, 0, k] = 1
-        l1, _ = _tiny_weights(hidden, intermediate)
-        l2 = (pack_nibbles(nib), torch.zeros(1, hidden, intermediate // 128, dtype=torch.int32))
-        _, (w, _) = transform_weights_for_mega_moe(l1, l2)
-        before = unpack_nibbles(l2[0][0, 0]).nonzero().flatten().item()
-        after = unpack_nibbles(w[0, 0]).nonzero().flatten().item()
-        out.append({"element": k, "before: byte": before // 2, "before: nibble": "lo" if before % 2 == 0 else "hi",
-                    "after: byte": after // 2, "after: nibble": "lo" if after % 2 == 0 else "hi"})
+        mag, sign = _transformed_bit(k, 0b0001), _transformed_bit(k, 0b1000)
+        out.append({"element": k, "before: byte": k // 2, "before: nibble": "lo" if k % 2 == 0 else "hi",
+                    "after: byte lane": sign // 8, "after: magnitude bits": f"{mag % 32}..{mag % 32 + 2}",
+                    "after: sign bit": sign % 32})
     return out
 
 

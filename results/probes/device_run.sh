@@ -38,6 +38,8 @@
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
 #                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
+#   gputests_decode tests/gpu: the staged, one-launch Triton, decode-partition and fold_decode kernels' files (every
+#                  FP4 word decoder but the register-operand tile's; session 26, not yet timed)
 #   gputests_rs    tests/gpu/test_fp4_rs_gpu.py (the register-operand FP4 tile; stops at the first failure; 21 tests
 #                  in 123-163 s, session 18)
 #   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json;
@@ -116,6 +118,13 @@ step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $
 step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
 
 step_gputests_rs() { $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py; }
+
+# the GPU tests of every kernel that decodes the transform's FP4 words besides the register-operand tile: the staged
+# kernels, the one-launch Triton kernel, the decode-partition tile and fold_decode (the predecoded path)
+step_gputests_decode() {
+    $PY -m pytest -q -rfE tests/gpu/test_mega_moe_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_fp4_ws_gpu.py \
+        -k "not one_process_per_gpu"
+}
 
 step_weights_cache() { $PY -m pytest -q -rfE tests/gpu/test_weights_cache_gpu.py; }
 

@@ -50,7 +50,9 @@ estimated ~460 / 720 / 730 us, 0.83 / – / 0.90x DeepGEMM's, not yet issue #7's
 Session 18 (rows at 96e579a): in the warp-specialised kernel ``DECODE`` 3 (register order) 287 / 149 us at 16 tokens,
 252 / 132 at 8 (L1 / L2: 2.97 / 2.85 TB/s), against ``DECODE`` 2's 301 / 156 and 274 / 145: ~8 % more, for a second
 packing of the weights. The tile kind this probe led to is ``megamoe.kernels.gemm_fp4_rs`` (``DECODE`` 2's split
-packing, no copy of the weights).
+packing, no copy of the weights). Since session 25 the register order is the one packing of
+``transform_weights_for_mega_moe`` (no second copy), so ``DECODE`` 2 here is that decode and ``DECODE`` 3, its
+``PRMT_REG_ASM`` and the repack ``to_register_order`` were removed (the rows above were taken at 96e579a).
 
 Offline (Triton 3.6 for sm_90a): ``DECODE`` 3's register-order packing takes the plain loop's K
 body from 216 to 176 SASS instructions a thread (PRMT 36 -> 20, LOP3 37 -> 29, LEA 36 -> 20; 52 registers, no
@@ -78,40 +80,11 @@ from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT  # noqa: E402
 from megamoe.kernels.gemm_fp4_rs import _k_block_chain  # noqa: E402
 from megamoe.kernels.gemm_fp4_ws import _bc, _decode_prmt, _fold_table  # noqa: E402
 
-#: ``DECODE`` 3: the decode for a register-order packing of the nibbles (this probe's only; the weights' transform
-#: would have to produce it): a 32-bit word holds the four values of operand register A (magnitudes in nibbles 0-3,
-#: signs at bits 7 / 15 / 23 / 31) and the four of register B (magnitudes in nibbles 4-7, signs at bits 3 / 11 / 19
-#: / 27), so each half's selector is the masked word itself (``prmt`` reads the low 16 bits) and each sign one
-#: mask: 7 instructions per 8 values instead of the split packing's ~12. Operands as ``_PRMT_LUT_ASM``: $0 / $1 A
-#: / B, $2 the word, $3 / $7 A's table pair, $11 / $15 B's.
-PRMT_REG_ASM = gl.constexpr("{\n.reg .b32 m, t, s;\n"
-                            "and.b32 m, $2, 0x77777777;\n"
-                            "prmt.b32 $0, $3, $7, m;\n"
-                            "and.b32 t, $2, 0x80808080;\n"
-                            "or.b32 $0, $0, t;\n"
-                            "shr.b32 s, m, 16;\n"
-                            "prmt.b32 $1, $11, $15, s;\n"
-                            "shl.b32 t, $2, 4;\n"
-                            "and.b32 t, t, 0x80808080;\n"
-                            "or.b32 $1, $1, t;\n}")
-
 #: (N, K) of the two GEMMs of V4-Pro's expert: L1 gate/up (2I x H), L2 down (H x I).
 SHAPES = {"L1": (6144, 7168), "L2": (7168, 3072)}
 #: (warps, BM, stages, SF_TMA, DECODE, WS CTAs an SM or 0, PIPE) of a ``run``; earlier sweeps (rows in
 #: fp4_rs_probe_h200.jsonl) also ran stages 3 / 4 / 8 / 10, 8 warps, BM 32, DECODE 1 / 0, 2 / 3 CTAs an SM and PIPE.
-#: Not yet run on a GPU (session 17 ended its device time): DECODE 3 (the same weights, repacked by
-#: ``to_register_order``, against the same reference) and BM 8.
-CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 8, 6, True, 2, 4, False), (4, 16, 6, True, 3, 4, False),
-           (4, 8, 6, True, 3, 4, False), (4, 16, 4, True, 3, 0, False))
-
-
-@gluon.jit
-def _decode_reg(packed, t0, t1, u0, u1):
-    """``PRMT_REG_ASM`` over uint8 ``packed`` ``[R, 32]`` (tables int32 ``[R]``, broadcast): (A, B) as e4m3."""
-    a, b = gl.inline_asm_elementwise(asm=PRMT_REG_ASM, constraints="=r,=r," + "r," * 16 + "r",
-                                     args=[packed, _bc(t0, packed), _bc(t1, packed), _bc(u0, packed),
-                                           _bc(u1, packed)], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
-    return a.to(gl.float8e4nv, bitcast=True), b.to(gl.float8e4nv, bitcast=True)
+CONFIGS = ((4, 16, 6, True, 2, 4, False), (4, 8, 6, True, 2, 4, False), (4, 16, 4, True, 2, 0, False))
 
 
 @gluon.jit
@@ -128,20 +101,15 @@ def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, row0, e, nt, kb, s, N:
 
 
 @gluon.jit
-def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr, REG: gl.constexpr):
+def _decode_stage(wp, s, word, rm, lut, dot_a: gl.constexpr):
     """The four K=32 register operands of ring stage ``s`` (e4m3 ``[ROWS, 32]`` in ``dot_a``): its two packed
-    boxes through the fold tables of ``word`` (the rows' scale words) and ``rm`` (their maxima); ``REG``: the
-    register-order packing (``PRMT_REG_ASM``), else the split one (``_decode_prmt``)."""
+    boxes through the fold tables of ``word`` (the rows' scale words) and ``rm`` (their maxima)."""
     t00, t01 = _fold_table(lut, word, rm, 0)
     t10, t11 = _fold_table(lut, word, rm, 1)
     t20, t21 = _fold_table(lut, word, rm, 2)
     t30, t31 = _fold_table(lut, word, rm, 3)
-    if REG:
-        g0, g1 = _decode_reg(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-        g2, g3 = _decode_reg(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
-    else:
-        g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
-        g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
+    g0, g1 = _decode_prmt(wp.index(2 * s).load(dot_a), t00, t01, t10, t11)
+    g2, g3 = _decode_prmt(wp.index(2 * s + 1).load(dot_a), t20, t21, t30, t31)
     return g0, g1, g2, g3
 
 
@@ -154,8 +122,7 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
     MN-major ``[E][K/128][N]`` (four UE8M0 group bytes a word), ``rmax`` int32 ``[E*N]`` (each row's largest), ``lut``
     ``fold_lut``. One CTA per (expert, ``ROWS`` rows). ``SF_TMA``: the K block's scale words of the CTA's rows come
     with the stage (``s_desc``: boxes ``[ROWS]`` of the flat words) instead of a global load in the K loop.
-    ``DECODE`` (timing only below 2): 3 the register-order packing (``PRMT_REG_ASM``); 2 the decode as
-    described; 1 without the fold-table gathers (shift 0 for
+    ``DECODE`` (timing only below 2): 2 the decode as described; 1 without the fold-table gathers (shift 0 for
     every group: wrong unless all of a row's scales are equal); 0 no decode at all (the packed bytes go to the MMA
     as they are: the stream and MMA without the decode's instructions)."""
     ROWS: gl.constexpr = 16 * num_warps
@@ -200,7 +167,7 @@ def fp4_rs_kernel(w_desc, a_desc, s_desc, w_sf, rmax, lut, out, N: gl.constexpr,
             word = gl.load(w_sf + (e * KB + kb) * N + nt * ROWS + rows)
             mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
         if DECODE >= 2:
-            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a, DECODE == 3)
+            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
         elif DECODE == 1:
             c0 = gl.zeros_like(word) + 0x3C383000  # fold_lut at shift 0
             c1 = gl.zeros_like(word) + 0x4C484440
@@ -267,7 +234,7 @@ def _rs_math(wp, ab, sw, ready, empty, rmax, lut, out, num_tiles, N: gl.constexp
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             word = sw.index(s).load(gl.SliceLayout(1, dot_a))
-            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a, DECODE == 3)
+            g0, g1, g2, g3 = _decode_stage(wp, s, word, rm, lut, dot_a)
             if PIPE:  # one chain over K; block kb's MMAs run while block kb + 1 decodes
                 acc = warpgroup_mma(g0, ab.index(4 * s).permute((1, 0)), acc, use_acc=kb > 0, is_async=True)
                 acc = warpgroup_mma(g1, ab.index(4 * s + 1).permute((1, 0)), acc, is_async=True)
@@ -347,33 +314,24 @@ def compile_offline(num_warps: int = 4, bm: int = 16, stages: int = 6, shape: st
             "spill_stores": r.spill_stores, "spill_loads": r.spill_loads, "loops": loops, "dir": r.directory}
 
 
-def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor,
-                    packing: str = "split") -> torch.Tensor:
-    """The kernel's decode in torch: packed uint8 ``[N, K/2]``, UE8M0 bytes int32 ``[N, K/32]``, row maxima int32
-    ``[N]``, ``fold_lut`` -> the folded e4m3 weights as float32 ``[N, K]`` (``tests/test_probes.py`` checks the
-    split packing against ``megamoe.quant.fold_scales``, the register-order one against ``PRMT_REG_ASM``).
-    ``packing``: ``"split"``, ``transform_weights_for_mega_moe``'s order (per 128-wide K block, chunk ``c`` byte
-    ``j`` = elements ``64c + j`` (low nibble) and ``64c + 32 + j`` (high)); ``"reg"``, ``DECODE`` 3's (chunk ``c``
-    little-endian word ``j`` = elements ``64c + 4j + i`` (A) and ``64c + 32 + 4j + i`` (B), ``i`` < 4, bits as
-    ``PRMT_REG_ASM`` reads them)."""
+def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The kernel's decode in torch: packed uint8 ``[N, K/2]`` in ``transform_weights_for_mega_moe``'s nibble order
+    (per 128-wide K block, chunk ``c`` little-endian word ``j`` = elements ``64c + 4j + i`` (low) and ``64c + 32 +
+    4j + i`` (high), ``i`` < 4, in register order), UE8M0 bytes int32 ``[N, K/32]``, row maxima int32 ``[N]``,
+    ``fold_lut`` -> the folded e4m3 weights as float32 ``[N, K]`` (``tests/test_probes.py`` checks it against
+    ``megamoe.quant.fold_scales`` and against the library's ``_PRMT_LUT_ASM``)."""
     N, K = packed.shape[0], 2 * packed.shape[1]
     kk = torch.arange(K, device=packed.device)
     blk, r = kk // 128, kk % 128
     c, q = r // 64, r % 64
     hi = (q >= 32).long()
-    if packing == "split":
-        byte = blk * 64 + c * 32 + q % 32
-        codes = (packed[:, byte].long() >> (4 * hi)) & 0xF  # [N, K]
-    elif packing == "reg":
-        words = packed.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [N, K/8], little-endian
-        p = q % 32
-        w = words[:, blk * 16 + c * 8 + p // 4]
-        i = p % 4
-        mag = (w >> (4 * i + 16 * hi)) & 7
-        sign = (w >> (8 * i + 7 - 4 * hi)) & 1
-        codes = mag | sign << 3
-    else:
-        raise ValueError(f"packing must be 'split' or 'reg', got {packing!r}")
+    words = packed.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [N, K/8], little-endian
+    p = q % 32
+    w = words[:, blk * 16 + c * 8 + p // 4]
+    i = p % 4
+    mag = (w >> (4 * i + 16 * hi)) & 7
+    sign = (w >> (8 * i + 7 - 4 * hi)) & 1
+    codes = mag | sign << 3
     table = lut.view(-1, 2).long() & 0xFFFFFFFF  # [shifts, 2] words
     tb = torch.stack([(table[:, 0] >> (8 * j)) & 0xFF for j in range(4)]
                      + [(table[:, 1] >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [shifts, 8] bytes
@@ -382,20 +340,8 @@ def decoded_weights(packed: torch.Tensor, sf: torch.Tensor, rmax: torch.Tensor, 
     return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def to_register_order(packed: torch.Tensor) -> torch.Tensor:
-    """Split-packed FP4 bytes uint8 ``[..., K/2]`` -> ``DECODE`` 3's register order, the same weights: a bit
-    permutation within each little-endian 32-bit word (its four bytes' low nibbles are register A's values, their
-    high nibbles register B's; see ``PRMT_REG_ASM``)."""
-    b = packed.long().unflatten(-1, (-1, 4))  # [..., words, 4 bytes]
-    lo, hi = b & 0xF, b >> 4
-    i = torch.arange(4, device=packed.device)
-    w = (((lo & 7) << (4 * i)) | ((lo >> 3) << (8 * i + 7)) | ((hi & 7) << (16 + 4 * i))
-         | ((hi >> 3) << (8 * i + 3))).sum(dim=-1)  # disjoint bits: the sum is the OR
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).view(torch.uint8)  # little-endian bytes again
-
-
 def make_inputs(E: int, N: int, K: int, bm: int, seed: int = 0, dev: str = "cuda"):
-    """Random packed FP4 weights (split packing), per-32 UE8M0 scales (a spread of 7 binades a row), tokens; and
+    """Random packed FP4 weights (the transform's nibble order), per-32 UE8M0 scales (a spread of 7 binades a row), tokens; and
     the torch model ``ref[e, n, t] = sum_k W'[n, k] A[t, k]`` with W' the folded e4m3 weights (``fold_lut``
     bytes)."""
     from megamoe.quant import fold_lut, pack_ue8m0
@@ -429,8 +375,6 @@ def run(num_warps: int, bm: int, stages: int, shape: str, E: int, sf_tma: bool, 
         _INPUTS.clear()
         _INPUTS[shape, bm, E] = make_inputs(E, N, K, bm)
     packed, w_sf, rmax, lut, a, ref = _INPUTS[shape, bm, E]
-    if decode == 3:  # the same weights in the register order: the same reference
-        packed = to_register_order(packed)
     lw, la, ls = layouts(rows, bm)
     wd = TensorDescriptor.from_tensor(packed, [rows, 32], lw)
     sd = TensorDescriptor(w_sf.view(-1), [w_sf.numel()], [1], [rows], ls)
