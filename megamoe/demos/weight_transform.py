@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.quant import pack_nibbles, transform_weights_for_mega_moe, unpack_nibbles, untransform_weights_for_mega_moe
+from megamoe.quant import pack_nibbles, transform_weights_for_mega_moe, untransform_weights_for_mega_moe
 
 
 def _tiny_weights(hidden: int = 128, intermediate: int = 128):
@@ -40,9 +40,10 @@ def _transformed_bit(k: int, nibble: int, hidden: int = 128, intermediate: int =
 
 def nibble_split_demo(chunk: int = 64) -> list[dict]:
     """Where element ``k`` (0..63) of a weight row lives before (K-major, ``pack_nibbles``: byte ``k // 2``, low or
-    high nibble) and after the transform: its byte lane (the byte of its sign bit), and where its 3-bit magnitude and its sign bit sit in the
-    little-endian 32-bit word of byte lanes ``4q .. 4q + 3`` that holds it. Found by transforming one-hot rows:
-    element ``k`` = e2m1 ``0b0001`` (magnitude code 1: the magnitude's lowest bit) and ``0b1000`` (the sign alone)."""
+    high nibble) and after the transform: its byte lane (the byte of its sign bit), and where its 3-bit magnitude
+    and its sign bit sit in the little-endian 32-bit word of byte lanes ``4q .. 4q + 3`` that holds it. Found by
+    transforming one-hot rows: element ``k`` = e2m1 ``0b0001`` (magnitude code 1: the magnitude's lowest bit) and
+    ``0b1000`` (the sign alone)."""
     out = []
     for k in range(chunk):
         mag, sign = _transformed_bit(k, 0b0001), _transformed_bit(k, 0b1000)
