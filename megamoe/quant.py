@@ -388,12 +388,23 @@ def _deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(e, two_i, c)
 
 
-def _repack_nibbles(w: torch.Tensor) -> torch.Tensor:
-    """K-major nibbles ``[..., k/2]`` -> the kernel order of :func:`transform_weights_for_mega_moe` (b): per
-    64-element chunk ``c``, byte lane ``j`` (0..31) carries element ``64c + j`` ("low") and ``64c + 32 + j``
-    ("high"), and each little-endian 32-bit word of lanes ``4q .. 4q + 3`` holds their bits in register order:
-    lane ``i``'s low magnitude (3 bits) at bit ``4i``, its sign at bit ``8i + 7``; its high magnitude at bit
-    ``16 + 4i``, its sign at bit ``8i + 3``."""
+#: Packed bytes a piece of :func:`_repack_nibbles` / :func:`_unrepack_nibbles` works on at once: their int64
+#: intermediates take ~40x the piece, so one V4-Pro weight tensor (8.5 GB) is done in pieces, not whole.
+_REPACK_PIECE_BYTES = 1 << 24
+
+
+def _by_pieces(fn, w: torch.Tensor) -> torch.Tensor:
+    """``fn`` (int8 ``[rows, k/2]`` -> int8, same shape) over ``w`` ``[..., k/2]``, a bounded number of rows at a
+    time (:data:`_REPACK_PIECE_BYTES`)."""
+    flat = w.reshape(-1, w.shape[-1])
+    out = torch.empty_like(flat)
+    rows = max(1, _REPACK_PIECE_BYTES // max(1, flat.shape[-1]))
+    for r in range(0, flat.shape[0], rows):
+        out[r: r + rows] = fn(flat[r: r + rows])
+    return out.view(w.shape)
+
+
+def _repack_rows(w: torch.Tensor) -> torch.Tensor:
     chunks = unpack_nibbles(w).long().unflatten(-1, (-1, 2, FP4_REPACK_K // 2 // 4, 4))  # [..., c, lo/hi, q, i]
     lo, hi = chunks[..., 0, :, :], chunks[..., 1, :, :]
     i = torch.arange(4, device=w.device)
@@ -403,8 +414,7 @@ def _repack_nibbles(w: torch.Tensor) -> torch.Tensor:
     return lanes.to(torch.uint8).flatten(-3).view(torch.int8)
 
 
-def _unrepack_nibbles(w: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_repack_nibbles`."""
+def _unrepack_rows(w: torch.Tensor) -> torch.Tensor:
     lanes = w.view(torch.uint8).long().unflatten(-1, (-1, FP4_REPACK_K // 2 // 4, 4))  # [..., c, q, i]
     i = torch.arange(4, device=w.device)
     word = (lanes << (8 * i)).sum(dim=-1, keepdim=True)
@@ -412,6 +422,20 @@ def _unrepack_nibbles(w: torch.Tensor) -> torch.Tensor:
     hi = ((word >> (16 + 4 * i)) & 7) | (((word >> (8 * i + 3)) & 1) << 3)
     nibbles = torch.stack((lo, hi), dim=-3).flatten(-4).to(torch.uint8)  # [..., c, lo/hi, q, i] -> K order
     return pack_nibbles(nibbles)
+
+
+def _repack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """K-major nibbles ``[..., k/2]`` -> the kernel order of :func:`transform_weights_for_mega_moe` (b): per
+    64-element chunk ``c``, byte lane ``j`` (0..31) carries element ``64c + j`` ("low") and ``64c + 32 + j``
+    ("high"), and each little-endian 32-bit word of lanes ``4q .. 4q + 3`` holds their bits in register order:
+    lane ``i``'s low magnitude (3 bits) at bit ``4i``, its sign at bit ``8i + 7``; its high magnitude at bit
+    ``16 + 4i``, its sign at bit ``8i + 3``."""
+    return _by_pieces(_repack_rows, w)
+
+
+def _unrepack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_repack_nibbles`."""
+    return _by_pieces(_unrepack_rows, w)
 
 
 def _to_mn_major(sf: torch.Tensor) -> torch.Tensor:

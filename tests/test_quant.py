@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megamoe import quant
 from megamoe.quant import (
     FP4_E2M1_VALUES,
     FP8_E4M3_MAX,
@@ -304,7 +305,10 @@ def _decode_transformed(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     return values * scales
 
 
-def test_transform_layout_and_semantics():
+@pytest.mark.parametrize("piece_bytes", [None, 1, 1000], ids=["whole", "row-by-row", "ragged-pieces"])
+def test_transform_layout_and_semantics(piece_bytes, monkeypatch):
+    if piece_bytes:  # the repack works in pieces of rows (bounded memory at V4-Pro size): the bits must not change
+        monkeypatch.setattr(quant, "_REPACK_PIECE_BYTES", piece_bytes)
     l1, l2 = _weights()
     (t1_w, t1_sf), (t2_w, t2_sf) = transform_weights_for_mega_moe(l1, l2)
     assert t1_w.shape == (E, 2 * I, H // 2) and t1_w.dtype == torch.int8 and t1_w.is_contiguous()

@@ -145,7 +145,7 @@ def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
 
 def test_fp4_ws_is_the_default_above_its_threshold():
     """On this GPU a "hopper" call takes the Gluon phase at any size (``FP4_WS_MIN_EXPECTED``): block 128 at the real
-    size, 64 at few tokens per expert."""
+    size; at few tokens per expert the register-operand tile (its own block) or block 64."""
     import megamoe.fused as mf
     from megamoe.layout import Layout
 
@@ -154,6 +154,10 @@ def test_fp4_ws_is_the_default_above_its_threshold():
     assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").kind == "fp4_ws"
     assert mf.fused_config(L, 8192, 1, torch.device("cuda"), "hopper").block_m == 128
     L48 = Layout(1, 48, 8192, 6, 7168, 3072, 128)  # one EP8 rank's share: T / 8 expected tokens per expert
-    for t, block in ((8, 64), (128, 64), (256, 64), (512, 128), (1024, 128)):
-        cfg = mf.fused_config(L48, t, 1, torch.device("cuda"), "hopper")
-        assert (cfg.kind, cfg.block_m) == ("fp4_ws", block), t
+    for t in (8, 128, 256, 512, 1024):
+        cfg, expected = mf.fused_config(L48, t, 1, torch.device("cuda"), "hopper"), t * 6 / 48
+        assert cfg.kind == "fp4_ws" and bool(cfg.rs_block_n) == (expected <= mf.FP4_RS_MAX_EXPECTED), t
+        # the register-operand tile's own pool block; else 64 rows where 128 would be mostly padding
+        want = mf.fp4_rs_block_m(cfg.rs_block_n) if cfg.rs_block_n else (
+            64 if expected <= mf.FP4_BLOCK64_MAX_EXPECTED else 128)
+        assert cfg.block_m == want, t
