@@ -39,7 +39,7 @@
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
 #                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
 #   gputests_decode tests/gpu: the staged, one-launch Triton, decode-partition and fold_decode kernels' files (every
-#                  FP4 word decoder but the register-operand tile's; session 26, not yet timed)
+#                  FP4 word decoder but the register-operand tile's; 51 tests in 365 s, session 26)
 #   gputests_rs    tests/gpu/test_fp4_rs_gpu.py (the register-operand FP4 tile; stops at the first failure; 21 tests
 #                  in 123-163 s, session 18)
 #   layer_rs       python -m megamoe.bench --suite layer at T = 8, 32, 128, 256 (no kit; -> $OUT/layer_h200.json;
