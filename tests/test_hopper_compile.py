@@ -14,6 +14,12 @@ from megamoe.layout import Layout
 SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 180, ("fp8_ws", 64): 16, ("fp8_ws", 128): 40,
                 ("fp4_ws_predecoded", 64): 32, ("fp4_ws_predecoded", 128): 180}
 
+#: Spill stores (``STL``, one 4-byte register each) allowed inside a decode partition's K loop: none, except the
+#: decode-partition tile at block 128, whose stage loop -- the W decode and, for L2 tiles, the A stage's fold --
+#: stores one register a stage since the register-order FP4 words (session 26, measured faster on the H200 all the
+#: same: ``results/layer_h200.json`` at 0b09cbc; the fold's removal, branch ``wip/fp4-ws-fold-once``, frees it).
+DECODE_LOOP_SPILLS = {("fp4_ws", 128): 1}
+
 
 def _innermost(loops):
     """The loops (``CompileReport.loops``: the range between a backward branch's target and the branch) that contain
@@ -47,12 +53,17 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
     assert r.directory is None  # nothing left behind (keep=False)
     inner = _innermost(r.loops)
     mma_loops = [lp for lp in inner if lp[3].get("QGMMA")]
-    decode_loops = [lp for lp in inner if lp[3].get("PRMT", 0) >= 64 and not lp[3].get("QGMMA")]
+    # (a decode partition's stage: 32 values a thread per 64 weight rows of BM 64's two partitions, one prmt per four)
+    decode_loops = [lp for lp in inner if lp[3].get("PRMT", 0) >= 32 and not lp[3].get("QGMMA")]
     assert mma_loops, "no K loop issues wgmma"
     assert bool(decode_loops) == (kind == "fp4_ws" and not predecode), "the FP4 decode partitions' K loops (prmt)"
     # (fp8_ws's pull partition spills 8 B a pulled row in its copy loop at 40 registers: known, not a K loop)
-    for first, last, n, ops in mma_loops + decode_loops:
+    for first, last, n, ops in mma_loops:
         assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+    for first, last, n, ops in decode_loops:
+        allowed = DECODE_LOOP_SPILLS.get((kind, block_m), 0)
+        assert ops.get("STL", 0) <= allowed and ops.get("LDL", 0) <= allowed, \
+            f"spill in the K loop {first:#x}-{last:#x}"
 
 
 @pytest.mark.slow
@@ -66,7 +77,8 @@ def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     spilled in the chain epilogues; Triton 3.6)."""
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
     r = compile_gluon_phase("fp4_rs", layout, mf.fp4_rs_block_m(block_n), block_n=block_n, has_clamp=True)
-    _assert_rs_within_budgets(r, block_n, 600 if block_n == 128 else 96)
+    _assert_rs_within_budgets(r, block_n, 600 if block_n == 128 else 120)  # (chunk 32: 108 B since the register-
+    # order FP4 words of session 26, 88 before; none in a K loop)
 
 
 def _assert_rs_within_budgets(r, block_n: int, spill_budget: int) -> None:
