@@ -55,8 +55,8 @@ def _decode_wide(w_e, sf_e, rmax, rows, k0, N: tl.constexpr, K: tl.constexpr, lu
                  STEP_K: tl.constexpr, STREAM: tl.constexpr):
     """Folded e4m3 ``[BN, STEP_K]`` of K values ``k0 .. k0 + STEP_K - 1`` of ``rows`` [BN], in K order (``STEP_K`` a
     multiple of 128): each row's ``STEP_K / 2`` packed bytes are one contiguous load, viewed ``[BN, S, 2, 32]`` (128-
-    wide step ``s``, 64-chunk ``c``, byte ``j``: low nibble K value ``128s + 64c + j``, high nibble ``+32``,
-    ``transform_weights_for_mega_moe``), decoded through the tables of ``_fold_tables`` (low nibbles: group ``2c``
+    wide step ``s``, 64-chunk ``c``, byte lane ``j``: low value K ``128s + 64c + j``, high value ``+32``,
+    ``transform_weights_for_mega_moe``), decoded through the tables of ``_fold_tables`` (low values: group ``2c``
     of step ``s``'s scale word, high: ``2c + 1``) and interleaved back into K order ``128s + 64c + 32h + j``."""
     S: tl.constexpr = STEP_K // 128
     BN: tl.constexpr = rows.shape[0]
@@ -72,9 +72,9 @@ def _decode_wide(w_e, sf_e, rmax, rows, k0, N: tl.constexpr, K: tl.constexpr, lu
     tc0, tc1 = _fold_tables(lut, words, r, 2)
     tb0, tb1 = _fold_tables(lut, words, r, 1)
     td0, td1 = _fold_tables(lut, words, r, 3)
-    la0 = tl.reshape(tl.join(ta0, tc0), [BN, S, 2, 1])      # low nibbles: group 2c of step s
+    la0 = tl.reshape(tl.join(ta0, tc0), [BN, S, 2, 1])      # low values: group 2c of step s
     la1 = tl.reshape(tl.join(ta1, tc1), [BN, S, 2, 1])
-    lb0 = tl.reshape(tl.join(tb0, td0), [BN, S, 2, 1])      # high nibbles: group 2c + 1
+    lb0 = tl.reshape(tl.join(tb0, td0), [BN, S, 2, 1])      # high values: group 2c + 1
     lb1 = tl.reshape(tl.join(tb1, td1), [BN, S, 2, 1])
     if PRMT_DECODE:
         z = tl.zeros(packed.shape, tl.int32)

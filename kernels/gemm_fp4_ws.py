@@ -345,9 +345,9 @@ def _fold_a_stage(a_buf, smax, sf, valid, A0: gl.constexpr, NA: gl.constexpr):
 @gluon.jit
 def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
     """Rows ``[r0, r0 + ROWS)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``: packed bytes
-    ``[0, 32)`` hold K elements ``[0, 32)`` (low nibbles) and ``[32, 64)`` (high), bytes ``[32, 64)`` K ``[64, 96)``
-    and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K block's scale word of each of the rows
-    (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four bytes); ``rmax``: the 256 rows' largest
+    ``[0, 32)`` hold K elements ``[0, 32)`` (the low values) and ``[32, 64)`` (the high), bytes ``[32, 64)`` K ``[64,
+    96)`` and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K block's scale word of each of the
+    rows (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four bytes); ``rmax``: the 256 rows' largest
     exponents (shared memory; this partition's rows written by it). ``ROWS`` 64: one row a thread; 128: two."""
     rm = rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT))
     p = wp.slice(r0, ROWS)
@@ -397,16 +397,16 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
                       SF_TMA: gl.constexpr, PREDECODED: gl.constexpr):
-    """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's
-    256 and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each
-    half of both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it,
-    ``rfree``), its weight rows' largest exponents into ``rmax_s``, for L2 the block's full arrival mask (acquire)
-    and its pool rows' largest per-128 exponents into ``smax_s``. Per stage: for L2 its rows of the A stage folded in
-    place, then its W rows: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the low nibbles, ``[32,
-    64)`` in the high ones: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``, ``[96, 128)``)
-    through the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async`` (wgmma reads
-    it), a partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions, so the math
-    reads the stage only when every partition's rows -- W and the folded A -- are in)."""
+    """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
+    and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
+    both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
+    weight rows' largest exponents into ``rmax_s``, for L2 the block's full arrival mask (acquire) and its pool rows'
+    largest per-128 exponents into ``smax_s``. Per stage: for L2 its rows of the A stage folded in place, then its W
+    rows: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the low values, ``[32, 64)`` in the high
+    ones, register order: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``, ``[96, 128)``) through
+    the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async`` (wgmma reads it), a
+    partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions, so the math reads the
+    stage only when every partition's rows -- W and the folded A -- are in)."""
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     full = _full_mask(I // 128)
