@@ -349,16 +349,20 @@ def _moe_call(sb, y, l1, l2, ref) -> bool:
     return bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
 
 
-def _slow_l1(mode: str, sb, seconds: float):
+def _slow_l1(mode: str, sb, seconds: float, marks: dict | None = None):
     """A replacement for ``megamoe.ops._l1`` on the slow rank: the real step, then ``seconds`` of either sleeping
     while beating the heartbeat by hand ("sleep_beating"), pure-Python busy work with no explicit heartbeat
-    ("busy": the interpreter's progress beacon must notice), or sleeping without a heartbeat ("stuck")."""
+    ("busy": the interpreter's progress beacon must notice), or sleeping without a heartbeat ("stuck").
+    ``marks["slow_since"]``, if given, receives the ``time.monotonic()`` at which the slow part began (the clock is
+    system-wide, so another rank process's times compare with it)."""
     from megamoe import ops
 
     real = ops._l1
 
     def l1(c):
         real(c)
+        if marks is not None:
+            marks["slow_since"] = time.monotonic()
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             if mode == "busy":
@@ -426,22 +430,35 @@ def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
     """Rank 0 stops (sleeps 2 x timeout without a heartbeat) inside its L1 step. Rank 1 must time out at barrier 2
     naming rank 0, within about one timeout; rank 0, when it wakes, times out at barrier 3 naming rank 1 (which
     left). Then: a call on the failed buffer is refused (naming ``reset()``), every rank calls ``sb.reset()``, and
-    the next call is bit-exact again."""
+    the next call is bit-exact again.
+
+    Times (``time.monotonic()``, system-wide): ``out["slow_since"]`` (rank 0: its heartbeat stops),
+    ``out["wait_since"][tag]`` (when this rank began waiting at barrier ``tag``), ``out["timeout"]["raised_at"]``.
+    The protocol's promise is about the wait alone -- a missing rank is named one timeout after the later of "this
+    rank arrived" and "that rank's heartbeat last moved" -- so the test reads these, not the whole call's time (which
+    also holds this rank's own steps: 4.4 s of them on a slow CI machine)."""
     from megamoe import ops
 
     case = reliability_case(timeout_s)
     sb, y, l1, l2, ref = _moe_rank_setup(rank, case)
-    out = {"rank": rank}
-    real_l1 = ops._l1
+    out = {"rank": rank, "wait_since": {}}
+    real_l1, real_wait = ops._l1, ops.barrier_wait
+
+    def timed_wait(sb_, tag):
+        out["wait_since"].setdefault(tag, time.monotonic())
+        return real_wait(sb_, tag)
+
     try:
         if rank == 0:
-            ops._l1 = _slow_l1("stuck", sb, 2 * timeout_s)
+            ops._l1 = _slow_l1("stuck", sb, 2 * timeout_s, marks=out)
+        ops.barrier_wait = timed_wait
         t0 = time.monotonic()
         try:
             _moe_call(sb, y, l1, l2, ref)
         except ks.BarrierTimeout as e:
-            out["timeout"] = {"tag": e.tag, "missing_rank": e.missing_rank, "seconds": time.monotonic() - t0}
-        ops._l1 = real_l1
+            now = time.monotonic()
+            out["timeout"] = {"tag": e.tag, "missing_rank": e.missing_rank, "seconds": now - t0, "raised_at": now}
+        ops._l1, ops.barrier_wait = real_l1, real_wait
         out["fault"] = sb.fault
         try:
             _moe_call(sb, y, l1, l2, ref)
@@ -452,7 +469,7 @@ def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
         out["bitwise_after_reset"] = [_moe_call(sb, y, l1, l2, ref) for _ in range(2)]
         dist.barrier()
     finally:
-        ops._l1 = real_l1
+        ops._l1, ops.barrier_wait = real_l1, real_wait
         sb.destroy()
     return out
 
