@@ -162,11 +162,6 @@ def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
 def e2m1x2_nibbles(packed):
     """Interpreter twin of the register-order unpacking (and the arithmetic decodes' input): int8 or uint8 ``packed`` of
     transformed weights (any shape, the last dimension a whole number of aligned 4-byte words) -> (low, high)
@@ -174,7 +169,9 @@ def e2m1x2_nibbles(packed):
     carries elements ``j`` (low) and ``32 + j`` (high) of the chunk."""
     b = tl.reshape(packed.to(tl.int32) & 0xFF, [packed.numel // 4, 4])  # int8 sign-extends: keep the byte
     lane = tl.arange(0, 4)[None, :]
-    word = tl.reduce(b << (8 * lane), 1, _or)[:, None]
+    # The four bytes hold disjoint bits, so their sum is their OR; tl.sum because the interpreter runs a reduce
+    # with a Python combine function element by element (tl.reduce(.., _or) made CPU suites ~2x slower).
+    word = tl.sum(b << (8 * lane), 1)[:, None]
     lo = ((word >> (4 * lane)) & 7) | (((word >> (8 * lane + 7)) & 1) << 3)
     hi = ((word >> (16 + 4 * lane)) & 7) | (((word >> (8 * lane + 3)) & 1) << 3)
     return tl.reshape(lo, packed.shape), tl.reshape(hi, packed.shape)
