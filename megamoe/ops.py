@@ -208,12 +208,16 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
 
 
 def run_steps(calls: list["_RankCall"], steps: list[tuple[str, Callable[["_RankCall"], None]]],
-              check: bool) -> None:
+              check: bool, mark: Callable[[], None] | None = None) -> None:
     """Run ``steps`` (from :func:`pipeline_steps`) for the bound ``calls`` in lock-step inside
     :func:`guarded_call`: before every step that is not a barrier wait each rank beats its heartbeat (so that peers
     waiting on it see progress; a no-op for one rank and the local backend); with ``check`` every rank's barrier
-    state is checked at the end."""
+    state is checked at the end. ``mark``, if given, is called before the first step and after each one (every
+    rank): the hook of the per-step timer (``megamoe.stepping.time_steps``), which so times the steps exactly as a
+    call runs them, heartbeats included."""
     with guarded_call(calls) as beacon:
+        if mark is not None:
+            mark()
         for name, step in steps:
             waiting = name.endswith(WAIT_STEP_SUFFIX)
             beacon.active = not waiting
@@ -221,6 +225,8 @@ def run_steps(calls: list["_RankCall"], steps: list[tuple[str, Callable[["_RankC
                 if not waiting:
                     heartbeat(call.sb)
                 step(call)
+            if mark is not None:
+                mark()
         beacon.active = False
         if check:
             for call in calls:
@@ -412,10 +418,10 @@ def bind_calls(y, l1_weights, l2_weights, sym_buffer, stats, activation, clamp, 
                block_n_multiple: int = 1) -> list[_RankCall]:
     """Validate the arguments of :func:`fp8_fp4_mega_moe` (same meaning, positional) and return one bound call per
     rank: the single entry point that checks everything (for every implementation) before any kernel runs.
-    Stepping through a call by hand -- as the benchmarks' per-step timing and the notebooks do -- is
-    ``for name, step in pipeline_steps(dispatch): for c in calls: step(c)`` (without the interruption guard of
-    :func:`run_steps`). ``fmt`` and the GEMM config are the other format's (``megamoe.ops_fp8``); the checks are
-    :mod:`megamoe.validation`'s."""
+    Stepping through a call by hand is :func:`run_steps` (the per-step timer's way: heartbeats, progress beacon,
+    interruption guard) or, for ``local`` ranks only, ``for name, step in pipeline_steps(dispatch): for c in calls:
+    step(c)`` (``megamoe.stepping.StagedRun``: one process, so no rank can wait on another's heartbeat). ``fmt``
+    and the GEMM config are the other format's (``megamoe.ops_fp8``); the checks are :mod:`megamoe.validation`'s."""
     buffers, is_list = check_buffers(sym_buffer, fmt)
     check_options(activation, dispatch, check)
     check_clamp(clamp)

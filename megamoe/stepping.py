@@ -339,24 +339,29 @@ class StagedRun:
 
 def time_steps(calls, steps, repeats: int = 20) -> dict[str, float]:
     """Median time in microseconds of every step of one call: ``calls`` (``megamoe.ops.bind_calls``) advanced in
-    lock-step through ``steps`` (``megamoe.ops.pipeline_steps``) ``repeats`` times, with CUDA events between the
-    steps on a GPU (no host sync inside a call), ``time.perf_counter`` marks on CPU. The one per-step timer
-    (notebooks and ``megamoe.bench``)."""
+    lock-step through ``steps`` (``megamoe.ops.pipeline_steps``) ``repeats`` times by ``megamoe.ops.run_steps``, with
+    CUDA events between the steps on a GPU (no host sync inside a call), ``time.perf_counter`` marks on CPU. The one
+    per-step timer (notebooks and ``megamoe.bench``).
+
+    Through ``run_steps``, so a step is timed as a call runs it (each rank's heartbeat before it) and, with one
+    process per rank, a rank whose step outlasts the barrier timeout keeps its waiting peers' clocks moving (its
+    progress beacon): stepping bare, a long interpreter step on one rank timed the other out (notebook 04's
+    all-tokens-on-one-expert case, 30 s, on a loaded CI machine)."""
     cuda = calls[0].sb.buffer.device.type == "cuda"
     samples: dict[str, list[float]] = {name: [] for name, _ in steps}
     for _ in range(repeats):
         if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
-            events[0].record()
+            events: list[torch.cuda.Event] = []
+
+            def mark():
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
         else:
-            marks = [time.perf_counter()]
-        for i, (_, step) in enumerate(steps):
-            for c in calls:
-                step(c)
-            if cuda:
-                events[i + 1].record()
-            else:
+            marks: list[float] = []
+
+            def mark():
                 marks.append(time.perf_counter())
+        ops.run_steps(calls, steps, check=False, mark=mark)
         if cuda:
             torch.cuda.synchronize()
             times = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(len(steps))]
@@ -365,4 +370,3 @@ def time_steps(calls, steps, repeats: int = 20) -> dict[str, float]:
         for (name, _), t in zip(steps, times):
             samples[name].append(t)
     return {name: statistics.median(v) for name, v in samples.items()}
-

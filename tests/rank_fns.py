@@ -426,6 +426,34 @@ def slow_rank_calls(rank: int, world_size: int, timeout_s: float, modes: list[st
     return out
 
 
+def time_steps_with_a_busy_rank(rank: int, world_size: int, timeout_s: float) -> dict:
+    """The per-step timer (``megamoe.stepping.time_steps``, as notebook 04 and the benchmarks use it) on two
+    process ranks while rank 0's L1 step is busy in Python for 3 x ``timeout_s`` (no explicit heartbeat): it must
+    not time out (the timer runs the steps as a call does, progress beacon included), and ``y`` is bit-exact."""
+    from megamoe import ops
+    from megamoe.stepping import time_steps
+
+    case = reliability_case(timeout_s)
+    sb, y, l1, l2, ref = _moe_rank_setup(rank, case)
+    real_l1 = ops._l1
+    try:
+        if rank == 0:
+            ops._l1 = _slow_l1("busy", sb, 3 * timeout_s)
+        calls = ops.bind_calls(y, l1, l2, sb, None, "swiglu", None, "pull", False)
+        y.fill_(float("nan"))
+        try:
+            times, error = time_steps(calls, ops.pipeline_steps("pull"), repeats=1), None
+        except Exception as e:  # reported, not raised: the test asserts on it
+            times, error = {}, f"{type(e).__name__}: {e}"
+        ops._l1 = real_l1
+        dist.barrier()
+        return {"rank": rank, "error": error, "l1_us": times.get("l1"), "timeout_s": sb.barrier_timeout_s,
+                "bitwise_equal": bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))}
+    finally:
+        ops._l1 = real_l1
+        sb.destroy()
+
+
 def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
     """Rank 0 stops (sleeps 2 x timeout without a heartbeat) inside its L1 step. Rank 1 must time out at barrier 2
     naming rank 0, within about one timeout; rank 0, when it wakes, times out at barrier 3 naming rank 1 (which

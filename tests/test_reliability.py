@@ -260,6 +260,18 @@ def test_slow_but_alive_rank_does_not_time_out():
     assert all(c["seconds"] > 3 * timeout for c in out[1][:2])  # rank 1 really waited that long
 
 
+@pytest.mark.slow
+def test_per_step_timer_keeps_a_busy_rank_alive():
+    """``time_steps`` on two process ranks, rank 0's L1 step busy for 3 x the barrier timeout: no timeout, y
+    bit-exact. (The timer once stepped bare -- no heartbeats, no beacon -- and a long interpreter step on one rank
+    timed its peer out in notebook 04.)"""
+    timeout = 0.4
+    out = launch(rank_fns.time_steps_with_a_busy_rank, 2, timeout, backend="cpu", timeout_s=120)
+    for r in out:
+        assert r["error"] is None and r["bitwise_equal"], r
+    assert out[0]["l1_us"] > 3 * timeout * 1e6, out[0]  # the busy step really outlasted the timeout
+
+
 def test_progress_beacon_sees_a_busy_python_thread_move_and_a_sleeping_one_not():
     """The beacon's criterion (``ProgressBeacon.moved``) on a thread busy in pure Python, looked at every
     ``BEACON_INTERVAL_S``: moving at every look (its frame position alone repeats for seconds: the thread gives up

@@ -17,9 +17,7 @@ def _pull_push(calls_for, repeats: int) -> dict:
     for dispatch in ("pull", "push"):
         calls = calls_for(dispatch)
         steps = ops.pipeline_steps(dispatch)
-        for _, step in steps:  # warm-up (compiles on GPU) and the output to compare
-            for c in calls:
-                step(c)
+        ops.run_steps(calls, steps, check=True)  # warm-up (compiles on GPU) and the output to compare
         out[f"y_{dispatch}"] = [c.y.cpu().clone() for c in calls]
         out[dispatch] = time_steps(calls, steps, repeats)
     return out
