@@ -108,6 +108,7 @@ def variant_case():
     return weights, _decode_prefilled(weights)
 
 
+@pytest.mark.slow  # ~7 s each on 2 cores (and ~8 s for the shared case)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_fold_decode_variants_write_the_default_bytes(name, variant_case, monkeypatch):
     """Each access-pattern variant writes exactly the default kernel's bytes and row exponents, which are the decode
@@ -129,6 +130,7 @@ def test_fold_decode_variants_write_the_default_bytes(name, variant_case, monkey
             assert torch.equal(out[e].view(torch.float8_e4m3fn).float(), want)
 
 
+@pytest.mark.slow
 def test_fold_decode_variant_check_can_fail(variant_case, monkeypatch):
     """The comparison above catches the likeliest slip of the wide decode: the nibble halves joined without the
     permute back into K order (bytes interleaved lo, hi, lo, hi instead of 32 lo then 32 hi)."""

@@ -312,6 +312,7 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     assert all(valid == block_rows[b] for b, _, _, valid in entries)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores
 def test_fp4_ws_predecoded_split_bitwise(monkeypatch):
     """The predecoded path ("fp4_ws" with ``FusedConfig.predecode``): the weights decoded once per call by
     ``megamoe.fold_decode`` into the buffer's scratch, the phase's model reading them -- bit-exact against the
