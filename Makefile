@@ -32,7 +32,7 @@ test:  ## the CPU test suite (Triton interpreter, CPU ranks), notebooks included
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -m alone
 
-test-fast:  ## the CPU suite without the tests marked slow (> ~5 s each; notebooks, multi-rank, fuzz), ~5.5 min
+test-fast:  ## the CPU suite without the tests marked slow (> ~5 s each; notebooks, multi-rank, fuzz), ~5 min on 2 cores
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -m "not slow"
 
 FUZZ_COUNT    ?= 200
