@@ -170,7 +170,7 @@ def e2m1x2_nibbles(packed):
     b = tl.reshape(packed.to(tl.int32) & 0xFF, [packed.numel // 4, 4])  # int8 sign-extends: keep the byte
     lane = tl.arange(0, 4)[None, :]
     # The four bytes hold disjoint bits, so their sum is their OR; tl.sum because the interpreter runs a reduce
-    # with a Python combine function element by element (tl.reduce(.., _or) made CPU suites ~2x slower).
+    # with a Python combine function element by element (tl.reduce(.., _or) made the CPU suite ~3x slower).
     word = tl.sum(b << (8 * lane), 1)[:, None]
     lo = ((word >> (4 * lane)) & 7) | (((word >> (8 * lane + 7)) & 1) << 3)
     hi = ((word >> (16 + 4 * lane)) & 7) | (((word >> (8 * lane + 3)) & 1) << 3)

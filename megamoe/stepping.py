@@ -350,23 +350,19 @@ def time_steps(calls, steps, repeats: int = 20) -> dict[str, float]:
     cuda = calls[0].sb.buffer.device.type == "cuda"
     samples: dict[str, list[float]] = {name: [] for name, _ in steps}
     for _ in range(repeats):
-        if cuda:
-            events: list[torch.cuda.Event] = []
+        stamps: list = []  # CUDA events (GPU) or perf_counter seconds (CPU), one before the first step and after each
 
-            def mark():
-                events.append(torch.cuda.Event(enable_timing=True))
-                events[-1].record()
-        else:
-            marks: list[float] = []
-
-            def mark():
-                marks.append(time.perf_counter())
+        def mark():
+            if cuda:
+                stamps.append(torch.cuda.Event(enable_timing=True))
+                stamps[-1].record()
+            else:
+                stamps.append(time.perf_counter())
         ops.run_steps(calls, steps, check=False, mark=mark)
         if cuda:
             torch.cuda.synchronize()
-            times = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(len(steps))]
-        else:
-            times = [(marks[i + 1] - marks[i]) * 1e6 for i in range(len(steps))]
+        times = [stamps[i].elapsed_time(stamps[i + 1]) * 1e3 if cuda else (stamps[i + 1] - stamps[i]) * 1e6
+                 for i in range(len(steps))]
         for (name, _), t in zip(steps, times):
             samples[name].append(t)
     return {name: statistics.median(v) for name, v in samples.items()}
