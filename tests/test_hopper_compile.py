@@ -17,7 +17,8 @@ SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 180, ("fp8_ws", 64): 16, ("
 #: Spill stores (``STL``, one 4-byte register each) allowed inside a decode partition's K loop: none, except the
 #: decode-partition tile at block 128, whose stage loop -- the W decode and, for L2 tiles, the A stage's fold --
 #: stores one register a stage since the register-order FP4 words (session 26, measured faster on the H200 all the
-#: same: ``results/layer_h200.json`` at 0b09cbc; the fold's removal, branch ``wip/fp4-ws-fold-once``, frees it).
+#: same: ``results/layer_h200.json`` at 0b09cbc; moving the fold out, tag ``probe/fp4-ws-fold-once``, freed it and was
+#: 31-39 % slower on the H200: ``results/probes/README.md``).
 DECODE_LOOP_SPILLS = {("fp4_ws", 128): 1}
 
 
