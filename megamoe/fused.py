@@ -328,7 +328,12 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: ``results/probes/fp8_ws_probe_h200.jsonl``, session 25, also timed back to back without the L2 flush): T = 512
 #: register-operand at chunk 64 1280 / 1284 us (unflushed 1289 / 1298) against 1320 / 1316 (1313 / 1312); T = 1024
 #: (128 expected) 2016 / 2027 (2146 / 2242) against 1999 / 1997 (1993 / 1993) -- there its phase's 2 % lead is lost in
-#: the whole call, flushed or not. Not measured between 128 and 256 expected (T = 2048).
+#: the whole call, flushed or not. Not measured between 128 and 256 expected (T = 2048). Session 28, after the
+#: register-order FP4 words sped both tiles up (same rows, at 46082b6, whole call alternating twice): T = 256 register-
+#: operand 823 / 822 us against the decode-partition tile's (block 64) 828 / 829; T = 512 1229 / 1229 against (block
+#: 128) 1211 / 1214; T = 768 (96 expected, past the threshold) 1546 / 1560 against 1243 / 1246. So the hand-over now
+#: sits between 32 and 64 expected, but the 1.3 % at T = 512 is not enough to move it without a layer run of its own:
+#: the next device session's first change (``results/layer_h200.json`` runs T = 512 on the register-operand tile).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
