@@ -332,8 +332,8 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: register-order FP4 words sped both tiles up (same rows, at 46082b6, whole call alternating twice): T = 256 register-
 #: operand 823 / 822 us against the decode-partition tile's (block 64) 828 / 829; T = 512 1229 / 1229 against (block
 #: 128) 1211 / 1214; T = 768 (96 expected, past the threshold) 1546 / 1560 against 1243 / 1246. So the hand-over now
-#: sits between 32 and 64 expected, but the 1.3 % at T = 512 is not enough to move it without a layer run of its own:
-#: the next device session's first change (``results/layer_h200.json`` runs T = 512 on the register-operand tile).
+#: sits between 32 and 64 expected; it stays at 64 until a layer run measures the decode-partition tile at T = 512
+#: (``results/layer_h200.json`` runs T = 512 on the register-operand tile, and 1.3 % is within run-to-run spread).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched

@@ -349,15 +349,16 @@ def time_steps(calls, steps, repeats: int = 20) -> dict[str, float]:
     all-tokens-on-one-expert case, 30 s, on a loaded CI machine)."""
     cuda = calls[0].sb.buffer.device.type == "cuda"
     samples: dict[str, list[float]] = {name: [] for name, _ in steps}
-    for _ in range(repeats):
-        stamps: list = []  # CUDA events (GPU) or perf_counter seconds (CPU), one before the first step and after each
+    stamps: list = []  # CUDA events (GPU) or perf_counter seconds (CPU), one before the first step and after each
 
-        def mark():
-            if cuda:
-                stamps.append(torch.cuda.Event(enable_timing=True))
-                stamps[-1].record()
-            else:
-                stamps.append(time.perf_counter())
+    def mark():
+        if cuda:
+            stamps.append(torch.cuda.Event(enable_timing=True))
+            stamps[-1].record()
+        else:
+            stamps.append(time.perf_counter())
+    for _ in range(repeats):
+        stamps.clear()
         ops.run_steps(calls, steps, check=False, mark=mark)
         if cuda:
             torch.cuda.synchronize()

@@ -80,3 +80,15 @@ def test_time_steps_times_every_step_of_a_call():
         assert list(times) == stage_names("push") == run.steps
         assert all(t > 0 for t in times.values())
         assert all(r["bitwise equal"] for r in run.compare_y())   # the timed calls computed the layer
+
+
+def test_compare_steps_takes_the_widest_shared_step_and_sums_each_dispatch():
+    """``megamoe.demos.pull_push.compare_steps``: the shared step whose pull and push times differ most, relative to the
+    smaller, and each variant's own dispatch steps summed (push with its barrier 4)."""
+    from megamoe.demos.pull_push import compare_steps
+
+    pull = {"count": 100.0, "publish": 50.0, "pull": 30.0, "l1": 1000.0}
+    push = {"count": 110.0, "publish": 60.0, "push": 20.0, "barrier4_arrive": 5.0, "barrier4_wait": 7.0, "l1": 1001.0}
+    cmp = compare_steps(pull, push)
+    assert cmp["worst"] == "publish" and abs(cmp["spread"] - 0.2) < 1e-12
+    assert cmp["dispatch_us"] == {"pull": 30.0, "push": 32.0}

@@ -10,6 +10,23 @@ from megamoe.harness import on_ranks
 from megamoe.stepping import time_steps
 from megamoe.symm import SymmBuffer
 
+#: Steps that pull and push run alike: how far their two times differ is the per-step timing's noise floor.
+SHARED_STEPS = ("count", "publish", "l1", "l2", "combine", "cleanup")
+#: Each variant's own dispatch steps (push also needs barrier 4 before the owner's GEMM reads its pool).
+DISPATCH_STEPS = {"pull": ("pull",), "push": ("push", "barrier4_arrive", "barrier4_wait")}
+
+
+def compare_steps(pull: dict, push: dict) -> dict:
+    """Per-step medians in us of one pull and one push call (``time_steps``' dicts): the shared step whose two times
+    differ most (``worst``) and by how much, relative to the smaller (``spread``), and each variant's dispatch steps
+    summed (``dispatch_us``: {"pull": .., "push": ..})."""
+    shared = [s for s in SHARED_STEPS if s in pull and s in push]
+    rel = {s: abs(pull[s] - push[s]) / min(pull[s], push[s]) for s in shared}
+    worst = max(rel, key=rel.get)
+    steps = {"pull": pull, "push": push}
+    return {"worst": worst, "spread": rel[worst],
+            "dispatch_us": {d: sum(steps[d].get(s, 0.0) for s in names) for d, names in DISPATCH_STEPS.items()}}
+
 
 def _pull_push(calls_for, repeats: int) -> dict:
     """Per-step medians for pull and for push, and the outputs of one call each (``calls_for(dispatch)`` binds)."""
