@@ -343,12 +343,13 @@ def _fold_a_stage(a_buf, smax, sf, valid, A0: gl.constexpr, NA: gl.constexpr):
 
 
 @gluon.jit
-def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
-    """Rows ``[r0, r0 + ROWS)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 ``wd`` ``[256, 128]``: packed bytes
-    ``[0, 32)`` hold K elements ``[0, 32)`` (the low values) and ``[32, 64)`` (the high), bytes ``[32, 64)`` K ``[64,
-    96)`` and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K block's scale word of each of the
-    rows (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four bytes); ``rmax``: the 256 rows' largest
-    exponents (shared memory; this partition's rows written by it). ``ROWS`` 64: one row a thread; 128: two."""
+def _decode_values(wp, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
+    """Rows ``[r0, r0 + ROWS)`` of packed W ``wp`` ``[256, 64]`` -> folded e4m3 values ``[ROWS, 128]`` (registers,
+    ``D_LAYOUT``): packed bytes ``[0, 32)`` hold K elements ``[0, 32)`` (the low values) and ``[32, 64)`` (the high),
+    bytes ``[32, 64)`` K ``[64, 96)`` and ``[96, 128)`` (``transform_weights_for_mega_moe``); ``word``: this K
+    block's scale word of each of the rows (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four
+    bytes); ``rmax``: the 256 rows' largest exponents (shared memory; this partition's rows written by it). ``ROWS``
+    64: one row a thread; 128: two."""
     rm = rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT))
     p = wp.slice(r0, ROWS)
     t00, t01 = _fold_table(lut, word, rm, 0)
@@ -357,7 +358,13 @@ def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
     t20, t21 = _fold_table(lut, word, rm, 2)
     t30, t31 = _fold_table(lut, word, rm, 3)
     g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(D_LAYOUT), t20, t21, t30, t31)
-    wd.slice(r0, ROWS).store(_cat(_cat(g0, g1), _cat(g2, g3)))
+    return _cat(_cat(g0, g1), _cat(g2, g3))
+
+
+@gluon.jit
+def _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
+    """``_decode_values`` stored into rows ``[r0, r0 + ROWS)`` of the e4m3 stage ``wd`` ``[256, 128]``."""
+    wd.slice(r0, ROWS).store(_decode_values(wp, rmax, word, lut, r0, ROWS))
 
 
 @gluon.jit
@@ -378,10 +385,11 @@ def _decode_stage_smem(wp, wd, rmax, wsf, R0: gl.constexpr, NR: gl.constexpr, lu
 
 
 @gluon.jit
-def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr):
+def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr, HALVES: gl.constexpr = False):
     """``_fold_a_stage`` with the K block's pool-row words in shared memory (``asf``: int32 ``[BM]``, ``SF_TMA``;
-    rows past ``valid`` fold by 1)."""
-    CR: gl.constexpr = DEC_ROWS if NA > DEC_ROWS else NA
+    rows past ``valid`` fold by 1). ``HALVES`` (``DECODE_HALVES``): all ``NA`` rows as one load and one store (no
+    shared-memory barrier between chunks; ``NA`` bytes of registers a thread)."""
+    CR: gl.constexpr = NA if HALVES else (DEC_ROWS if NA > DEC_ROWS else NA)
     rows = gl.arange(0, CR, layout=gl.SliceLayout(1, A_LAYOUT))
     for c in gl.static_range(A0, A0 + NA, CR):
         s_mx = smax.slice(c, CR).load(gl.SliceLayout(1, A_LAYOUT))
@@ -390,13 +398,25 @@ def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constex
 
 
 @gluon.jit
-def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded, rmax_s,
-                      smax_s, rfree,
+def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut):
+    """``_decode_stage_smem`` of a whole stage (256 rows, one decode partition: BM 128) with ``DECODE_HALVES``: the
+    two 128-row halves (two rows a thread) into two buffers (``wd_lo`` / ``wd_hi`` ``[128, 128]`` e4m3, the halves
+    the math warpgroups' two wgmmas read), one store each. One buffer written in 64-row chunks makes Triton's
+    shared-memory barrier pass put a ``bar.sync`` before each chunk's store (a write after a write to one
+    allocation: it cannot tell the chunks' rows apart); stores to two allocations need none."""
+    HR: gl.constexpr = TILE_N // 2
+    wd_lo.store(_decode_values(wp, rmax, wsf.slice(0, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, 0, HR))
+    wd_hi.store(_decode_values(wp, rmax, wsf.slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, HR, HR))
+
+
+@gluon.jit
+def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs, ready, decoded,
+                      rmax_s, smax_s, rfree,
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                       KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
-                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr):
+                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
     and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
     both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
@@ -406,7 +426,11 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
     ones, register order: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``, ``[96, 128)``) through
     the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async`` (wgmma reads it), a
     partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions, so the math reads the
-    stage only when every partition's rows -- W and the folded A -- are in)."""
+    stage only when every partition's rows -- W and the folded A -- are in). ``HALVES`` (``DECODE_HALVES``, one
+    partition with ``SF_TMA``): the stage's W as ``_decode_stage_halves`` into ``wd_bufs`` / ``wd2_bufs`` (the two
+    halves) and the A fold as one load and one store."""
+    gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
+                     "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     full = _full_mask(I // 128)
@@ -461,11 +485,15 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
             else:  # this K block's words: with the stage (SF_TMA) or loaded here
                 if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
                     if SF_TMA:
-                        _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA)
+                        _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,
+                                           HALVES)
                     else:
                         _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
-                    if SF_TMA:
+                    if HALVES:
+                        _decode_stage_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut)
+                    elif SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
                                            R0, NR, lut)
                     else:
@@ -479,14 +507,16 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs
 
 
 @gluon.jit
-def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
-                    tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
+def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s, smax_s,
+                    rfree, tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr,
+                    TWO_WD: gl.constexpr):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
-    the half's float32 accumulator (no scale: the operands are folded)."""
+    the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
+    256)`` of ``wd_bufs``' stage, or (``TWO_WD``: ``DECODE_HALVES``) the stages of ``wd_bufs`` / ``wd2_bufs``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -512,11 +542,16 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded
             mbarrier.wait(ready.index(s), ph)
             mbarrier.wait(decoded.index(s), ph)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
-            w_s = wd_bufs.index(s)
-            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), spare, use_acc=False, is_async=True)
+            if TWO_WD:
+                w_lo = wd_bufs.index(s)
+                w_hi = wd2_bufs.index(s)
+            else:
+                w_lo = wd_bufs.index(s).slice(0, HN)
+                w_hi = wd_bufs.index(s).slice(HN, HN)
+            dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             acc_lo = _pin(acc_lo + d_lo)
-            dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
             d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             mbarrier.arrive(empty.index(s), count=1)
             acc_hi = acc_hi + d_hi
@@ -559,7 +594,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
-                          PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False):
+                          PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
+                          DECODE_HALVES: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -592,10 +628,17 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     PREDECODED: gl.constexpr = w1_desc.dtype == gl.float8e4nv
     gl.static_assert(not (PREDECODED and PREFETCH), "PREFETCH loads scale words that a predecoded call does not use")
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
+    gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
+    TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves
     if PREDECODED:
         wd_bufs = wp_bufs
+        wd2_bufs = wp_bufs
+    elif TWO_WD:
+        wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HN, BK], WD_LAYOUT)
+        wd2_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HN, BK], WD_LAYOUT)
     else:
         wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, BK], WD_LAYOUT)
+        wd2_bufs = wd_bufs
     if SF_TMA:  # the stage's scale words (weight rows, pool rows)
         wsf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, TILE_N], ws1_desc.layout)
         asf_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BM], as1_desc.layout)
@@ -617,36 +660,36 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     fence_async_shared()  # barrier inits visible to the async proxy before first use
     if BM == 64:  # one math warpgroup (64 rows x 256), two decode partitions (weight rows and A rows halved)
         gl.warp_specialize([
-            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s,
-                               rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF,
-                               OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
+            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
+                               smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                                wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
                                state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
-                                 decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
+                                 ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
-                                 PREDECODED)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready,
-                                 decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
+                                 PREDECODED, False)),
+            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
+                                 ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                                  timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH, SF_TMA, PREDECODED)),
+                                 PREFETCH, SF_TMA, PREDECODED, False)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
-        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
-                           tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
-        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, ready, decoded, empty, rmax_s, smax_s, rfree,
-                           tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG)),
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
+                           smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
+                           smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
-        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wsf_bufs, asf_bufs, ready, decoded,
-                             rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF,
-                             H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED)),
+        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs, ready,
+                             decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns,
+                             OFF_L2_SF, H, I, SP, STAGES,
+                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

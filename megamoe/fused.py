@@ -287,6 +287,15 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: not gathered from ``fold_lut``: same bits, whole call 8-17 % slower on an H200 (issue bound; fp4_ws at 5bcfb3e,
 #: gathered / computed: T = 32 862 / 1001 us, 512 1377 / 1615 (block 64), 2048 3343 / 3597 (block 128)).
 FP4_WS_SF_TMA = {128: True, 64: False}
+#: Whether the block-128 decode partition writes a stage's decoded weights as two ``[128, 128]`` halves into two
+#: buffers, one store each (the halves the math warpgroups' two wgmmas read), and folds the L2 A stage with one load
+#: and one store (``DECODE_HALVES`` of ``megamoe.kernels.gemm_fp4_ws``). One ``[256, 128]`` buffer written in four
+#: 64-row chunks made Triton's shared-memory barrier pass put a ``bar.sync`` before each chunk's store (a write after
+#: a write to one allocation: it cannot tell the chunks' rows apart), and the A fold's chunks likewise. Offline
+#: (sm_90a, Triton 3.6, ``tests/test_hopper_compile.py``): the stage loop's barriers 8 -> 3 (predecoded 5 -> 3),
+#: 658 -> 651 instructions, its one spilled register a stage gone. Same values, same bits
+#: (``tests/gpu/test_ws_launch_options_gpu.py``). Block 64 (PREFETCH: 128 rows a partition in one store) has none.
+FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -1078,7 +1087,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``."""
-    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"])
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODE_HALVES[bm])
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
@@ -1086,9 +1095,9 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` at ``bm``, ``num_warps`` and ``maxnreg``. What a launch passes, and what
-    ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams ``_predecode``'s e4m3 weights, so
-    no weight scale words are prefetched (``PREFETCH`` off)."""
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` at ``bm``, ``num_warps`` and ``maxnreg``.
+    What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
+    ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -1097,7 +1106,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
+        SF_TMA=FP4_WS_SF_TMA[bm], DECODE_HALVES=FP4_WS_DECODE_HALVES[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"],
+        num_warps=4, maxnreg=maxnreg,
         **_pdl_keywords())
 
 

@@ -72,6 +72,8 @@
 #                  warpgroups?; the decode-partition phase's excess shared wavefronts at T = 2048, which
 #                  instructions?) -> $OUT/ncu_src_<fmt>_<T>.ncu-rep and its source page as CSV, gzipped
 #                  (NCU_SOURCE_CASES, default "fp8:8192 fp8_fp4:2048": 4 files; not yet run)
+#   halves         FP4_WS_DECODE_HALVES: its GPU tests, then whole calls off / on / off / on at T = 512 ... 8192 and the
+#                  register-operand tile at T = 512 (-> $OUT/halves.jsonl; not yet timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -289,6 +291,15 @@ step_clocks() { $PY results/probes/clock_probe.py 2048,8192 fp8,fp8_fp4 >>"$OUT/
 step_fp4_rs() { $PY results/probes/fp4_rs_probe.py run >>"$OUT/fp4_rs.jsonl"; cat "$OUT/fp4_rs.jsonl"; }
 
 step_gputests_fp4() { $PY -m pytest -q -rfE tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py; }
+
+step_halves() {  # FP4_WS_DECODE_HALVES: its GPU tests (same bits on and off, per-block decode and predecoded), then
+    # off / on / off / on at T = 512, 1024, 2048, 8192 and the register-operand tile at T = 512 (-> $OUT/halves.jsonl)
+    timeout 240 $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k "DECODE_HALVES and fp8_fp4" || return 1
+    timeout 300 $PY results/probes/fp8_ws_probe.py halves "${HALVES_TOKENS:-512,1024,2048,8192}" >>"$OUT/halves.jsonl"
+    local rc=$?
+    cut -c1-400 "$OUT/halves.jsonl"
+    return $rc
+}
 
 step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py; }
 

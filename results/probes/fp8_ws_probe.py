@@ -30,12 +30,14 @@ with its L2 flush, as the bench).
   with it.)
 * (``tiled``, at 64ecc8d only: the FP8 GEMM phase reading the weights row-major or from a copy blocked by 128 x 128,
   alternating; the blocked layout then became ``transform_weights_for_mega_moe_sm90``'s.)
+* ``halves [T1,..]``: the block-128 decode-partition tile's decoded stage as two halves (``FP4_WS_DECODE_HALVES``)
+  off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
     python results/probes/fp8_ws_probe.py [phase [T1,..] [variant,..] | fp4 [T1,..] | threshold [T1,..]
                                            | fp4_threshold [T1,..] | host [T1,..]
-                                           | combine [T1,..]] >> fp8_ws_probe_h200.jsonl
+                                           | combine [T1,..] | halves [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
 import functools
 import importlib.util
@@ -416,6 +418,22 @@ def probe_rs_threshold(tokens=(512, 1024)):
                 _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit}, noflush=True)
 
 
+def probe_halves(tokens=(512, 1024, 2048, 8192)):
+    """The block-128 decode-partition tile's decoded stage as two half buffers (``FP4_WS_DECODE_HALVES``: the stage
+    loop's ``bar.sync`` 8 -> 3 offline, predecoded 5 -> 3) off / on / off / on, whole call at each T with its error
+    (``FP8 x FP4``, "hopper"; the decode-partition tile forced: ``FP4_RS_MAX_EXPECTED = -1``; from T = 2048 the host
+    predecodes, where only the L2 A fold changes). Up to T = 512 also the register-operand tile (chunk 64) twice,
+    for ``FP4_RS_MAX_EXPECTED``: the hand-over sat between 32 and 64 expected tokens in session 28's ``rs_threshold``
+    rows. The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    for T in _tokens(tokens):
+        for on in (False, True, False, True):
+            _choice_row("halves", T, f"halves {'on' if on else 'off'}", "fp8_fp4",
+                        {"FP4_WS_DECODE_HALVES": {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
+        if T <= 512:
+            for _ in range(2):
+                _choice_row("halves", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+
+
 def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128: 16 expected tokens per expert)
     as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (the measured alternatives, dropped
@@ -509,4 +527,4 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
-         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs}[name]()
+         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves}[name]()

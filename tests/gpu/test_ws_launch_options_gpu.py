@@ -2,7 +2,9 @@
 three launches (``megamoe.fused.WS_PDL``; session 14/15 also had the front's L2 prefetch here, since removed), the FP8
 phase's math warpgroups started a ring apart (``FP8_WS_LEAD``; the FP8 x FP4 phase has no such option: its cases
 then run twice alike), both phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``, set
-for both kinds at once) and the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on").
+for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on")
+and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``; per-block decode and predecoded
+weights).
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -16,7 +18,16 @@ pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), re
 #: option -> its (off, on) values
 OPTIONS = {"WS_PDL": (False, True), "FP8_WS_LEAD": (False, True),
            "WS_GROUP_SYNC": tuple({"fp8_ws": v, "fp4_ws": v} for v in (False, True)),
-           "WS_BACK_PROGRAMS_PER_SM": (1, 4)}
+           "WS_BACK_PROGRAMS_PER_SM": (1, 4),
+           "FP4_WS_DECODE_HALVES": tuple({128: v, 64: False} for v in (False, True))}
+#: option -> constants of ``megamoe.fused`` set for both runs: the tile the option changes (the decode halves: the
+#: decode-partition tile at pool block 128, per-block decode and, as ``FP4_WS_DECODE_HALVES@predecoded``, the
+#: predecoded weights, where only the L2 A fold changes)
+FORCE = {"FP4_WS_DECODE_HALVES": dict(FP4_BLOCK64_MAX_EXPECTED=-1, FP4_RS_MAX_EXPECTED=-1,
+                                     FP4_PREDECODE_MIN_EXPECTED=float("inf")),
+         "FP4_WS_DECODE_HALVES@predecoded": dict(FP4_BLOCK64_MAX_EXPECTED=-1, FP4_RS_MAX_EXPECTED=-1,
+                                                FP4_PREDECODE_MIN_EXPECTED=0)}
+OPTIONS["FP4_WS_DECODE_HALVES@predecoded"] = OPTIONS["FP4_WS_DECODE_HALVES"]
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
@@ -29,21 +40,25 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)  # the Gluon kinds whatever the size
     monkeypatch.setattr(mf, "FP8_SWAP_MAX_EXPECTED", -1)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
+    for name, value in FORCE.get(option, {}).items():
+        monkeypatch.setattr(mf, name, value)
     numerics = "exact" if fmt == "fp8" else "hopper"
     common = dict(format=fmt, block_m=128, impl="fused") if fmt == "fp8" else dict(block_m=128, impl="fused",
                                                                                     numerics="hopper")
     case: MoECase = gluon_phase_cases(**common)[2]  # four ranks, a clamp, an empty rank
     outs = []
     for value in OPTIONS[option]:
-        monkeypatch.setattr(mf, option, value)
+        monkeypatch.setattr(mf, option.split("@")[0], value)
         sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
                                case.intermediate, block_m=case.block_m, device="cuda", format=case.format)
         problem = case.problem(device="cuda")
         prepared = [prepare_rank(sb, problem, r) for r, sb in enumerate(sbs)]
         ys, l1s, l2s, stats = (list(t) for t in zip(*prepared))
-        kind = mf.fused_config(sbs[0].layout, max(case.max_tokens(), 1), case.num_ranks, sbs[0].buffer.device,
-                               numerics).kind
-        assert kind == ("fp8_ws" if fmt == "fp8" else "fp4_ws")
+        cfg = mf.fused_config(sbs[0].layout, max(case.max_tokens(), 1), case.num_ranks, sbs[0].buffer.device,
+                              numerics)
+        assert cfg.kind == ("fp8_ws" if fmt == "fp8" else "fp4_ws")
+        if option in FORCE and fmt == "fp8_fp4":  # the tile the option is about
+            assert (cfg.block_m, cfg.rs_block_n, cfg.predecode) == (128, 0, option.endswith("predecoded")), cfg
         for _ in range(2):  # twice: the second call runs after a back launch of its own kind
             case.run(ys, l1s, l2s, sbs, stats)
         torch.cuda.synchronize()
