@@ -341,10 +341,12 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: register-order FP4 words sped both tiles up (same rows, at 46082b6, whole call alternating twice): T = 256 register-
 #: operand 823 / 822 us against the decode-partition tile's (block 64) 828 / 829; T = 512 1229 / 1229 against (block
 #: 128) 1211 / 1214; T = 768 (96 expected, past the threshold) 1546 / 1560 against 1243 / 1246. So the hand-over now
-#: sits between 32 and 64 expected; it stays at 64 until a layer run measures the decode-partition tile at T = 512
-#: (``results/layer_h200.json`` runs T = 512 on the register-operand tile, and 1.3 % is within run-to-run spread).
+#: sits between 32 and 64 expected. Session 29, with the decode-partition tile's decoded stage as two halves
+#: (``FP4_WS_DECODE_HALVES``; ``halves`` rows of the same file at eb2ce4f): T = 512 register-operand 1228 / 1230 us
+#: against the decode-partition tile's 1168 / 1169 (1215 / 1215 with the halves off) -> 32 (was 64). T = 256 (32
+#: expected) stays on the register-operand tile: 823 against 828 before the halves, not measured since.
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 64
+FP4_RS_MAX_EXPECTED = 32
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
 #: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 16
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
