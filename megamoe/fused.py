@@ -343,10 +343,14 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: 128) 1211 / 1214; T = 768 (96 expected, past the threshold) 1546 / 1560 against 1243 / 1246. So the hand-over now
 #: sits between 32 and 64 expected. Session 29, with the decode-partition tile's decoded stage as two halves
 #: (``FP4_WS_DECODE_HALVES``; ``halves`` rows of the same file at eb2ce4f): T = 512 register-operand 1228 / 1230 us
-#: against the decode-partition tile's 1168 / 1169 (1215 / 1215 with the halves off) -> 32 (was 64). T = 256 (32
-#: expected) stays on the register-operand tile: 823 against 828 before the halves, not measured since.
+#: against the decode-partition tile's 1168 / 1169 (1215 / 1215 with the halves off), so the layer run at c54f4b5
+#: took the threshold to 32: uniform T = 512 1229 -> 1192 us, but with skewed routing (the bench's Zipf rows) 1176 ->
+#: 1431 (1441 in its repeat; ``results/probes/layer_variants/``): the expected count is the uniform one, and under skew
+#: the 128-row blocks decode the hot experts' weights once per block where the register-operand tile's 64-row blocks
+#: and token chunks do not. 3 % on uniform routing is not worth 22 % on skewed: back to 64. T = 256 (32 expected,
+#: block 64 for both) register-operand 819 / 820 against 832 / 837 (``halves`` rows at c54f4b5).
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 32
+FP4_RS_MAX_EXPECTED = 64
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
 #: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 16
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
