@@ -17,7 +17,7 @@
 #                  took ~170 s in session 14; 36 passed + 4 skipped in 320 s, session 17)
 #   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8, both FP8 x FP4 tiles, graph capture; ~120 s
-#                  before the register-operand tile's were added)
+#                  before the register-operand tile's were added; 31 tests in 440 s, session 29)
 #   rs_pair        fused_fp8_ws_profile.py at T = 8, 32 with 2 and 4 weight chains a token stage (FP4_RS_PAIR at
 #                  chunks 8 / 16), alternating twice (-> $OUT/rs_pair.jsonl; not timed)
 #   gputests_wide  tests/gpu/test_fp4_rs_gpu.py -k wide (the chunk-128 tile: 5 small cases, T = 512 / 2048)
@@ -73,7 +73,7 @@
 #                  instructions?) -> $OUT/ncu_src_<fmt>_<T>.ncu-rep and its source page as CSV, gzipped
 #                  (NCU_SOURCE_CASES, default "fp8:8192 fp8_fp4:2048": 4 files; not yet run)
 #   halves         FP4_WS_DECODE_HALVES: its GPU tests, then whole calls off / on / off / on at T = 512 ... 8192 and the
-#                  register-operand tile at T = 512 (-> $OUT/halves.jsonl; not yet timed)
+#                  register-operand tile at T = 512 (-> $OUT/halves.jsonl; 174 s in session 29)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
