@@ -1093,7 +1093,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``."""
-    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODE_HALVES[bm])
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODE_HALVES[bm],
+           FP4_WS_SF_TMA[bm])
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
@@ -1112,8 +1113,9 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
         KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
-        SF_TMA=FP4_WS_SF_TMA[bm], DECODE_HALVES=FP4_WS_DECODE_HALVES[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"],
-        num_warps=4, maxnreg=maxnreg,
+        SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
+        # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
+        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm],
         **_pdl_keywords())
 
 

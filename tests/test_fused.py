@@ -579,6 +579,7 @@ def test_fp4_gluon_phase_keywords_match_its_constexprs(block_m):
         assert kw["maxnreg"] == mf.FP4_WS_REGS[block_m][3]
         assert not kw["HAS_CLAMP"] and mf._fp4_ws_constexprs(sb, block_m, False, False) is kw  # cached
         assert kw["PREFETCH"] == mf.FP4_WS_PREFETCH[block_m] and kw["SF_TMA"] == mf.FP4_WS_SF_TMA[block_m]
+        assert kw["DECODE_HALVES"] == (block_m == 128)  # (FP4_WS_DECODE_HALVES: block 128's one decode partition)
         pre = mf._fp4_ws_constexprs(sb, block_m, False, True)  # predecoded: no weight scale words to prefetch
         assert pre is not kw and not pre["PREFETCH"] and pre["STAGES"] == kw["STAGES"]
     finally:
