@@ -232,3 +232,16 @@ def test_probe_jsonl_is_read_as_rows_and_plotted(dirs, capsys):
         warnings.simplefilter("error")
         figures.save_figure(figures.fp4_ws_probe(data), "p")
     assert figures.load_results("probes/none") is None
+
+
+def test_probe_runs_keep_two_runs_of_one_mode_apart():
+    """``probe_runs`` pairs each row with the commit of the last start row above it, so the same T and variant
+    measured at two commits are two rows, not one (the fp4_ws probe ran at T = 2048 in session 10 and again in 29)."""
+    rows = [{"probe": "fp4", "T": 1, "us": 0.5},  # above any start row: run None
+            {"probe": "start"}, {"probe": "fp4", "T": 2048, "variant": "as_is", "us": 5007.0},
+            {"probe": "block", "T": 32, "us": 1.0},
+            {"probe": "start", "commit": "ee9cef3"}, {"probe": "fp4", "T": 2048, "variant": "as_is", "us": 2877.0}]
+    assert figures.probe_runs(rows, "fp4") == [(None, rows[0]), (None, rows[2]), ("ee9cef3", rows[5])]
+    assert [run for run, _ in figures.probe_runs(rows)] == [None, None, None, "ee9cef3"]  # no start rows
+    runs = {(run, r["T"]): r["us"] for run, r in figures.probe_runs(rows, "fp4")}
+    assert runs[(None, 2048)] == 5007.0 and runs[("ee9cef3", 2048)] == 2877.0

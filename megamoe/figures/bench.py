@@ -16,7 +16,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from megamoe.figures.results import load_results, results_kind
+from megamoe.figures.results import load_results, probe_runs, results_kind
 from megamoe.figures.style import log_axis, new_figure
 
 
@@ -325,22 +325,23 @@ def bench_xy(data: dict) -> Figure | None:
 
 def fp4_ws_probe(data: dict) -> Figure:
     """``results/probes/ws_variants_probe_h200.jsonl``: the FP8 x FP4 call with its Gluon phase ("fp4_ws") as it is
-    and with the decode (and the per-K-block add) patched out, by tokens per rank (left), and the phase at pool block
-    64 against 128 (right). µs per call, one EP8 rank of V4-Pro on an H200."""
+    and with the decode (and the per-K-block add) patched out, by run (the commit of its start row, ``probe_runs``;
+    "12-02" for the first runs, which named none) and tokens per rank (left), and the phase at pool block 64 against
+    128 (right). µs per call, one EP8 rank of V4-Pro on an H200."""
     rows = data["rows"]
     fig, axes = new_figure(1, 2, size=(10.0, 3.6))
     variants = [("as_is", "as it is", "#222222"), ("nodecode", "decode patched out", "#4c72b0"),
                 ("nodecode+nopromote", "decode and per-K add out", "#55a868")]
     ax = axes[0, 0]
-    Ts = sorted({r["T"] for r in rows if r.get("probe") == "fp4"})
+    fp4 = {(run or "12-02", r["T"], r["variant"]): r["us"] for run, r in probe_runs(rows, "fp4")}
+    cases = list(dict.fromkeys((run, t) for run, t, _ in fp4))  # in file order: older runs first
     width = 0.8 / len(variants)
     for i, (v, label, color) in enumerate(variants):
-        us = {r["T"]: r["us"] for r in rows if r.get("probe") == "fp4" and r["variant"] == v}
-        xs = [j + (i - 1) * width for j, t in enumerate(Ts) if t in us]
-        bars = ax.bar(xs, [us[t] for t in Ts if t in us], width, label=label, color=color)
+        xs = [j + (i - 1) * width for j, c in enumerate(cases) if (*c, v) in fp4]
+        bars = ax.bar(xs, [fp4[(*c, v)] for c in cases if (*c, v) in fp4], width, label=label, color=color)
         ax.bar_label(bars, fmt="%.0f", fontsize=6)
-    ax.set_xticks(range(len(Ts)), [str(t) for t in Ts])
-    ax.set_xlabel("tokens per rank")
+    ax.set_xticks(range(len(cases)), [f"{t}\n{run}" for run, t in cases], fontsize=7)
+    ax.set_xlabel("tokens per rank, run")
     ax.set_ylabel("µs per call")
     ax.set_title("fp4_ws: the FP4 decode sets the pace", fontsize=9)
     ax.legend(fontsize=7)

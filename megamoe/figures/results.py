@@ -70,6 +70,22 @@ def load_results(name: str) -> dict | None:
     return None
 
 
+def probe_runs(rows: Sequence[dict], probe: str | None = None) -> list[tuple[str | None, dict]]:
+    """A probe file's rows (``read_results`` of a ``*.jsonl``) paired with the run each belongs to: every run of a
+    probe script starts with a ``{"probe": "start", "commit": ...}`` row, so a row's run is the ``commit`` of the
+    last start row above it (None for runs whose start row names none, or rows above any start row). ``probe``: only
+    rows whose ``probe`` is that. Start rows themselves are left out. So two runs of one mode at different commits
+    (e.g. the same ``T`` and variant, kernels of different sessions) stay apart instead of one overwriting the
+    other in a dict keyed by their fields."""
+    out, commit = [], None
+    for r in rows:
+        if r.get("probe") == "start":
+            commit = r.get("commit")
+        elif probe is None or r.get("probe") == probe:
+            out.append((commit, r))
+    return out
+
+
 def results_kind(data: dict, name: str) -> str:
     """The ``kind`` of a results dict: top-level, else in ``config``, else the file name."""
     return data.get("kind") or data.get("config", {}).get("kind") or name
