@@ -23,7 +23,9 @@ so a dot needs no scale inside its K loop:
   -> 1.10 / 1.09 / 1.04 at T = 512 / 2048 / 8192 (README). A folding pull partition is a later step.)
 * W (FP4 e2m1, two per byte, UE8M0 per 32): folded by the **decode partition** relative to each weight row's
   largest exponent over all of K (``_row_exponent_max``), one byte-table lookup per value (``megamoe.quant.fold_lut``
-  through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer.
+  through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer
+  (at BM 128 two ``[128, 128]`` buffers, one per half that a wgmma reads, each written by one store:
+  ``DECODE_HALVES``, ``megamoe.fused.FP4_WS_DECODE_HALVES`` says why).
 * L2 A: the L1 epilogue quantises per 128 columns (UE8M0, as ``_l1_tile_hopper``); the reference folds the L2
   input per token relative to the largest of its I/128 scales, which the L1 epilogue of one 128-column tile cannot
   know. So the **decode partition folds the A stage in place** for L2 tiles (``e4m3(a * 2^(s_kb - s_max))`` through
@@ -424,11 +426,11 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs
     largest per-128 exponents into ``smax_s``. Per stage: for L2 its rows of the A stage folded in place, then its W
     rows: per 64 rows, packed bytes ``[0, 32)`` (K elements ``[0, 32)`` in the low values, ``[32, 64)`` in the high
     ones, register order: ``transform_weights_for_mega_moe``) and ``[32, 64)`` (K ``[64, 96)``, ``[96, 128)``) through
-    the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs``; ``fence.proxy.async`` (wgmma reads it), a
-    partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions, so the math reads the
-    stage only when every partition's rows -- W and the folded A -- are in). ``HALVES`` (``DECODE_HALVES``, one
-    partition with ``SF_TMA``): the stage's W as ``_decode_stage_halves`` into ``wd_bufs`` / ``wd2_bufs`` (the two
-    halves) and the A fold as one load and one store."""
+    the fold table into the e4m3 ``[256, 128]`` stage of ``wd_bufs`` (``HALVES``: below); ``fence.proxy.async``
+    (wgmma reads it), a partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions,
+    so the math reads the stage only when every partition's rows -- W and the folded A -- are in). ``HALVES``
+    (``DECODE_HALVES``, one partition with ``SF_TMA``): the stage's W as ``_decode_stage_halves`` into ``wd_bufs`` /
+    ``wd2_bufs`` (the two halves) and the A fold as one load and one store."""
     gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
