@@ -453,11 +453,18 @@ def time_steps_with_a_busy_rank(rank: int, world_size: int, timeout_s: float) ->
         sb.destroy()
 
 
+#: How many barrier timeouts rank 0 of ``stuck_rank_then_reset`` stays stuck. Rank 1 times out only if it reaches
+#: barrier 2 more than one timeout before rank 0 does, so this, less one, is the margin for rank 1's own steps running
+#: behind rank 0's: with 2 (a 1.5 s margin at the test's 1.5 s timeout) a fresh-clone CI run once saw rank 1 finish
+#: the call without a timeout (session 29, on a CI pass where the parallel tests took 17:23 instead of ~15 min).
+STUCK_TIMEOUTS = 4
+
+
 def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
-    """Rank 0 stops (sleeps 2 x timeout without a heartbeat) inside its L1 step. Rank 1 must time out at barrier 2
-    naming rank 0, within about one timeout; rank 0, when it wakes, times out at barrier 3 naming rank 1 (which
-    left). Then: a call on the failed buffer is refused (naming ``reset()``), every rank calls ``sb.reset()``, and
-    the next call is bit-exact again.
+    """Rank 0 stops (sleeps ``STUCK_TIMEOUTS`` x timeout without a heartbeat) inside its L1 step. Rank 1 must time
+    out at barrier 2 naming rank 0, within about one timeout; rank 0, when it wakes, times out at barrier 3 naming
+    rank 1 (which left). Then: a call on the failed buffer is refused (naming ``reset()``), every rank calls
+    ``sb.reset()``, and the next call is bit-exact again.
 
     Times (``time.monotonic()``, system-wide): ``out["slow_since"]`` (rank 0: its heartbeat stops),
     ``out["wait_since"][tag]`` (when this rank began waiting at barrier ``tag``), ``out["timeout"]["raised_at"]``.
@@ -477,7 +484,7 @@ def stuck_rank_then_reset(rank: int, world_size: int, timeout_s: float) -> dict:
 
     try:
         if rank == 0:
-            ops._l1 = _slow_l1("stuck", sb, 2 * timeout_s, marks=out)
+            ops._l1 = _slow_l1("stuck", sb, STUCK_TIMEOUTS * timeout_s, marks=out)
         ops.barrier_wait = timed_wait
         t0 = time.monotonic()
         try:
