@@ -1092,9 +1092,11 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
-    buffer, as ``_ws_constexprs``."""
-    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODE_HALVES[bm],
-           FP4_WS_SF_TMA[bm])
+    buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
+    or test that changes one on a live buffer gets new keywords."""
+    settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
+                WS_GROUP_SYNC["fp4_ws"])
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings)
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
 
