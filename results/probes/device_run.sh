@@ -74,6 +74,8 @@
 #                  (NCU_SOURCE_CASES, default "fp8:8192 fp8_fp4:2048": 4 files; not yet run)
 #   halves         FP4_WS_DECODE_HALVES: its GPU tests, then whole calls off / on / off / on at T = 512 ... 8192 and the
 #                  register-operand tile at T = 512 (-> $OUT/halves.jsonl; 174 s in session 29)
+#   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
+#                  forced) at T = $STAGE_TOKENS (512,2048,8192) (-> $OUT/stage_profile.jsonl; not yet timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -298,6 +300,14 @@ step_halves() {  # FP4_WS_DECODE_HALVES: its GPU tests (same bits on and off, pe
     timeout 300 $PY results/probes/fp8_ws_probe.py halves "${HALVES_TOKENS:-512,1024,2048,8192}" >>"$OUT/halves.jsonl"
     local rc=$?
     cut -c1-400 "$OUT/halves.jsonl"
+    return $rc
+}
+
+step_stage_profile() {
+    timeout 400 $PY results/probes/stage_profile_probe.py "${STAGE_TOKENS:-512,2048,8192}" "${STAGE_CONFIGS:-ws128}" \
+        >>"$OUT/stage_profile.jsonl"
+    local rc=$?
+    cat "$OUT/stage_profile.jsonl"
     return $rc
 }
 

@@ -1,0 +1,228 @@
+"""Where each partition of the FP8 x FP4 Gluon GEMM phase (tile kind "fp4_ws") spends its cycles, per ring stage,
+on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top-6, uniform routing).
+
+A text-patched copy of ``megamoe.kernels.gemm_fp4_ws`` (``ws_variants_probe.kernel_module``'s mechanism) reads the
+SM's ``%clock64`` around each wait and each piece of work of its three roles and stores, per CTA, the sums into an
+int64 tensor whose address is patched into the copy as a constant (timing only: the clock reads cost a few cycles
+each; the outputs are not checked). Counters per CTA (``SLOTS``):
+
+* decode partition: total, ``mbarrier.wait(ready)`` (the TMA stage not landed yet), the per-tile preamble (the
+  ``rfree`` wait, row maxima, L2's arrival-mask wait), the L2 A fold, the W decode, the fence + partition barrier +
+  arrive, stages, tiles;
+* each math warpgroup: total, ``ready`` + ``decoded`` waits, the two wgmma chains and adds, the epilogue, stages;
+* loader: total, ``empty`` waits (the math has not released the slot: the ring is full), L2 arrival-mask waits.
+
+One row per (T, config): per-stage means over CTAs of every counter, in cycles, and the call's µs (an unpatched
+call, ``_median_ms`` as the bench). Reading: if the decode partition's ``ready`` wait is a large part of its stage,
+the TMA stage lands late (ring too shallow for the load latency); if its decode is, the decode's own instruction
+latency / issue bounds the phase; the math's wait says how long the tensor cores idle per stage.
+
+    python results/probes/stage_profile_probe.py [T1,T2,..] >> stage_profile_probe_h200.jsonl
+    python results/probes/stage_profile_probe.py compile      # offline sm_90a compile of the patched copy (CPU)
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+_spec = importlib.util.spec_from_file_location("ws_variants_probe", pathlib.Path(__file__).with_name(
+    "ws_variants_probe.py"))
+wv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wv)
+
+#: Counter slots per CTA (int64 each): decode partition, math warpgroup 0 / 1, loader.
+SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_decode": 4, "dec_sync": 5,
+         "dec_stages": 6, "dec_tiles": 7,
+         "math0_total": 8, "math0_wait": 9, "math0_mma": 10, "math0_epi": 11, "math0_stages": 12,
+         "math1_total": 16, "math1_wait": 17, "math1_mma": 18, "math1_epi": 19, "math1_stages": 20,
+         "load_total": 24, "load_empty": 25, "load_mask": 26, "load_stages": 27}
+PER_CTA = 32
+ADDR = "__PROF_ADDR__"
+
+_CLK = '''
+
+@gluon.jit
+def _clk():
+    """The SM's cycle counter (probe)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prof(k: gl.constexpr, v):
+    """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
+    gl.store(p + gl.program_id(0) * 32 + k, v)
+
+
+_PROF_ADDR: gl.constexpr = gl.constexpr(__PROF_ADDR__)
+
+
+@gluon.jit
+def _full_mask('''
+
+_DEC_LOOP_END = ("            fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads"
+                 " them\n            gl.thread_barrier()  # every warp has stored and fenced before the one arrive\n"
+                 "            mbarrier.arrive(decoded.index(s), count=1)\n            it += 1\n        j += 1\n")
+_MATH_EPI = "        slot = j % 2\n        r = gl.arange(0, WM, layout=rows_l)\n"
+_MATH_END = ("                         HAS_CLAMP, BM, NWG, True, COALESCED)  # the per-128 UE8M0 requant\n"
+             "        j += 1\n")
+_LOAD_START = ("    full = _full_mask(I // 128)\n    it = 0\n    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):\n"
+               "        gl.atomic_add(progress, 1, sem=\"relaxed\", scope=\"gpu\")")
+_LOAD_MASK = ("            _wait_mask(l2_mask + b, full, state, timeout_ns)\n"
+              "            _fence_proxy_async_global()  # the L1 epilogues' generic stores, then this warp's TMA reads\n")
+_LOAD_END = "            it += 1\n\n\n@gluon.jit\ndef _row_exponent_max("
+_ZERO = "_clk() * 0"
+
+PATCHES = [
+    ("\n\n@gluon.jit\ndef _full_mask(", _CLK),
+    # decode partition
+    ("    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))\n    full = _full_mask(I // 128)\n",
+     "    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))\n    full = _full_mask(I // 128)\n"
+     f"    c0 = _clk()\n    c_ready = {_ZERO}\n    c_tile = {_ZERO}\n    c_fold = {_ZERO}\n    c_dec = {_ZERO}\n"
+     f"    c_sync = {_ZERO}\n    n_st = 0\n    n_t = 0\n"),
+    ("        slot = j % 2\n        mbarrier.wait(rfree.index(slot), ((j // 2) & 1) ^ 1)",
+     "        t_tile = _clk()\n        slot = j % 2\n        mbarrier.wait(rfree.index(slot), ((j // 2) & 1) ^ 1)"),
+    ("        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n",
+     "        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n"
+     "        c_tile += _clk() - t_tile\n        n_t += 1\n"),
+    ("            mbarrier.wait(ready.index(s), ph)\n            if PREFETCH:\n                if is_l2:",
+     "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n            t1 = _clk()\n"
+     "            c_ready += t1 - t0\n            t2 = t1\n            if PREFETCH:\n                if is_l2:"),
+    ("                if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)\n",
+     "                t2 = _clk()\n                c_fold += t2 - t1\n"
+     "                if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)\n"),
+    (_DEC_LOOP_END,
+     "            t3 = _clk()\n            c_dec += t3 - t2\n" + _DEC_LOOP_END.replace(
+         "            it += 1\n", "            c_sync += _clk() - t3\n            n_st += 1\n            it += 1\n")
+     + "    _prof(0, _clk() - c0)\n    _prof(1, c_ready)\n    _prof(2, c_tile)\n    _prof(3, c_fold)\n"
+       "    _prof(4, c_dec)\n    _prof(5, c_sync)\n    _prof(6, n_st.to(gl.int64))\n    _prof(7, n_t.to(gl.int64))\n"),
+    # math warpgroups
+    ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    spare = ",
+     f"    c0 = _clk()\n    c_wait = {_ZERO}\n    c_mma = {_ZERO}\n    c_epi = {_ZERO}\n    n_st = 0\n"
+     "    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    spare = "),
+    ("            mbarrier.wait(ready.index(s), ph)\n            mbarrier.wait(decoded.index(s), ph)\n",
+     "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n"
+     "            mbarrier.wait(decoded.index(s), ph)\n            t1 = _clk()\n            c_wait += t1 - t0\n"),
+    ("            spare = d_hi\n            it += 1\n",
+     "            spare = d_hi\n            c_mma += _clk() - t1\n            n_st += 1\n            it += 1\n"),
+    (_MATH_EPI, "        t4 = _clk()\n" + _MATH_EPI),
+    (_MATH_END, _MATH_END.replace("        j += 1\n", "        c_epi += _clk() - t4\n        j += 1\n")
+     + "    _prof(8 + 8 * wg, _clk() - c0)\n    _prof(9 + 8 * wg, c_wait)\n    _prof(10 + 8 * wg, c_mma)\n"
+       "    _prof(11 + 8 * wg, c_epi)\n    _prof(12 + 8 * wg, n_st.to(gl.int64))\n"),
+    # loader
+    (_LOAD_START, f"    c0 = _clk()\n    c_empty = {_ZERO}\n    c_mask = {_ZERO}\n    n_st = 0\n" + _LOAD_START),
+    (_LOAD_MASK, "            t0 = _clk()\n" + _LOAD_MASK + "            c_mask += _clk() - t0\n"),
+    ("            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh mbarrier passes the wait for the phase before 0\n",
+     "            t0 = _clk()\n"
+     "            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh mbarrier passes the wait for the phase before 0\n"
+     "            c_empty += _clk() - t0\n            n_st += 1\n"),
+    (_LOAD_END, "            it += 1\n    _prof(24, _clk() - c0)\n    _prof(25, c_empty)\n    _prof(26, c_mask)\n"
+                "    _prof(27, n_st.to(gl.int64))\n\n\n@gluon.jit\ndef _row_exponent_max("),
+]
+wv.PATCHES["profile"] = PATCHES
+
+
+def patched_source(addr: int) -> str:
+    """The kernel's text with the clock reads, counters stored at ``addr`` (int64 ``[grid, PER_CTA]``)."""
+    return wv.patched_source("profile").replace(ADDR, str(int(addr)))
+
+
+def kernel_module(addr: int):
+    """The patched copy imported from a temporary file (``ws_variants_probe.kernel_module`` with the address)."""
+    import tempfile
+    path = pathlib.Path(tempfile.mkdtemp(prefix="stage_profile_")) / "gemm_fp4_ws_profile.py"
+    path.write_text(patched_source(addr))
+    spec = importlib.util.spec_from_file_location("gemm_fp4_ws_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def summarize(prof, grid: int) -> dict:
+    """Per-stage means over the CTAs that ran a stage (cycles): each counter divided by its role's stages."""
+    import torch
+    p = prof.view(-1, PER_CTA)[:grid].double()
+    out = {}
+    for name, k in SLOTS.items():
+        role = name.split("_")[0]
+        stages = p[:, SLOTS[f"{role}_stages"]]
+        live = stages > 0
+        if name.endswith("_stages") or name.endswith("_tiles"):
+            out[name] = float(p[live, k].mean()) if live.any() else 0.0
+        else:
+            out[name + "_per_stage"] = float((p[live, k] / stages[live]).mean()) if live.any() else 0.0
+    out["dec_total_max_cta"] = float(p[:, SLOTS["dec_total"]].max())
+    out["dec_total_min_cta"] = float(p[:, SLOTS["dec_total"]].min())
+    return {k: round(v, 1) for k, v in out.items()} | {"ctas": int((p[:, SLOTS["dec_stages"]] > 0).sum())}
+
+
+CONFIGS = {  # name -> megamoe.fused constants to run under
+    "host": {},
+    "ws128": {"FP4_RS_MAX_EXPECTED": -1, "FP4_BLOCK64_MAX_EXPECTED": -1, "FP4_PREDECODE_MIN_EXPECTED": 1 << 30},
+    "ws64": {"FP4_RS_MAX_EXPECTED": -1, "FP4_BLOCK64_MAX_EXPECTED": 1 << 30, "FP4_PREDECODE_MIN_EXPECTED": 1 << 30},
+}
+
+
+def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
+    import torch
+
+    import megamoe.fused as mf
+    for T in tokens:
+        for name in configs:
+            saved = {k: getattr(mf, k) for k in CONFIGS[name]}
+            try:
+                for k, v in CONFIGS[name].items():
+                    setattr(mf, k, v)
+                sb, _, y, call = wv.rank("fp8_fp4", T)
+                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+                if cfg.kind != "fp4_ws" or cfg.rs_block_n:
+                    wv.emit(probe="stage_profile", T=T, config=name, skipped=f"{cfg.kind} rs {cfg.rs_block_n}")
+                    sb.destroy()
+                    continue
+                wv.use_kernel(wv.AS_IS)
+                call()
+                torch.cuda.synchronize()
+                us = wv._median_ms(call) * 1e3
+                grid = torch.cuda.get_device_properties(0).multi_processor_count
+                prof = torch.zeros(grid * PER_CTA * 2, dtype=torch.int64, device="cuda")
+                wv.use_kernel(kernel_module(prof.data_ptr()))
+                call()
+                torch.cuda.synchronize()
+                prof.zero_()
+                call()
+                torch.cuda.synchronize()
+                wv.emit(probe="stage_profile", T=T, config=name, kind=cfg.kind, block_m=cfg.block_m,
+                        predecode=cfg.predecode, us=us, clock_mhz=torch.cuda.clock_rate(0) if hasattr(
+                            torch.cuda, "clock_rate") else None, **summarize(prof, grid),
+                        commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
+                wv.use_kernel(wv.AS_IS)
+                sb.destroy()
+            finally:
+                for k, v in saved.items():
+                    setattr(mf, k, v)
+
+
+def compile_offline():
+    """Offline sm_90a compile of the patched copy at BM 128 and 64 (a CPU machine: ``TRITON_INTERPRET=0``)."""
+    from megamoe.hopper_compile import _compile_here
+    from megamoe.layout import Layout
+    mod = kernel_module(1 << 40)
+    sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
+    L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    for bm in (128, 64):
+        r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16)
+        print(json.dumps(dict(block_m=bm, shared=r.shared, registers=r.registers, spill=r.spill_stores,
+                              setmaxnreg=r.setmaxnreg)), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile"]:
+        compile_offline()
+    else:
+        import torch
+        wv.emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which="stage_profile",
+                commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
+        tokens = [int(t) for t in sys.argv[1].split(",")] if len(sys.argv) > 1 else (512, 2048, 8192)
+        configs = sys.argv[2].split(",") if len(sys.argv) > 2 else ("ws128",)
+        probe(tokens, configs)
