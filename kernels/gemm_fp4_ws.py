@@ -22,15 +22,21 @@ so a dot needs no scale inside its K loop:
   overlaps the GEMMs; for the FP8 phase that overlap was a small gain, same-run DeepGEMM ratio 1.13 / 1.10 / 1.09
   -> 1.10 / 1.09 / 1.04 at T = 512 / 2048 / 8192 (README). A folding pull partition is a later step.)
 * W (FP4 e2m1, two per byte, UE8M0 per 32): folded by the **decode partition** relative to each weight row's
-  largest exponent over all of K (``_row_exponent_max``), one byte-table lookup per value (``megamoe.quant.fold_lut``
+  largest exponent over all of K (``megamoe.fused._fp4_row_maxima``: uint8 per weight row, made once per weight set;
+  until session 30 each tile re-derived it from the rows' 56 / 24 scale words, ~230 cycles a stage of the decode
+  partition and all of the tile's 184 B of spills), one byte-table lookup per value (``megamoe.quant.fold_lut``
   through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer
   (at BM 128 two ``[128, 128]`` buffers, one per half that a wgmma reads, each written by one store:
   ``DECODE_HALVES``, ``megamoe.fused.FP4_WS_DECODE_HALVES`` says why).
 * L2 A: the L1 epilogue quantises per 128 columns (UE8M0, as ``_l1_tile_hopper``); the reference folds the L2
   input per token relative to the largest of its I/128 scales, which the L1 epilogue of one 128-column tile cannot
-  know. So the **decode partition folds the A stage in place** for L2 tiles (``e4m3(a * 2^(s_kb - s_max))`` through
-  fp16, exact as ``_fold_e4m3``), which needs every L1 tile of the block first: an L2 tile waits for the block's
-  **whole** arrival mask (the FP8 phase waits per K block; here the per-token maximum needs all of them).
+  know. So the L2 A operand is folded in place (``e4m3(a * 2^(s_kb - s_max))`` through fp16, exact as
+  ``_fold_e4m3``), which needs every L1 tile of the block first: an L2 tile waits for the whole block (the FP8 phase
+  waits per K block; here the per-token maximum needs all of them). ``FOLD_ONCE`` (``megamoe.fused.FP4_WS_FOLD_ONCE``,
+  block 128): **once per pool block, in the L2 pool**, by the math warpgroup whose L1 epilogue completes its 64 rows'
+  arrival bits (``_l1_fold_once``); the L2 loader waits for the folds (``_wait_folded``). Otherwise the **decode
+  partition folds each L2 A stage in shared memory**, in every L2 tile of the block (28 at H = 7168), after the
+  block's whole arrival mask.
 
 The epilogues apply ``2^(s_row - 127)`` per weight row (column) and ``2^(s_max - 127)`` per token (row) and then
 do what ``_l1_tile_hopper`` / ``_l2_tile_hopper`` do (bf16 round, clamp, SwiGLU, top-k weight, per-128 UE8M0
@@ -203,17 +209,92 @@ def _wait_mask(ptr, need, state, timeout_ns):
             gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
 
 
+#: ``FOLD_ONCE``: a pool block's ``l1_arrival_count`` (the rows the front launch landed, < 2^16) gains ``1 <<
+#: FOLD_SHIFT`` per math warpgroup whose rows' L2 A operand is folded; an L2 tile waits for ``NWG`` of them.
+FOLD_SHIFT = gl.constexpr(16)
+
+
+@gluon.jit
+def _wait_folded(ptr, nwg, state, timeout_ns):
+    """Spin (acquire, gpu) until the int32 at ``ptr`` counts ``nwg`` folded warpgroup row sets (``FOLD_SHIFT``);
+    bounded as :func:`_wait_mask`."""
+    seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    if (seen >> FOLD_SHIFT) < nwg:
+        t0 = _globaltimer_ns()
+        alive = True
+        while ((seen >> FOLD_SHIFT) < nwg) & alive:
+            seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            alive = (_globaltimer_ns() - t0) <= timeout_ns
+        if (seen >> FOLD_SHIFT) < nwg:
+            gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@gluon.jit
+def _fold_rows(buf, row0, nrows, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr):
+    """``FOLD_ONCE``: the L2 A operand of pool rows ``[row0, row0 + nrows)`` (``nrows`` <= 64, one math warpgroup)
+    folded **once**, in place in the L2 pool: every 128-column block ``kb``, ``e4m3(a * 2^(s_kb - s_max))`` through
+    fp16 (``_fold_a_rows``' arithmetic, so the same bytes as the per-stage fold), ``s_max`` the row's largest
+    per-128 exponent over all ``I / 128`` words (one unrolled pass, every load in flight at once). The words stay as
+    the L1 epilogues wrote them (the decode partition's L2 preamble takes ``s_max`` from them for the epilogue's token
+    scale). ``[64, 128]`` bytes a K block, 64 a thread in flight (``A_LAYOUT``; no layout change, so no shared
+    memory: block 64's four stages leave 116 B)."""
+    KB: gl.constexpr = I // 128
+    l2 = (buf + OFF_L2).to(gl.pointer_type(gl.uint8))
+    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, A_LAYOUT))
+    ok = r < nrows
+    s_mx = gl.zeros([WM], gl.int32, gl.SliceLayout(1, A_LAYOUT))
+    for kb in gl.static_range(KB):
+        s_mx = gl.maximum(s_mx, gl.load(l2_sf + kb * SP + row0 + r, mask=ok, other=0) & 0xFF)
+    col = gl.arange(0, 128, layout=gl.SliceLayout(0, A_LAYOUT))
+    rows = l2 + gl.expand_dims((row0 + r).to(gl.int64) * I, 1) + gl.expand_dims(col, 0)
+    for kb in range(KB):
+        s_kb = gl.load(l2_sf + kb * SP + row0 + r, mask=ok, other=0) & 0xFF
+        scale = gl.expand_dims(_pow2_f32(s_kb - s_mx).to(gl.float16), 1)
+        a = gl.load(rows + kb * 128, mask=gl.expand_dims(ok, 1), other=0).to(gl.float8e4nv, bitcast=True)
+        gl.store(rows + kb * 128, (a.to(gl.float16) * scale).to(gl.float8e4nv).to(gl.uint8, bitcast=True),
+                 mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _l1_fold_once(old, buf, arrival, b, nt, valid, wg: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr,
+                  OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr):
+    """``FOLD_ONCE``, after math warpgroup ``wg``'s L1 epilogue of tile ``nt`` of block ``b`` OR-ed its bits into the
+    arrival mask (acquire-release; ``old``: the mask before): the warpgroup that completes its rows' bits (every L1
+    tile's bit ``2 nt + wg``; at ``NWG`` 1 every bit) is the last to write those rows' L2 bytes and scales, so it
+    folds them (``_fold_rows``) and then adds ``1 << FOLD_SHIFT`` to the block's ``l1_arrival_count`` (release):
+    the L2 tiles' loader waits for ``NWG`` of those (``_wait_folded``) instead of the full mask."""
+    full = _full_mask(I // 128)
+    if NWG == 1:
+        mine = gl.to_tensor(3).to(gl.int64) << (2 * nt)
+        lane = full
+        seen = old | mine
+    else:
+        mine = gl.to_tensor(1).to(gl.int64) << (2 * nt + wg)
+        lane = full & 0x5555555555555555
+        seen = (old | mine) >> wg
+    if (seen & lane) == lane:
+        gl.thread_barrier()  # (the acquiring thread's view, to the whole warpgroup)
+        _fold_rows(buf, b * BM + wg * WM, gl.minimum(valid - wg * WM, WM), OFF_L2, OFF_L2_SF, I, SP)
+        _fence_proxy_async_global()  # the fold's generic stores, then the L2 tiles' TMA reads
+        gl.thread_barrier()
+        gl.atomic_add(arrival + b, 1 << FOLD_SHIFT, sem="release", scope="gpu")
+
+
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                     wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr = False):
+                    SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr = False, arrival=None,
+                    FOLD_ONCE: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
     per-128 scale of the row). ``SF_TMA``: the stage also carries the K block's scale words of the tile's 256 weight
     rows (``ws*_desc``, 1 KB) and of the block's pool rows (``as*_desc``: L2 the per-128 exponents the decode folds
-    with; L1 the front launch's folded words, unused, so that every stage has the same byte count)."""
+    with; L1 the front launch's folded words, unused, so that every stage has the same byte count). ``FOLD_ONCE``:
+    an L2 tile waits for its block's rows to be folded (``_wait_folded`` on ``arrival``, the pool blocks'
+    ``l1_arrival_count``) instead of for the full arrival mask."""
     if SF_TMA:
         nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes
                                 + as1_desc.block_type.nbytes)
@@ -232,7 +313,10 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
         if is_l2:
             KB = I // BK
             w_row = e * H + nt * TILE_N
-            _wait_mask(l2_mask + b, full, state, timeout_ns)
+            if FOLD_ONCE:
+                _wait_folded(arrival + b, BM // WM, state, timeout_ns)
+            else:
+                _wait_mask(l2_mask + b, full, state, timeout_ns)
             _fence_proxy_async_global()  # the L1 epilogues' generic stores, then this warp's TMA reads
         else:
             KB = H // BK
@@ -258,24 +342,6 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
                                                     wsf_bufs.index(s))
                     tma.async_copy_global_to_shared(as1_desc, [kb * SP + b * BM], bar, asf_bufs.index(s))
             it += 1
-
-
-@gluon.jit
-def _row_exponent_max(w_sf, N: gl.constexpr, KW: gl.constexpr, KW_PAD: gl.constexpr, L: gl.constexpr,
-                      NR: gl.constexpr):
-    """Largest UE8M0 byte over all K of ``NR`` weight rows: ``w_sf`` points at the first row in the int32 MN-major
-    ``[KW][N]`` scales (one word = 4 groups of 32). ``KW_CHUNK`` words a row per load (unrolled, so the loads are in
-    flight together). Returns int32 ``[NR]`` in ``SliceLayout(0, L)``."""
-    kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, L))
-    r = gl.arange(0, NR, layout=gl.SliceLayout(0, L))
-    m = gl.zeros([NR], gl.int32, gl.SliceLayout(0, L))
-    for k0 in gl.static_range(0, KW_PAD, KW_CHUNK):
-        k = gl.expand_dims(k0 + kw, 1)
-        words = gl.load(w_sf + k * N + gl.expand_dims(r, 0), mask=k < KW, other=0)
-        b = gl.maximum(gl.maximum(words & 0xFF, (words >> 8) & 0xFF),
-                       gl.maximum((words >> 16) & 0xFF, (words >> 24) & 0xFF))
-        m = gl.maximum(m, gl.max(b, axis=0))
-    return m
 
 
 @gluon.jit
@@ -412,13 +478,14 @@ def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut):
 
 
 @gluon.jit
-def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs, ready, decoded,
-                      rmax_s, smax_s, rfree,
+def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
+                      ready, decoded, rmax_s, smax_s, rfree,
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
                       H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                      KW1_PAD: gl.constexpr, KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
+                      KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
-                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr):
+                      SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr,
+                      FOLD_ONCE: gl.constexpr = False):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
     and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
     both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
@@ -430,7 +497,8 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs
     (wgmma reads it), a partition barrier, one arrive on ``decoded[s]`` (its count: the number of decode partitions,
     so the math reads the stage only when every partition's rows -- W and the folded A -- are in). ``HALVES``
     (``DECODE_HALVES``, one partition with ``SF_TMA``): the stage's W as ``_decode_stage_halves`` into ``wd_bufs`` /
-    ``wd2_bufs`` (the two halves) and the A fold as one load and one store."""
+    ``wd2_bufs`` (the two halves) and the A fold as one load and one store. ``FOLD_ONCE``: no A fold here (the math
+    warpgroups folded the block's L2 rows once, ``_l1_fold_once``)."""
     gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
@@ -447,7 +515,8 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs
             KB = I // BK
             N = H
             w_sf = w2_sf + (e * (I // 128) * H + nt * TILE_N)
-            rmax = _row_exponent_max(w_sf + R0, H, I // 128, KW2_PAD, RL, NR)
+            rmax = gl.load(rmax2 + e * H + nt * TILE_N + R0
+                           + gl.arange(0, NR, layout=gl.SliceLayout(0, RL))).to(gl.int32)
             _wait_mask(l2_mask + b, full, state, timeout_ns)
             kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, RL))
             r = A0 + gl.arange(0, NA, layout=gl.SliceLayout(0, RL))
@@ -462,7 +531,8 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs
             KB = H // BK
             N = 2 * I
             w_sf = w1_sf + (e * (H // 128) * (2 * I) + nt * TILE_N)
-            rmax = _row_exponent_max(w_sf + R0, 2 * I, H // 128, KW1_PAD, RL, NR)
+            rmax = gl.load(rmax1 + e * (2 * I) + nt * TILE_N + R0
+                           + gl.arange(0, NR, layout=gl.SliceLayout(0, RL))).to(gl.int32)
         rmax_s.index(slot).slice(R0, NR).store(rmax)
         if PREFETCH:  # K block 0's scale words (W rows; L2: A rows), then each K block loads the next one's
             w_rows = R0 + gl.arange(0, NR, layout=gl.SliceLayout(1, D_LAYOUT))
@@ -478,14 +548,14 @@ def _decode_partition(buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs
                 a_word_next = _a_scales(l2_sf + (kb + 1) * SP + b * BM, valid, A0, NA, is_l2 & more)
             mbarrier.wait(ready.index(s), ph)
             if PREFETCH:
-                if is_l2:  # fold the A stage per row (_fold_a_rows), this K block's exponents already loaded
+                if is_l2 and not FOLD_ONCE:  # fold the A stage per row (_fold_a_rows), this K block's exponents
                     _fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(
                         gl.SliceLayout(1, A_LAYOUT)), a_word)
                 _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
             else:  # this K block's words: with the stage (SF_TMA) or loaded here
-                if is_l2:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)), through fp16 (exact, _fold_e4m3)
+                if is_l2 and not FOLD_ONCE:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)) (_fold_e4m3)
                     if SF_TMA:
                         _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,
                                            HALVES)
@@ -514,11 +584,12 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                     STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr,
-                    TWO_WD: gl.constexpr):
+                    TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
-    256)`` of ``wd_bufs``' stage, or (``TWO_WD``: ``DECODE_HALVES``) the stages of ``wd_bufs`` / ``wd2_bufs``."""
+    256)`` of ``wd_bufs``' stage, or (``TWO_WD``: ``DECODE_HALVES``) the stages of ``wd_bufs`` / ``wd2_bufs``.
+    ``FOLD_ONCE``: after an L1 epilogue, the fold of the block's L2 rows once it is the last (``_l1_fold_once``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -581,23 +652,26 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
                          OFF_COMBINE, T, H, mma, COALESCED)
         else:
-            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP, BM, NWG, True, COALESCED)  # the per-128 UE8M0 requant
+            old = _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I,
+                               SP, HAS_CLAMP, BM, NWG, True, COALESCED, FOLD_ONCE)  # the per-128 UE8M0 requant
+            if FOLD_ONCE:
+                _l1_fold_once(old, buf, arrival, b, nt, valid, wg, NWG, BM, OFF_L2, OFF_L2_SF, I, SP)
         j += 1
 
 
 @gluon.jit
 def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, buf, w1_sf,
-                          w2_sf, lut, tiles, buffer_ptrs, me, clamp, timeout_ns,
+                          w2_sf, rmax1, rmax2, lut, tiles, buffer_ptrs, me, clamp, timeout_ns,
                           OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
                           OFF_L1_SF: gl.constexpr, OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr,
                           OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
+                          OFF_ARRIVAL: gl.constexpr,
                           T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                           HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
-                          LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, KW1_PAD: gl.constexpr,
+                          LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
-                          DECODE_HALVES: gl.constexpr = False):
+                          DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -612,6 +686,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     state = (buf + OFF_STATE).to(gl.pointer_type(gl.int32))
     l2_mask = (buf + OFF_L2_MASK).to(gl.pointer_type(gl.int64))
     progress = (buf + OFF_GRID).to(gl.pointer_type(gl.int32)) + 1  # grid-sync word 1 (megamoe.kernels.fused)
+    arrival = (buf + OFF_ARRIVAL).to(gl.pointer_type(gl.int32))  # FOLD_ONCE: the folded row sets per pool block
     num_l1 = gl.load(tiles)
     num_tiles = num_l1 + gl.load(tiles + 1)
     if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile
@@ -664,34 +739,38 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         gl.warp_specialize([
             (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                                smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
+                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
+                               arrival, FOLD_ONCE)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                                wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
-                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
-                                 ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
-                                 timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
-                                 PREDECODED, False)),
-            (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
-                                 ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
-                                 timeout_ns, OFF_L2_SF, H, I, SP,
-                                 STAGES, KW1_PAD, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH, SF_TMA, PREDECODED, False)),
+                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
+            (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
+                                 asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
+                                 state, timeout_ns, OFF_L2_SF, H, I, SP,
+                                 STAGES, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
+                                 PREDECODED, False, FOLD_ONCE)),
+            (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
+                                 asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
+                                 state, timeout_ns, OFF_L2_SF, H, I, SP,
+                                 STAGES, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
+                                 PREFETCH, SF_TMA, PREDECODED, False, FOLD_ONCE)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
+                           FOLD_ONCE)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD)),
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
+                           FOLD_ONCE)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
-                           timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC)),
-        (_decode_partition, (buf, w1_sf, w2_sf, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs, ready,
-                             decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns,
-                             OFF_L2_SF, H, I, SP, STAGES,
-                             KW1_PAD, KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES)),
+                           timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
+        (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
+                             asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
+                             timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
+                             KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
+                             FOLD_ONCE)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

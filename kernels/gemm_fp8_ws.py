@@ -367,21 +367,26 @@ def _l1_rows(L: gl.constexpr, buf, b, valid, wg: gl.constexpr, BM: gl.constexpr,
 
 
 @gluon.jit
-def _l1_publish(l2_mask, b, nt, wg: gl.constexpr, BITS: gl.constexpr):
+def _l1_publish(l2_mask, b, nt, wg: gl.constexpr, BITS: gl.constexpr, ACQ: gl.constexpr = False):
     """After a warpgroup's L1 epilogue stored its L2 pool bytes and scales: ``fence.proxy.async`` (the L2 tiles read
     them by TMA), a warpgroup barrier (every thread has stored and fenced), then ``BITS << (2 nt + wg)`` OR-ed into
     the block's int64 arrival mask ``l2_mask[b]`` (release, gpu): ``BITS`` 1 sets the warpgroup's bit, 3 both bits
-    of L1 tile ``nt`` (``wg`` 0)."""
+    of L1 tile ``nt`` (``wg`` 0). Returns the mask before the OR; ``ACQ``: acquire-release, so that the warpgroup
+    that completes a set of bits also sees the stores the other bits released (``gemm_fp4_ws``'s fold once)."""
     _fence_proxy_async_global()
     gl.thread_barrier()
-    gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+    if ACQ:
+        old = gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="acq_rel", scope="gpu")
+    else:
+        old = gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
+    return old
 
 
 @gluon.jit
 def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.constexpr, OFF_L1_W: gl.constexpr,
                  OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                  HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,
-                 COALESCED: gl.constexpr = True):
+                 COALESCED: gl.constexpr = True, ACQ: gl.constexpr = False):
     """Warpgroup ``wg``'s 64 rows of an L1 tile, both halves: ``acc_lo`` / ``acc_hi`` float32 ``[64, 128]`` in the
     wgmma layout (gate / up interleaved by 8; for ``gemm_fp4_ws`` already scaled by the weight rows' and tokens'
     powers of two). bf16 round, clamp (``HAS_CLAMP``), SwiGLU (:func:`_l1_half`), top-k weight (:func:`_l1_rows`),
@@ -396,7 +401,8 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
     ``COALESCED``: the bytes stored from :data:`STORE_E4M3` (16 a thread) instead of the wgmma layout.
 
     Then the arrival bits (:func:`_l1_publish`): the warpgroup's, or with ``NWG`` = 1 (``gemm_fp4_ws`` at BM 64: the
-    one warpgroup holds the tile's rows) both bits of the tile, so the mask and its waits are those of BM 128."""
+    one warpgroup holds the tile's rows) both bits of the tile, so the mask and its waits are those of BM 128.
+    Returns the mask before this warpgroup's bits (acquire-release with ``ACQ``)."""
     act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)
     act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)
     L: gl.constexpr = act_lo.type.layout
@@ -433,9 +439,10 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
     else:
         gl.store((buf + OFF_L2_SF).to(gl.pointer_type(gl.float32)) + nt * SP + row, scale, mask=row_ok)
     if NWG == 1:
-        _l1_publish(l2_mask, b, nt, wg, 3)
+        old = _l1_publish(l2_mask, b, nt, wg, 3, ACQ)
     else:
-        _l1_publish(l2_mask, b, nt, wg, 1)
+        old = _l1_publish(l2_mask, b, nt, wg, 1, ACQ)
+    return old
 
 
 @gluon.jit

@@ -296,6 +296,13 @@ FP4_WS_SF_TMA = {128: True, 64: False}
 #: 658 -> 651 instructions, its one spilled register a stage gone. Same values, same bits
 #: (``tests/gpu/test_ws_launch_options_gpu.py``). Block 64 (PREFETCH: 128 rows a partition in one store) has none.
 FP4_WS_DECODE_HALVES = {128: True, 64: False}
+#: "fp4_ws": fold the L2 A operand **once** per pool block (the math warpgroup that completes its rows' L1 bits folds
+#: them in place in the L2 pool, ``gemm_fp4_ws._l1_fold_once``; the L2 loader waits for the folds) instead of in the
+#: decode partition, per stage, in every L2 tile (28 tiles a block at H = 7168: the same rows folded 28 times). Why:
+#: the per-stage clock profile (``results/probes/stage_profile_probe_h200.jsonl``, session 30, block 128): the decode
+#: partition bounds the tile (its stage 2750 cycles, the math warpgroups wait ~1000 of their 2750 for it), and the
+#: per-stage fold was ~1200 cycles of each L2 stage (410 a stage over all stages). Same bits.
+FP4_WS_FOLD_ONCE = {128: True, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -954,6 +961,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
             elif kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"], predecode)
                 _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode)
+                _fp4_row_maxima(c)
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
@@ -991,15 +999,17 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
 
 def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False) -> None:
     """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
-    ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors)."""
+    ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors). The decode partitions take
+    each weight row's fold reference from ``_fp4_row_maxima`` (as the register-operand tile)."""
     from megamoe.kernels import gemm_fp4_ws as k4
 
     sms = sm_count(dev)
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
+        rmax1, rmax2 = _fp4_row_maxima(c)
         direct_launch.launch(k4.fp4_gemm_phase_kernel, (sms,), (
-            *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], _fold_lut(dev), tiles[lr],
-            c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
+            *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], rmax1, rmax2, _fold_lut(dev),
+            tiles[lr], c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
             _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
 
 
@@ -1023,7 +1033,7 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
 
 def _fp4_row_maxima(c):
     """Each weight row's largest UE8M0 byte over all of K, uint8 ``(rmax1 [El*2I], rmax2 [El*H])`` (the fold's
-    reference of the register-operand tile) from bound call ``c``'s transformed scales, by
+    reference of both FP8 x FP4 Gluon tiles) from bound call ``c``'s transformed scales, by
     ``megamoe.fold_decode.row_maxima`` (one read of the scales: ~100 MB for one EP8 rank of V4-Pro, 71 us on an
     H200), kept on the buffer and made again only when the scales are other tensors or were changed in place since
     (torch's version counter of each scale tensor is part of the key; a tensor without one -- made under
@@ -1095,7 +1105,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                WS_GROUP_SYNC["fp4_ws"])
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings)
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
@@ -1104,24 +1114,25 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` at ``bm``, ``num_warps`` and ``maxnreg``.
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` at ``bm``,
+    ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     return dict(
-        {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=H, I=I,
+        {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
-        LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW1_PAD=triton.next_power_of_2(H // 128),
-        KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
+        LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW2_PAD=triton.next_power_of_2(I // 128), PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
         # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
-        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm],
+        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm], FOLD_ONCE=FP4_WS_FOLD_ONCE[bm],
         **_pdl_keywords())
 
 
-#: The workspace and buffer offsets the FP8 x FP4 Gluon GEMM phase takes (``_offsets`` names).
+#: The workspace and buffer offsets both FP8 x FP4 Gluon GEMM phases take (``_offsets`` names; the decode-partition
+#: tile also ``OFF_ARRIVAL``, for ``FP4_WS_FOLD_ONCE``).
 _FP4_WS_OFFSETS = ("OFF_GRID", "OFF_STATE", "OFF_L2_MASK", "OFF_L1_SF", "OFF_L1_W", "OFF_L2", "OFF_L2_SF", "OFF_META",
                    "OFF_COMBINE")
 

@@ -27,7 +27,7 @@ import tempfile
 #: sm_90's largest dynamic shared memory per block (H100 / H200: 227 KiB).
 SM90_MAX_SHARED_PER_BLOCK = 232448
 #: Pointer arguments the host passes 16-byte aligned (buffer bases, torch allocations), per kind.
-_ALIGNED = {"fp4_ws": ("buf", "w1_sf", "w2_sf", "lut", "tiles", "buffer_ptrs"),
+_ALIGNED = {"fp4_ws": ("buf", "w1_sf", "w2_sf", "rmax1", "rmax2", "lut", "tiles", "buffer_ptrs"),
             "fp4_rs": ("buf", "rmax1", "rmax2", "lut", "tiles", "sched", "buffer_ptrs"),
             "fp8_ws": ("buf", "w1_sf", "w2_sf", "tiles", "buffer_ptrs")}
 
@@ -73,8 +73,8 @@ def _signature(kind: str, bm: int, predecode: bool = False, block_n: int = 0) ->
         return dict(sig, buf="*u8", rmax1="*u8", rmax2="*u8", lut="*i32", tiles="*i32", sched="*i32",
                     buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
     if kind == "fp4_ws":
-        return dict(sig, buf="*u8", w1_sf="*i32", w2_sf="*i32", lut="*i32", tiles="*i32", buffer_ptrs="*i64",
-                    me="i32", clamp="fp32", timeout_ns="i64")
+        return dict(sig, buf="*u8", w1_sf="*i32", w2_sf="*i32", rmax1="*u8", rmax2="*u8", lut="*i32", tiles="*i32",
+                    buffer_ptrs="*i64", me="i32", clamp="fp32", timeout_ns="i64")
     return dict(sig, buf="*u8", w1_sf="*fp32", w2_sf="*fp32", tiles="*i32", buffer_ptrs="*i64", me="i32",
                 clamp="fp32", timeout_ns="i64")
 

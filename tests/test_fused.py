@@ -575,7 +575,9 @@ def test_fp4_gluon_phase_keywords_match_its_constexprs(block_m):
         assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in k4.fp4_gemm_phase_kernel.params
                                                       if p.is_constexpr}
         assert kw["OFF_L2"] == sb.layout.offset("l2_acts") and kw["STAGES"] == mf.FP4_WS_STAGES[block_m]
-        assert kw["KW1_PAD"] == 4 and kw["KW2_PAD"] == 4  # next powers of two of H / 128 = 4, I / 128 = 3
+        assert kw["KW2_PAD"] == 4  # the next power of two of I / 128 = 3
+        assert kw["OFF_ARRIVAL"] == sb.layout.offset("l1_arrival_count")
+        assert kw["FOLD_ONCE"] == mf.FP4_WS_FOLD_ONCE[block_m]
         assert kw["maxnreg"] == mf.FP4_WS_REGS[block_m][3]
         assert not kw["HAS_CLAMP"] and mf._fp4_ws_constexprs(sb, block_m, False, False) is kw  # cached
         assert kw["PREFETCH"] == mf.FP4_WS_PREFETCH[block_m] and kw["SF_TMA"] == mf.FP4_WS_SF_TMA[block_m]

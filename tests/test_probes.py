@@ -239,3 +239,13 @@ def test_fp4_rs_probe_model_is_the_table_asm():
     assert np.array_equal(got, want.numpy())
     assert not np.array_equal(got, probe.decoded_weights(packed, sf, rmax - 1, lut).to(
         torch.float8_e4m3fn).view(torch.uint8).numpy())  # the check can fail
+
+
+def test_stage_profile_patches_apply_once_and_parse():
+    """The clock-profile copy of the FP8 x FP4 Gluon phase (``stage_profile_probe.py``) still patches this checkout's
+    kernel: every anchor once, the result valid Python with the counters' address substituted."""
+    probe = _load("stage_profile_probe")
+    src = probe.patched_source(1 << 40)
+    assert probe.ADDR not in src and str(1 << 40) in src
+    assert src.count("_clk()") > 20
+    ast.parse(src)

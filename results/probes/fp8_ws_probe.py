@@ -126,9 +126,9 @@ SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
          ("    return x.to(gl.bfloat16).to(gl.int16, bitcast=True)\n", "    return f32_to_bf16_bits(x).to(gl.int16)\n"),
          ("    return x.to(gl.bfloat16).to(gl.float32)\n", "    return round_to_bf16(x)\n")]
 UNCOALESCED = [("HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
-                "                 COALESCED: gl.constexpr = True):",
+                "                 COALESCED: gl.constexpr = True, ACQ: gl.constexpr = False):",
                 "HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
-                "                 COALESCED: gl.constexpr = False):"),
+                "                 COALESCED: gl.constexpr = False, ACQ: gl.constexpr = False):"),
                ("mma: gl.constexpr, COALESCED: gl.constexpr = True):",
                 "mma: gl.constexpr, COALESCED: gl.constexpr = False):")]
 # -- the second math warpgroup starts its first tile late, so the two run a few ring stages apart and their epilogues

@@ -65,12 +65,12 @@ _DEC_LOOP_END = ("            fence_async_shared()  # generic-proxy stores to sh
                  " them\n            gl.thread_barrier()  # every warp has stored and fenced before the one arrive\n"
                  "            mbarrier.arrive(decoded.index(s), count=1)\n            it += 1\n        j += 1\n")
 _MATH_EPI = "        slot = j % 2\n        r = gl.arange(0, WM, layout=rows_l)\n"
-_MATH_END = ("                         HAS_CLAMP, BM, NWG, True, COALESCED)  # the per-128 UE8M0 requant\n"
+_MATH_END = ("                _l1_fold_once(old, buf, arrival, b, nt, valid, wg, NWG, BM, OFF_L2, OFF_L2_SF, I, SP)\n"
              "        j += 1\n")
 _LOAD_START = ("    full = _full_mask(I // 128)\n    it = 0\n    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):\n"
                "        gl.atomic_add(progress, 1, sem=\"relaxed\", scope=\"gpu\")")
-_LOAD_MASK = ("            _wait_mask(l2_mask + b, full, state, timeout_ns)\n"
-              "            _fence_proxy_async_global()  # the L1 epilogues' generic stores, then this warp's TMA reads\n")
+_LOAD_MASK = ("            if FOLD_ONCE:\n                _wait_folded(arrival + b, BM // WM, state, timeout_ns)\n"
+              "            else:\n                _wait_mask(l2_mask + b, full, state, timeout_ns)\n")
 _LOAD_END = "            it += 1\n\n\n@gluon.jit\ndef _row_exponent_max("
 _ZERO = "_clk() * 0"
 
@@ -86,9 +86,9 @@ PATCHES = [
     ("        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n",
      "        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n"
      "        c_tile += _clk() - t_tile\n        n_t += 1\n"),
-    ("            mbarrier.wait(ready.index(s), ph)\n            if PREFETCH:\n                if is_l2:",
+    ("            mbarrier.wait(ready.index(s), ph)\n            if PREFETCH:\n",
      "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n            t1 = _clk()\n"
-     "            c_ready += t1 - t0\n            t2 = t1\n            if PREFETCH:\n                if is_l2:"),
+     "            c_ready += t1 - t0\n            t2 = t1\n            if PREFETCH:\n"),
     ("                if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)\n",
      "                t2 = _clk()\n                c_fold += t2 - t1\n"
      "                if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)\n"),

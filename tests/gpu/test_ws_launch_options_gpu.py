@@ -3,8 +3,9 @@ three launches (``megamoe.fused.WS_PDL``; session 14/15 also had the front's L2 
 phase's math warpgroups started a ring apart (``FP8_WS_LEAD``; the FP8 x FP4 phase has no such option: its cases
 then run twice alike), both phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``, set
 for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on")
-and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``; per-block decode and predecoded
-weights).
+and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
+once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
+with per-block decode and predecoded weights.
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), re
 OPTIONS = {"WS_PDL": (False, True), "FP8_WS_LEAD": (False, True),
            "WS_GROUP_SYNC": tuple({"fp8_ws": v, "fp4_ws": v} for v in (False, True)),
            "WS_BACK_PROGRAMS_PER_SM": (1, 4),
-           "FP4_WS_DECODE_HALVES": tuple({128: v, 64: False} for v in (False, True))}
+           "FP4_WS_DECODE_HALVES": tuple({128: v, 64: False} for v in (False, True)),
+           "FP4_WS_FOLD_ONCE": tuple({128: v, 64: False} for v in (False, True))}
 #: option -> constants of ``megamoe.fused`` set for both runs: the tile the option changes (the decode halves: the
 #: decode-partition tile at pool block 128, per-block decode and, as ``FP4_WS_DECODE_HALVES@predecoded``, the
 #: predecoded weights, where only the L2 A fold changes)
@@ -28,6 +30,9 @@ FORCE = {"FP4_WS_DECODE_HALVES": dict(FP4_BLOCK64_MAX_EXPECTED=-1, FP4_RS_MAX_EX
          "FP4_WS_DECODE_HALVES@predecoded": dict(FP4_BLOCK64_MAX_EXPECTED=-1, FP4_RS_MAX_EXPECTED=-1,
                                                 FP4_PREDECODE_MIN_EXPECTED=0)}
 OPTIONS["FP4_WS_DECODE_HALVES@predecoded"] = OPTIONS["FP4_WS_DECODE_HALVES"]
+FORCE["FP4_WS_FOLD_ONCE"] = FORCE["FP4_WS_DECODE_HALVES"]
+FORCE["FP4_WS_FOLD_ONCE@predecoded"] = FORCE["FP4_WS_DECODE_HALVES@predecoded"]
+OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
