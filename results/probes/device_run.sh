@@ -74,6 +74,11 @@
 #                  (NCU_SOURCE_CASES, default "fp8:8192 fp8_fp4:2048": 4 files; not yet run)
 #   halves         FP4_WS_DECODE_HALVES: its GPU tests, then whole calls off / on / off / on at T = 512 ... 8192 and the
 #                  register-operand tile at T = 512 (-> $OUT/halves.jsonl; 174 s in session 29)
+#   fold_tests     FP4_WS_FOLD_ONCE and the weight-row maxima of the decode-partition tile: tests/gpu/test_fp4_ws_gpu.py
+#                  and the launch-options test of the fold, off / on (not yet timed)
+#   fold_once      fp8_ws_probe.py fold_once: off / on / off / on at T = 512, 2048, 8192 and the register-operand tile at
+#                  T = 512 (-> $OUT/fold_once.jsonl); then the layer bench at T = 512 (uniform, skewed) with
+#                  FP4_RS_MAX_EXPECTED = 32 (-> $OUT/thr32/layer_h200.json; not yet timed)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) (-> $OUT/stage_profile.jsonl; not yet timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
@@ -300,6 +305,21 @@ step_halves() {  # FP4_WS_DECODE_HALVES: its GPU tests (same bits on and off, pe
     timeout 300 $PY results/probes/fp8_ws_probe.py halves "${HALVES_TOKENS:-512,1024,2048,8192}" >>"$OUT/halves.jsonl"
     local rc=$?
     cut -c1-400 "$OUT/halves.jsonl"
+    return $rc
+}
+
+step_fold_tests() {
+    timeout 330 $PY -m pytest -q -x -rfE tests/gpu/test_fp4_ws_gpu.py || return 1
+    timeout 200 $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k "FOLD_ONCE and fp8_fp4"
+}
+
+step_fold_once() {
+    timeout 330 $PY results/probes/fp8_ws_probe.py fold_once "${FOLD_TOKENS:-512,2048,8192}" >>"$OUT/fold_once.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/fold_once.jsonl"
+    mkdir -p "$OUT/thr32"
+    timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
+b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/thr32" | tail -12
     return $rc
 }
 

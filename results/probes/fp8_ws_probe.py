@@ -434,6 +434,21 @@ def probe_halves(tokens=(512, 1024, 2048, 8192)):
                 _choice_row("halves", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
 
 
+def probe_fold_once(tokens=(512, 2048, 8192)):
+    """The block-128 decode-partition tile's L2 A operand folded once per pool block by the math warpgroups
+    (``FP4_WS_FOLD_ONCE``) against per stage by the decode partition, off / on / off / on, whole call at each T with
+    its error (``FP8 x FP4``, "hopper"; the decode-partition tile forced: ``FP4_RS_MAX_EXPECTED = -1``; at T = 8192
+    the host predecodes). At T = 512 also the register-operand tile (chunk 64) twice, for ``FP4_RS_MAX_EXPECTED``.
+    The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    for T in _tokens(tokens):
+        for on in (False, True, False, True):
+            _choice_row("fold_once", T, f"fold_once {'on' if on else 'off'}", "fp8_fp4",
+                        {"FP4_WS_FOLD_ONCE": {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
+        if T <= 512:
+            for _ in range(2):
+                _choice_row("fold_once", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+
+
 def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128: 16 expected tokens per expert)
     as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (the measured alternatives, dropped
@@ -527,4 +542,5 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
-         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves}[name]()
+         "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
+         "fold_once": probe_fold_once}[name]()

@@ -71,7 +71,7 @@ _LOAD_START = ("    full = _full_mask(I // 128)\n    it = 0\n    for t in range(
                "        gl.atomic_add(progress, 1, sem=\"relaxed\", scope=\"gpu\")")
 _LOAD_MASK = ("            if FOLD_ONCE:\n                _wait_folded(arrival + b, BM // WM, state, timeout_ns)\n"
               "            else:\n                _wait_mask(l2_mask + b, full, state, timeout_ns)\n")
-_LOAD_END = "            it += 1\n\n\n@gluon.jit\ndef _row_exponent_max("
+_LOAD_END = "            it += 1\n\n\n@gluon.jit\ndef _fold_table("
 _ZERO = "_clk() * 0"
 
 PATCHES = [
@@ -118,7 +118,7 @@ PATCHES = [
      "            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh mbarrier passes the wait for the phase before 0\n"
      "            c_empty += _clk() - t0\n            n_st += 1\n"),
     (_LOAD_END, "            it += 1\n    _prof(24, _clk() - c0)\n    _prof(25, c_empty)\n    _prof(26, c_mask)\n"
-                "    _prof(27, n_st.to(gl.int64))\n\n\n@gluon.jit\ndef _row_exponent_max("),
+                "    _prof(27, n_st.to(gl.int64))\n\n\n@gluon.jit\ndef _fold_table("),
 ]
 wv.PATCHES["profile"] = PATCHES
 
