@@ -32,11 +32,11 @@ so a dot needs no scale inside its K loop:
   input per token relative to the largest of its I/128 scales, which the L1 epilogue of one 128-column tile cannot
   know. So the L2 A operand is folded in place (``e4m3(a * 2^(s_kb - s_max))`` through fp16, exact as
   ``_fold_e4m3``), which needs every L1 tile of the block first: an L2 tile waits for the whole block (the FP8 phase
-  waits per K block; here the per-token maximum needs all of them). ``FOLD_ONCE`` (``megamoe.fused.FP4_WS_FOLD_ONCE``,
-  block 128): **once per pool block, in the L2 pool**, by the math warpgroup whose L1 epilogue completes its 64 rows'
-  arrival bits (``_l1_fold_once``); the L2 loader waits for the folds (``_wait_folded``). Otherwise the **decode
-  partition folds each L2 A stage in shared memory**, in every L2 tile of the block (28 at H = 7168), after the
-  block's whole arrival mask.
+  waits per K block; here the per-token maximum needs all of them). The **decode partition folds each L2 A stage in
+  shared memory**, in every L2 tile of the block (28 at H = 7168), after the block's whole arrival mask. Option
+  ``FOLD_ONCE`` (``megamoe.fused.FP4_WS_FOLD_ONCE``, off: measured slower, the constant says why): **once per pool
+  block, in the L2 pool**, by the math warpgroup whose L1 epilogue completes its 64 rows' arrival bits
+  (``_l1_fold_once``); the L2 loader then waits for the folds (``_wait_folded``).
 
 The epilogues apply ``2^(s_row - 127)`` per weight row (column) and ``2^(s_max - 127)`` per token (row) and then
 do what ``_l1_tile_hopper`` / ``_l2_tile_hopper`` do (bf16 round, clamp, SwiGLU, top-k weight, per-128 UE8M0

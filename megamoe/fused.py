@@ -298,11 +298,17 @@ FP4_WS_SF_TMA = {128: True, 64: False}
 FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: "fp4_ws": fold the L2 A operand **once** per pool block (the math warpgroup that completes its rows' L1 bits folds
 #: them in place in the L2 pool, ``gemm_fp4_ws._l1_fold_once``; the L2 loader waits for the folds) instead of in the
-#: decode partition, per stage, in every L2 tile (28 tiles a block at H = 7168: the same rows folded 28 times). Why:
-#: the per-stage clock profile (``results/probes/stage_profile_probe_h200.jsonl``, session 30, block 128): the decode
-#: partition bounds the tile (its stage 2750 cycles, the math warpgroups wait ~1000 of their 2750 for it), and the
-#: per-stage fold was ~1200 cycles of each L2 stage (410 a stage over all stages). Same bits.
-FP4_WS_FOLD_ONCE = {128: True, 64: False}
+#: decode partition, per stage, in every L2 tile (28 tiles a block at H = 7168: the same rows folded 28 times). Why it
+#: was tried: the per-stage clock profile (``results/probes/stage_profile_probe_h200.jsonl``, session 30, block 128)
+#: put the decode partition on the tile's critical path (its stage 2750 cycles; the math warpgroups wait ~1000 of
+#: their 2750 for it) and the per-stage fold at ~1200 cycles of each L2 stage. Measured (``fold_once`` rows of
+#: ``results/probes/fp8_ws_probe_h200.jsonl`` at 7aafcf0, same bits, GPU-tested): **slower**, off / on T = 512 1130 /
+#: 1233 us, 2048 2809 / 3007, 8192 (predecoded) 7936 / 9392. The decode partition's stage did shrink (2750 -> 2405
+#: cycles, profile rows at 7aafcf0), but the folds land on the few CTAs whose L1 tile completes a block (the static
+#: tile walk gives a block's last n-tile to ~11 of the 132 CTAs), ~10 us each, one warpgroup per 64 rows: the slowest
+#: CTA's phase grew (T = 8192: 10.7 -> 12.1 M cycles) while the mean fell. Off; kept as a GPU-tested option for a fold
+#: that is spread over the CTAs (or DeepGEMM's alternative: the per-128 token scales applied in the per-K-block add).
+FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
