@@ -306,8 +306,11 @@ FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: 1233 us, 2048 2809 / 3007, 8192 (predecoded) 7936 / 9392. The decode partition's stage did shrink (2750 -> 2405
 #: cycles, profile rows at 7aafcf0), but the folds land on the few CTAs whose L1 tile completes a block (the static
 #: tile walk gives a block's last n-tile to ~11 of the 132 CTAs), ~10 us each, one warpgroup per 64 rows: the slowest
-#: CTA's phase grew (T = 8192: 10.7 -> 12.1 M cycles) while the mean fell. Off; kept as a GPU-tested option for a fold
-#: that is spread over the CTAs (or DeepGEMM's alternative: the per-128 token scales applied in the per-K-block add).
+#: CTA's phase grew (T = 8192: 10.7 -> 12.1 M cycles) while the mean fell. Session 28 had measured the same idea
+#: (its fold one row a thread pair, 16 rows a step: T = 2048 2971 -> 3921 us, ``fold_once`` rows at 1e9b888) and
+#: its branch was lost with the checkout; this form loses less, and the profile says why it loses at all. Off; kept as
+#: a GPU-tested option for a fold that is spread over the CTAs (or for DeepGEMM's alternative: the per-128 token
+#: scales applied in the per-K-block add instead of folded into the operand -- a change of numerics).
 FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64

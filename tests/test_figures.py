@@ -245,3 +245,20 @@ def test_probe_runs_keep_two_runs_of_one_mode_apart():
     assert [run for run, _ in figures.probe_runs(rows)] == [None, None, None, "ee9cef3"]  # no start rows
     runs = {(run, r["T"]): r["us"] for run, r in figures.probe_runs(rows, "fp4")}
     assert runs[(None, 2048)] == 5007.0 and runs[("ee9cef3", 2048)] == 2877.0
+
+
+def test_stage_profile_figure_draws_the_probe_rows():
+    """The stage-profile figure draws the probe's rows (block 128 forced, and the host's predecoded row) without
+    warnings and skips the rows that were not profiled."""
+    import warnings
+
+    row = {"probe": "stage_profile", "T": 2048, "config": "ws128", "predecode": False, "commit": "abc1234",
+           **{f"dec_{k}_per_stage": v for k, v in (("total", 2750), ("ready", 118), ("tile", 230), ("fold", 410),
+                                                     ("decode", 1628), ("sync", 221))},
+           **{f"math0_{k}_per_stage": v for k, v in (("total", 2750), ("wait", 984), ("mma", 1366), ("epi", 290))}}
+    rows = [{"probe": "start"}, row, {**row, "config": "host", "predecode": True},
+            {"probe": "stage_profile", "T": 512, "config": "host", "skipped": "fp4_ws rs 64"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = figures.stage_profile({"rows": rows})
+    assert len(fig.axes[0].get_yticklabels()) == 4  # two rows drawn, two roles each

@@ -40,6 +40,7 @@ from megamoe.figures.bench import (
     roofline_figure,
     roofline_rows,
     run_format,
+    stage_profile,
     variant_label,
 )
 from megamoe.figures.diagrams import dataflow_figure, pipeline_figure, pool_figure
@@ -90,5 +91,6 @@ __all__ = [
     "probe_runs",
     "pool_size_sweep", "quantization_figure", "read_results", "results_dir", "results_files", "results_kind",
     "results_name", "results_overview", "results_sha", "roofline_figure", "roofline_rows", "run_format",
+    "stage_profile",
     "save_figure", "traffic_heatmap", "variant_label",
 ]

@@ -359,6 +359,50 @@ def fp4_ws_probe(data: dict) -> Figure:
     return fig
 
 
+#: The stage-profile components drawn per role: (row key prefix, label, [(counter, label, colour), ...]).
+STAGE_PROFILE_ROLES = (
+    ("dec", "decode partition", [("ready", "wait: stage landed", "#bbbbbb"), ("tile", "tile preamble", "#8172b3"),
+                                 ("fold", "L2 A fold", "#c44e52"), ("decode", "W decode", "#4c72b0"),
+                                 ("sync", "fence + barrier + arrive", "#937860")]),
+    ("math0", "math warpgroup 0", [("wait", "wait: decoded", "#bbbbbb"), ("mma", "wgmma + add", "#55a868"),
+                                   ("epi", "epilogue", "#dd8452")]),
+)
+
+
+@needs("probe")
+def stage_profile(data: dict) -> Figure:
+    """``results/probes/stage_profile_probe_h200.jsonl``: cycles a ring stage of the FP8 x FP4 decode-partition tile
+    (block 128), per role and what it did (``%clock64`` sums per CTA, mean over CTAs, divided by the stages), one bar
+    pair per (commit, tokens per rank, predecoded) row: the decode partition and the first math warpgroup. Where a
+    role's stage is mostly waiting, another role sets the pace."""
+    rows = [r for r in data["rows"] if r.get("probe") == "stage_profile" and "dec_total_per_stage" in r
+            and (r.get("config") == "ws128" or r.get("predecode"))]  # (the host's choice: its predecoded rows)
+    fig, axes = new_figure(1, 1, size=(10.0, 0.55 * 2 * max(1, len(rows)) + 1.4))
+    ax = axes[0, 0]
+    labels, y = [], 0.0
+    seen = set()
+    for r in rows:
+        for prefix, role, parts in STAGE_PROFILE_ROLES:
+            left = 0.0
+            for key, label, color in parts:
+                v = r.get(f"{prefix}_{key}_per_stage", 0.0)
+                ax.barh(y, v, left=left, color=color, height=0.8,
+                        label=label if (prefix, key) not in seen else None)
+                seen.add((prefix, key))
+                left += v
+            ax.text(left, y, f" {r[f'{prefix}_total_per_stage']:.0f}", va="center", fontsize=6)
+            labels.append(f"{role}, T = {r['T']}{' predecoded' if r.get('predecode') else ''} "
+                          f"@ {str(r.get('commit'))[:7]}")
+            y += 1.0
+        y += 0.5
+    ax.set_yticks([i + 0.5 * (i // 2) for i in range(len(labels))], labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("cycles a ring stage (mean over CTAs)")
+    ax.legend(fontsize=6, ncols=4, loc="lower right")
+    fig.suptitle("fp4_ws block 128: where a stage's cycles go, by role (H200, %clock64)")
+    return fig
+
+
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "layer_fp8": bench_layer_impls,
