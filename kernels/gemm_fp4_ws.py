@@ -82,8 +82,9 @@ math; 256 weight rows do not split in three evenly either.)
 Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3
 stages, BM 128, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
 stores, 152 bytes spill loads", all of them in the decode partition's per-tile row maxima (``_row_exponent_max``:
-ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop), none in the
-math or loader partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
+ptxas hoists the four unrolled 16-word loads; 33 STL / 38 LDL once per tile, none inside its K loop; since session
+30 the maxima are read from ``megamoe.fused._fp4_row_maxima`` and the tile spills 8 B), none in the math or loader
+partitions; SASS per K block and warpgroup: 2 x 4 ``QGMMA.64x128x32`` (16 in the binary), 648
 ``PRMT`` in the binary. (With math 200 / loader 40 / decode 72 the math partitions spill in the epilogue and the
 decode partition the same 140 B; 200 / 24 / 88 spills 80 B, some in the math epilogue.) BM 64 (``BM=64 python
 results/probes/gemm_fp4_ws_compile.py``, 3 stages, 232 / 24 / 128 + 128): 174988 B of shared memory, no stack, no
