@@ -304,9 +304,10 @@ FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: their 2750 for it) and the per-stage fold at ~1200 cycles of each L2 stage. Measured (``fold_once`` rows of
 #: ``results/probes/fp8_ws_probe_h200.jsonl`` at 7aafcf0, same bits, GPU-tested): **slower**, off / on T = 512 1130 /
 #: 1233 us, 2048 2809 / 3007, 8192 (predecoded) 7936 / 9392. The decode partition's stage did shrink (2750 -> 2405
-#: cycles, profile rows at 7aafcf0), but the folds land on the few CTAs whose L1 tile completes a block (the static
-#: tile walk gives a block's last n-tile to ~11 of the 132 CTAs), ~10 us each, one warpgroup per 64 rows: the slowest
-#: CTA's phase grew (T = 8192: 10.7 -> 12.1 M cycles) while the mean fell. Session 28 had measured the same idea
+#: cycles, profile rows at 7aafcf0), but each fold (64 rows x I bytes, one math warpgroup) falls to whichever CTA
+#: completes a block's rows, and the block's L2 tiles wait for it: the work is uneven, and the slowest CTA's phase,
+#: which ends the call, grew (1.16-1.26x the mean, against 1.01-1.03x; T = 8192: 10.7 -> 12.1 M cycles) while the
+#: mean fell. (Which CTAs fold, and for how long, was not measured.) Session 28 had measured the same idea
 #: (its fold one row a thread pair, 16 rows a step: T = 2048 2971 -> 3921 us, ``fold_once`` rows at 1e9b888) and
 #: its branch was lost with the checkout; this form loses less, and the profile says why it loses at all. Off; kept as
 #: a GPU-tested option for a fold that is spread over the CTAs (or for DeepGEMM's alternative: the per-128 token
