@@ -79,6 +79,10 @@
 #   fold_once      fp8_ws_probe.py fold_once: off / on / off / on at T = 512, 2048, 8192 and the register-operand tile at
 #                  T = 512 (-> $OUT/fold_once.jsonl); then the layer bench at T = 512 (uniform, skewed) with
 #                  FP4_RS_MAX_EXPECTED = 32 (-> $OUT/thr32/layer_h200.json; not yet timed)
+#   t512_ws        the layer bench at T = 512 (uniform and skewed) with FP4_RS_MAX_EXPECTED = 32, i.e. the
+#                  decode-partition tile at block 128 instead of the register-operand tile (-> $OUT/t512_ws/
+#                  layer_h200.json; ~35 s est.): whether the hand-over can move to 32 now that the tile reads the row
+#                  maxima once per weight set (uniform 1130 against 1229 us in session 30's probe rows; skewed unmeasured)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) (-> $OUT/stage_profile.jsonl; not yet timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
@@ -321,6 +325,12 @@ step_fold_once() {
     timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/thr32" | tail -12
     return $rc
+}
+
+step_t512_ws() {
+    mkdir -p "$OUT/t512_ws"
+    timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
+b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t512_ws" | tail -6
 }
 
 step_stage_profile() {
