@@ -375,11 +375,8 @@ def _l1_publish(l2_mask, b, nt, wg: gl.constexpr, BITS: gl.constexpr, ACQ: gl.co
     that completes a set of bits also sees the stores the other bits released (``gemm_fp4_ws``'s fold once)."""
     _fence_proxy_async_global()
     gl.thread_barrier()
-    if ACQ:
-        old = gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="acq_rel", scope="gpu")
-    else:
-        old = gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem="release", scope="gpu")
-    return old
+    sem: gl.constexpr = "acq_rel" if ACQ else "release"
+    return gl.atomic_or(l2_mask + b, gl.to_tensor(BITS).to(gl.int64) << (2 * nt + wg), sem=sem, scope="gpu")
 
 
 @gluon.jit

@@ -418,6 +418,19 @@ def probe_rs_threshold(tokens=(512, 1024)):
                 _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit}, noflush=True)
 
 
+def _block128_off_on(probe: str, option: str, tokens) -> None:
+    """Rows ``probe`` of a block-128 option of the decode-partition tile (``megamoe.fused`` dict ``option``, block 64
+    off): at each T off / on / off / on, the tile forced (``FP4_RS_MAX_EXPECTED = -1``), whole call with its error;
+    up to T = 512 also the register-operand tile (chunk 64) twice, the tile the host runs there."""
+    for T in _tokens(tokens):
+        for on in (False, True, False, True):
+            _choice_row(probe, T, f"{probe} {'on' if on else 'off'}", "fp8_fp4",
+                        {option: {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
+        if T <= 512:
+            for _ in range(2):
+                _choice_row(probe, T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+
+
 def probe_halves(tokens=(512, 1024, 2048, 8192)):
     """The block-128 decode-partition tile's decoded stage as two half buffers (``FP4_WS_DECODE_HALVES``: the stage
     loop's ``bar.sync`` 8 -> 3 offline, predecoded 5 -> 3) off / on / off / on, whole call at each T with its error
@@ -425,13 +438,7 @@ def probe_halves(tokens=(512, 1024, 2048, 8192)):
     predecodes, where only the L2 A fold changes). Up to T = 512 also the register-operand tile (chunk 64) twice,
     for ``FP4_RS_MAX_EXPECTED``: the hand-over sat between 32 and 64 expected tokens in session 28's ``rs_threshold``
     rows. The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    for T in _tokens(tokens):
-        for on in (False, True, False, True):
-            _choice_row("halves", T, f"halves {'on' if on else 'off'}", "fp8_fp4",
-                        {"FP4_WS_DECODE_HALVES": {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
-        if T <= 512:
-            for _ in range(2):
-                _choice_row("halves", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+    _block128_off_on("halves", "FP4_WS_DECODE_HALVES", tokens)
 
 
 def probe_fold_once(tokens=(512, 2048, 8192)):
@@ -440,13 +447,7 @@ def probe_fold_once(tokens=(512, 2048, 8192)):
     its error (``FP8 x FP4``, "hopper"; the decode-partition tile forced: ``FP4_RS_MAX_EXPECTED = -1``; at T = 8192
     the host predecodes). At T = 512 also the register-operand tile (chunk 64) twice, for ``FP4_RS_MAX_EXPECTED``.
     The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    for T in _tokens(tokens):
-        for on in (False, True, False, True):
-            _choice_row("fold_once", T, f"fold_once {'on' if on else 'off'}", "fp8_fp4",
-                        {"FP4_WS_FOLD_ONCE": {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
-        if T <= 512:
-            for _ in range(2):
-                _choice_row("fold_once", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+    _block128_off_on("fold_once", "FP4_WS_FOLD_ONCE", tokens)
 
 
 def probe_rs_ctas(tokens=(128,)):

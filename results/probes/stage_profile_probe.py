@@ -123,20 +123,21 @@ PATCHES = [
 wv.PATCHES["profile"] = PATCHES
 
 
+def _with_address(addr: int) -> str:
+    """Register the variant ``profile@<addr>``: the clock patches, then the counters' address for the placeholder."""
+    name = f"profile@{int(addr)}"
+    wv.PATCHES[name] = PATCHES + [(ADDR, str(int(addr)))]
+    return name
+
+
 def patched_source(addr: int) -> str:
     """The kernel's text with the clock reads, counters stored at ``addr`` (int64 ``[grid, PER_CTA]``)."""
-    return wv.patched_source("profile").replace(ADDR, str(int(addr)))
+    return wv.patched_source(_with_address(addr))
 
 
 def kernel_module(addr: int):
-    """The patched copy imported from a temporary file (``ws_variants_probe.kernel_module`` with the address)."""
-    import tempfile
-    path = pathlib.Path(tempfile.mkdtemp(prefix="stage_profile_")) / "gemm_fp4_ws_profile.py"
-    path.write_text(patched_source(addr))
-    spec = importlib.util.spec_from_file_location("gemm_fp4_ws_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The patched copy imported from a temporary file (``ws_variants_probe.kernel_module``)."""
+    return wv.kernel_module(_with_address(addr))
 
 
 def summarize(prof, grid: int) -> dict:
