@@ -35,7 +35,9 @@ into the 8-bit operands relative to a larger block:
 * weights, in the decode (FP4 -> FP8 in registers): ``w' = e4m3(e2m1 * 2^(s_g - s_row))`` with ``s_row`` the
   weight row's largest exponent over K; ``2^s_row`` is applied in the epilogue.
 * L2 activations: the L1 epilogue quantises per 128 columns (one UE8M0 scale per 128, stored as four equal
-  bytes); the L2 tile folds them relative to the token's largest, like the L1 input.
+  bytes); the L2 tile folds them relative to the token's largest, like the L1 input -- or, with
+  ``"hopper_l2_per_block"`` (constexpr ``L2_FOLDED`` off), multiplies them as stored and adds each K block's chain
+  times its tokens' ``2^(s_kb - 127)`` (DeepGEMM SM90's promotion per K block; no fold, so nothing rounds).
 
 Each fold is exact unless a value drops below e4m3's normal range (2^-6), where it is rounded to the nearest
 subnormal (RNE): an absolute error of at most 2^-10 * 2^s_max. So neither GEMM needs a scale multiply inside its K
@@ -455,35 +457,47 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, lut, expert, rows, sf_rows,
                     OFF_L2: tl.constexpr, OFF_L2_SF: tl.constexpr, OFF_META: tl.constexpr, OFF_COMBINE: tl.constexpr,
                     T: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
                     PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
-                    KW2_PAD: tl.constexpr):
-    """Hopper-numerics L2 tile (swap-AB): pool ``rows`` x 128 hidden columns; the per-128 activation scales folded
-    per token like the L1 input; bf16 rows into the source rank's ``combine[slot][token]``."""
+                    KW2_PAD: tl.constexpr, L2_FOLDED: tl.constexpr = True):
+    """Hopper-numerics L2 tile (swap-AB): pool ``rows`` x 128 hidden columns; bf16 rows into the source rank's
+    ``combine[slot][token]``. ``L2_FOLDED`` (``"hopper"``): the per-128 activation scales folded per token like the
+    L1 input, one MMA chain of ``PROMOTE_EVERY`` K blocks between adds; else (``"hopper_l2_per_block"``) the
+    activations as stored and each K block's chain added times its tokens' ``2^(s_kb - 127)`` (exact)."""
     acts = (buf + OFF_L2).to(tl.pointer_type(tl.float8e4nv))
     acts_sf = (buf + OFF_L2_SF).to(tl.pointer_type(tl.int32))
     n_rows = nt * 128 + tl.arange(0, 128)
     w = w2 + expert.to(tl.int64) * H * (I // 2)
     w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
     rmax = _row_exponent_max(w_sf, n_rows, H, I // 128, KW2_PAD)
-    # the token's largest per-128 exponent over I: fold each K-block's activations relative to it (module docstring)
-    kb = tl.arange(0, KW2_PAD)
-    sf_all = tl.load(acts_sf + kb[None, :] * SP + sf_rows[:, None], mask=mask_m[:, None] & (kb[None, :] < I // 128),
-                     other=0) & 0xFF
-    smax = tl.max(sf_all, axis=1)
     acc = tl.zeros([128, BM], dtype=tl.float32)
     part = tl.zeros([128, BM], dtype=tl.float32)
-    for k0 in range(0, I, 128):
-        a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, I)
-        sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=0) & 0xFF) - smax)[:, None]
-        a0 = _fold_e4m3(a0, sa, HW_CVT)
-        a1 = _fold_e4m3(a1, sa, HW_CVT)
-        a2 = _fold_e4m3(a2, sa, HW_CVT)
-        a3 = _fold_e4m3(a3, sa, HW_CVT)
-        part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, lut, PRMT_DECODE)
-        if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:
-            acc += part
-            part = tl.zeros([128, BM], dtype=tl.float32)
-    acc += part
-    acc = acc * _pow2_f32(smax - 127)[None, :]
+    if L2_FOLDED:
+        # the token's largest per-128 exponent over I: fold each K-block's activations relative to it (module
+        # docstring)
+        kb = tl.arange(0, KW2_PAD)
+        sf_all = tl.load(acts_sf + kb[None, :] * SP + sf_rows[:, None],
+                         mask=mask_m[:, None] & (kb[None, :] < I // 128), other=0) & 0xFF
+        smax = tl.max(sf_all, axis=1)
+        for k0 in range(0, I, 128):
+            a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, I)
+            sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=0) & 0xFF)
+                           - smax)[:, None]
+            a0 = _fold_e4m3(a0, sa, HW_CVT)
+            a1 = _fold_e4m3(a1, sa, HW_CVT)
+            a2 = _fold_e4m3(a2, sa, HW_CVT)
+            a3 = _fold_e4m3(a3, sa, HW_CVT)
+            part = _mma_step(part, w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I, H, lut, PRMT_DECODE)
+            if (k0 // 128) % PROMOTE_EVERY == PROMOTE_EVERY - 1:
+                acc += part
+                part = tl.zeros([128, BM], dtype=tl.float32)
+        acc += part
+        acc = acc * _pow2_f32(smax - 127)[None, :]
+    else:
+        for k0 in range(0, I, 128):
+            a0, a1, a2, a3 = _load_a4(acts, rows, mask_m, k0, I)
+            sa = _pow2_f32((tl.load(acts_sf + (k0 // 128) * SP + sf_rows, mask=mask_m, other=127) & 0xFF) - 127)
+            part = _mma_step(tl.zeros([128, BM], dtype=tl.float32), w, w_sf, rmax, n_rows, a0, a1, a2, a3, k0, I,
+                             H, lut, PRMT_DECODE)
+            acc += part * sa[None, :]
     out = tl.trans(acc * _pow2_f32(rmax - 127)[:, None])
     meta = (buf + OFF_META).to(tl.pointer_type(tl.int32))
     src_rank = tl.load(meta + rows * 3, mask=mask_m, other=0)
@@ -603,7 +617,8 @@ def fused_mega_moe_kernel(
         PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr, TIMED: tl.constexpr, TIMELINE: tl.constexpr,
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
-        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False):
+        FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False,
+        L2_FOLDED: tl.constexpr = True):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
@@ -667,7 +682,7 @@ def fused_mega_moe_kernel(
                       OFF_TOPK_IDX, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_COMBINE, R, E, El,
                       T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
                       COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
-                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE)
+                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, L2_FOLDED)
     # task_ctr back to 0 for the next call once every program has drawn its last task (past the end): after a grid
     # sync in the one launch; the back launch's program 0 at once (the front's programs have all exited); not in
     # the front (a grid sync fewer in each of the two launches around the Gluon phase: nothing else needs one here)
@@ -697,7 +712,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
            HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
            TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr,
            KW2_PAD: tl.constexpr, FOLDED: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr,
-           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr):
+           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr, L2_FOLDED: tl.constexpr):
     """The call up to the end of the task loop (count, publish, barrier 1, tasks); returns the timeline count."""
     N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
     N2: tl.constexpr = H // BN2
@@ -814,7 +829,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
                 elif FOLDED:
                     _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, fold_lut, expert, rows, sf_rows, mask_m, nt,
                                     OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, PROMOTE_EVERY,
-                                    PRMT_DECODE, HW_CVT, KW2_PAD)
+                                    PRMT_DECODE, HW_CVT, KW2_PAD, L2_FOLDED)
                 else:
                     l2_tile(buf, buffer_ptrs, me, w2, w2_sf, expert, rows, sf_rows, mask_m, nt, OFF_L2, OFF_L2_SF,
                             OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN2, False, tl.float32, PRMT_DECODE)

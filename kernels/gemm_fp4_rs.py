@@ -19,7 +19,12 @@ Numerics: those of ``gemm_fp4_ws`` (``megamoe.reference`` with ``numerics="hoppe
 and tokens' powers of two applied in the epilogue. The weight fold is the same table lookup (``_fold_table``,
 ``_decode_prmt``). The L2 A operand (tokens of the L2 pool) is folded per token relative to the largest of its I / 128
 per-128 exponents, here **once per pool block**, in place in the L2 pool, by the L1 tile that completes the block
-(``_l1_done``, ``_fold_block``).
+(``_l1_done``, ``_fold_block``). With ``L2_FOLDED`` off (``numerics="hopper_l2_per_block"``) nothing is folded:
+``_l1_done`` sets both of its tile's bits at once, and each L2 K block's partial sums are added times the chunk's
+tokens' ``2^(s_kb - 127)`` (a ``[I / 128, BN]`` float32 table built per chunk in the ``stash``, which L2 tiles do
+not use otherwise, read per K block in the accumulator's column layout). Offline sm_90a (Triton 3.6): K loop 326 ->
+337 SASS at chunk 64, 269 -> 272 at 8, 294 -> 304 at 32 (128-row chains; 152 B spilled outside the loops, 104 with
+the fold). Not yet run on a GPU.
 
 Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
 expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
@@ -291,26 +296,30 @@ def _fold_block(buf, row0, valid, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
 
 @gluon.jit
 def _l1_done(l2_mask, b, nt, valid, buf, BM: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr,
-             I: gl.constexpr, SP: gl.constexpr, NW: gl.constexpr):
+             I: gl.constexpr, SP: gl.constexpr, NW: gl.constexpr, L2_FOLDED: gl.constexpr = True):
     """An L1 tile's L2 pool bytes and scales are stored: ``fence.proxy.async`` (TMA reads them later), a warpgroup
     barrier, then its **even** bit ``2 nt`` OR-ed into the block's arrival mask (acquire-release). The tile that
     completes the even bits is the block's last: it folds the block's L2 rows once (``_fold_block``; the other
     tiles' stores were released by their OR and acquired by this one) and then sets every **odd** bit (release).
     An L2 tile waits for the full mask, i.e. for the fold. (Before: every L2 stage folded its own token boxes, per
     chain and per n-tile -- 112 times per token and K block; ``results/probes/fp4_rs_knobs_h200.jsonl``: 63 us of
-    the phase's 443 at T = 8.)"""
+    the phase's 443 at T = 8.) ``L2_FOLDED`` off (``"hopper_l2_per_block"``): nothing to fold, both of the tile's
+    bits at once (release)."""
     full = _full_mask(I // 128)
     even = full & 0x5555555555555555
     mine = gl.to_tensor(1).to(gl.int64) << (2 * nt)
     _fence_proxy_async_global()
     gl.thread_barrier()  # every warp has stored and fenced before the one OR
-    old = gl.atomic_or(l2_mask + b, mine, sem="acq_rel", scope="gpu")
-    if ((old | mine) & even) == even:
-        gl.thread_barrier()  # (the acquiring thread's view, to the whole warpgroup)
-        _fold_block(buf, b * BM, valid, OFF_L2, OFF_L2_SF, I, SP, NW)
-        _fence_proxy_async_global()
-        gl.thread_barrier()
-        gl.atomic_or(l2_mask + b, full ^ even, sem="release", scope="gpu")
+    if not L2_FOLDED:
+        gl.atomic_or(l2_mask + b, mine * 3, sem="release", scope="gpu")
+    else:
+        old = gl.atomic_or(l2_mask + b, mine, sem="acq_rel", scope="gpu")
+        if ((old | mine) & even) == even:
+            gl.thread_barrier()  # (the acquiring thread's view, to the whole warpgroup)
+            _fold_block(buf, b * BM, valid, OFF_L2, OFF_L2_SF, I, SP, NW)
+            _fence_proxy_async_global()
+            gl.thread_barrier()
+            gl.atomic_or(l2_mask + b, full ^ even, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -382,11 +391,15 @@ def _chain_operand(wp, sw, slot, rm, lut, dot_a: gl.constexpr):
 
 
 @gluon.jit
-def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc):
+def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc, tsk, SCALED: gl.constexpr):
     """One chain's K block of ring stage ``s``: its weight slot ``slot`` decoded into the register operand
-    (``_chain_operand``), the fresh wgmma chain against the stage's tokens, waited for, added into ``acc``."""
+    (``_chain_operand``), the fresh wgmma chain against the stage's tokens, waited for, added into ``acc`` (``SCALED``:
+    times ``tsk``, the tokens' K-block scales ``[1, BN]``)."""
     g0, g1, g2, g3 = _chain_operand(wp, sw, slot, rm, lut, dot_a)
+    if SCALED:
+        return acc + _k_block_chain(g0, g1, g2, g3, ab, s, acc) * tsk
     return acc + _k_block_chain(g0, g1, g2, g3, ab, s, acc)
+
 
 
 @gluon.jit
@@ -412,12 +425,17 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                     OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                     I: gl.constexpr, SP: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr,
-                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr, ROWS: gl.constexpr):
+                    KW2_PAD: gl.constexpr, PAIR: gl.constexpr, ROWS: gl.constexpr, L2_FOLDED: gl.constexpr = True):
     """The math warpgroup(s) (module docstring; ``ROWS / 16`` warps: one warpgroup at ``ROWS`` 64, two in lock-step
     at 128): per stage the decode into the register A operand, four wgmmas (one fresh chain a K block), the stage
     released once they are done, the chain's partial sum added into its float32 accumulator; per chain the
     epilogue, per L1 chunk the requant, per L1 tile its arrival bits. ``PAIR`` 1 (one chain a stage) decodes the
-    next K block's operand while the current block's wgmmas run."""
+    next K block's operand while the current block's wgmmas run. ``L2_FOLDED`` off (``"hopper_l2_per_block"``): an L2
+    K block's partial sums are added times the tokens' ``2^(s_kb - 127)`` (float32 ``[I / 128, BN]`` made once per
+    chunk from its tokens' words, after the tile's acquire of the arrival mask, into the L1 requant's ``stash``,
+    which an L2 tile does not use otherwise; read per K block in the accumulator's column layout), and the epilogue
+    has no token scale left."""
+    SCALED: gl.constexpr = not L2_FOLDED
     NW: gl.constexpr = ROWS // 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -436,6 +454,8 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     l1_w = (buf + OFF_L1_W).to(gl.pointer_type(gl.float32))
+    # the stash as rows of BN float32 (unswizzled, row-major either way): the K blocks' token scales of an L2 chunk
+    kb_scales = stash._reinterpret(gl.float32, [128, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     full = _full_mask(I // 128)
     TL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     it = 0
@@ -457,7 +477,17 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
             a_row = b * BM + c * BN
             nv = valid - c * BN  # real tokens of the chunk (the first nv of its BN; may exceed BN)
             topk_w = gl.zeros([BN], gl.float32, gl.SliceLayout(0, mma))  # (defined on both branches)
-            if is_l2:  # per token the largest of its I / 128 exponents: the fold's reference, the token's scale
+            if is_l2 and not L2_FOLDED:  # every K block's token scales into the stash (applied in the adds)
+                gl.static_assert(KW2_PAD <= 128, "the K blocks' token scales fit the stash's 128 rows")
+                ts = gl.full([BN], 1.0, gl.float32, gl.SliceLayout(0, mma))
+                kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
+                tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
+                words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
+                                mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=127)
+                gl.thread_barrier()  # the previous chunk's K loops have read the stash
+                stash.slice(0, KW2_PAD).store(_pow2_f32((words & 0xFF) - 127))
+                gl.thread_barrier()
+            elif is_l2:  # per token the largest of its I / 128 exponents: the fold's reference, the token's scale
                 kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
                 tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
                 words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
@@ -473,12 +503,16 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 w_row = _chain_rows(e * N, nt, PAIR * qp, ROWS)  # the first chain's row (chain i: + ROWS i)
                 rm0 = gl.load(rmax + w_row + rows_a).to(gl.int32)
                 acc0 = gl.zeros([ROWS, BN], gl.float32, mma)
+                tsk = gl.full([1, BN], 1.0, gl.float32, mma)  # (L1: a scale of 1)
                 if PAIR == 1:  # the next K block's decode under the current block's wgmmas
                     s = it % STAGES
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
                     g0, g1, g2, g3 = _chain_operand(wp, sw, s, rm0, lut, dot_a)
                     for kb in range(KB):
                         dot = _k_block_issue(g0, g1, g2, g3, ab, s, acc0)
+                        if SCALED:  # this K block's token scales
+                            if is_l2:
+                                tsk = gl.expand_dims(kb_scales.index(kb).load(gl.SliceLayout(0, mma)), 0)
                         n0, n1, n2, n3 = g0, g1, g2, g3
                         if kb + 1 < KB:
                             s_n = (it + 1) % STAGES
@@ -488,7 +522,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                         # ptxas keeps a wgmma's register operands live until its wait_group)
                         part = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
                         mbarrier.arrive(empty.index(s), count=1)
-                        acc0 = acc0 + part
+                        if SCALED:
+                            acc0 = acc0 + part * tsk
+                        else:
+                            acc0 = acc0 + part
                         g0, g1, g2, g3 = n0, n1, n2, n3
                         it += 1
                         s = it % STAGES
@@ -502,12 +539,15 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                         acc3 = gl.zeros([ROWS, BN], gl.float32, mma)
                     for kb in range(KB):
                         s = it % STAGES
+                        if SCALED:  # this K block's token scales
+                            if is_l2:
+                                tsk = gl.expand_dims(kb_scales.index(kb).load(gl.SliceLayout(0, mma)), 0)
                         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                        acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0)
-                        acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1)
+                        acc0 = _chain_step(wp, sw, ab, s, PAIR * s, rm0, lut, dot_a, acc0, tsk, SCALED)
+                        acc1 = _chain_step(wp, sw, ab, s, PAIR * s + 1, rm1, lut, dot_a, acc1, tsk, SCALED)
                         if PAIR == 4:
-                            acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2)
-                            acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3)
+                            acc2 = _chain_step(wp, sw, ab, s, PAIR * s + 2, rm2, lut, dot_a, acc2, tsk, SCALED)
+                            acc3 = _chain_step(wp, sw, ab, s, PAIR * s + 3, rm3, lut, dot_a, acc3, tsk, SCALED)
                         mbarrier.arrive(empty.index(s), count=1)  # (every chain's MMAs of the stage waited for)
                         it += 1
                 _chain_epilogue(acc0, PAIR * qp, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf,
@@ -528,7 +568,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
                 _l1_requant(stash, buf, a_row, nt, nv, OFF_L2, OFF_L2_SF, I, SP, QL)
                 gl.thread_barrier()  # read before the next chunk writes it
         if not is_l2:
-            _l1_done(l2_mask, b, nt, valid, buf, BM, OFF_L2, OFF_L2_SF, I, SP, NW)  # its bit; the last one folds
+            _l1_done(l2_mask, b, nt, valid, buf, BM, OFF_L2, OFF_L2_SF, I, SP, NW, L2_FOLDED)  # its bit(s); folds
         j += 1
         t = _take_tile(tile_s, tile_full, tile_empty, j, TL)
 
@@ -541,7 +581,8 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                              OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
                              T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
                              HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False):
+                             KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False,
+                             L2_FOLDED: gl.constexpr = True):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
@@ -586,7 +627,7 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
         (_math_partition, (buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, stash, ready, empty, tile_s,
                            tile_full, tile_empty, tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L1_SF,
                            OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, BM, BN, STAGES,
-                           HAS_CLAMP, KW2_PAD, PAIR, ROWS)),
+                           HAS_CLAMP, KW2_PAD, PAIR, ROWS, L2_FOLDED)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, BM, STAGES, PAIR)),

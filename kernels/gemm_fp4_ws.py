@@ -36,7 +36,15 @@ so a dot needs no scale inside its K loop:
   shared memory**, in every L2 tile of the block (28 at H = 7168), after the block's whole arrival mask. Option
   ``FOLD_ONCE`` (``megamoe.fused.FP4_WS_FOLD_ONCE``, off: measured slower, the constant says why): **once per pool
   block, in the L2 pool**, by the math warpgroup whose L1 epilogue completes its 64 rows' arrival bits
-  (``_l1_fold_once``); the L2 loader then waits for the folds (``_wait_folded``).
+  (``_l1_fold_once``); the L2 loader then waits for the folds (``_wait_folded``). **``L2_FOLDED`` off**
+  (``numerics="hopper_l2_per_block"``, session 31; DeepGEMM SM90's way with its per-128 activation scales): no fold
+  at all. The L2 A operand is multiplied as stored, and the math warpgroups add each K block's partial sums times
+  their tokens' ``2^(s_kb - 127)`` (one FFMA where the folded operand's add is an FADD; the K block's words from
+  the stage's ``asf_bufs`` with ``SF_TMA``, else loaded one K block ahead after the math's own acquire of the
+  block's mask). The decode partition's L2 stage is then its W decode alone: offline sm_90a (Triton 3.6) its stage
+  loop 648 -> 377 SASS instructions at BM 128 (the A fold's 132 F2FP and 64 HMUL2 gone), 299 -> 218 at BM 64, the
+  math's 186 -> 200 (FADD -> FFMA and the scale reads); no per-tile pool-row maxima, no mask wait in the decode
+  partition. Not yet run on a GPU (``tests/gpu/test_l2_per_block_gpu.py``).
 
 The epilogues apply ``2^(s_row - 127)`` per weight row (column) and ``2^(s_max - 127)`` per token (row) and then
 do what ``_l1_tile_hopper`` / ``_l2_tile_hopper`` do (bf16 round, clamp, SwiGLU, top-k weight, per-128 UE8M0
@@ -486,7 +494,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                       KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
                       SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr,
-                      FOLD_ONCE: gl.constexpr = False):
+                      FOLD_ONCE: gl.constexpr = False, L2_FOLDED: gl.constexpr = True):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
     and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
     both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
@@ -499,10 +507,14 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     so the math reads the stage only when every partition's rows -- W and the folded A -- are in). ``HALVES``
     (``DECODE_HALVES``, one partition with ``SF_TMA``): the stage's W as ``_decode_stage_halves`` into ``wd_bufs`` /
     ``wd2_bufs`` (the two halves) and the A fold as one load and one store. ``FOLD_ONCE``: no A fold here (the math
-    warpgroups folded the block's L2 rows once, ``_l1_fold_once``)."""
+    warpgroups folded the block's L2 rows once, ``_l1_fold_once``). ``L2_FOLDED`` off (``"hopper_l2_per_block"``): no
+    A fold, no pool-row maxima and no wait for the arrival mask either (the partition then reads nothing the L1
+    epilogues wrote): an L2 stage is its W decode alone."""
     gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
+    gl.static_assert(L2_FOLDED or not FOLD_ONCE, "FOLD_ONCE folds the L2 A operand: L2_FOLDED")
+    FOLD_A: gl.constexpr = L2_FOLDED and not FOLD_ONCE  # this partition folds each L2 A stage
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     full = _full_mask(I // 128)
     it = 0
@@ -518,16 +530,17 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
             w_sf = w2_sf + (e * (I // 128) * H + nt * TILE_N)
             rmax = gl.load(rmax2 + e * H + nt * TILE_N + R0
                            + gl.arange(0, NR, layout=gl.SliceLayout(0, RL))).to(gl.int32)
-            _wait_mask(l2_mask + b, full, state, timeout_ns)
-            kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, RL))
-            r = A0 + gl.arange(0, NA, layout=gl.SliceLayout(0, RL))
-            smax = gl.zeros([NA], gl.int32, gl.SliceLayout(0, RL))
-            for k0 in gl.static_range(0, KW2_PAD, KW_CHUNK):
-                k = gl.expand_dims(k0 + kw, 1)
-                m = (k < I // 128) & gl.expand_dims(r < valid, 0)
-                words = gl.load(l2_sf + k * SP + b * BM + gl.expand_dims(r, 0), mask=m, other=0)
-                smax = gl.maximum(smax, gl.max(words & 0xFF, axis=0))
-            smax_s.index(slot).slice(A0, NA).store(smax)
+            if L2_FOLDED:
+                _wait_mask(l2_mask + b, full, state, timeout_ns)
+                kw = gl.arange(0, KW_CHUNK, layout=gl.SliceLayout(1, RL))
+                r = A0 + gl.arange(0, NA, layout=gl.SliceLayout(0, RL))
+                smax = gl.zeros([NA], gl.int32, gl.SliceLayout(0, RL))
+                for k0 in gl.static_range(0, KW2_PAD, KW_CHUNK):
+                    k = gl.expand_dims(k0 + kw, 1)
+                    m = (k < I // 128) & gl.expand_dims(r < valid, 0)
+                    words = gl.load(l2_sf + k * SP + b * BM + gl.expand_dims(r, 0), mask=m, other=0)
+                    smax = gl.maximum(smax, gl.max(words & 0xFF, axis=0))
+                smax_s.index(slot).slice(A0, NA).store(smax)
         else:
             KB = H // BK
             N = 2 * I
@@ -538,7 +551,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
         if PREFETCH:  # K block 0's scale words (W rows; L2: A rows), then each K block loads the next one's
             w_rows = R0 + gl.arange(0, NR, layout=gl.SliceLayout(1, D_LAYOUT))
             word = gl.load(w_sf + w_rows)
-            a_word = _a_scales(l2_sf + b * BM, valid, A0, NA, is_l2)
+            a_word = _a_scales(l2_sf + b * BM, valid, A0, NA, is_l2 & FOLD_A)
         gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
         for kb in range(KB):
             s = it % STAGES
@@ -546,17 +559,17 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
             if PREFETCH:  # issued before the wait: the next K block's words are in flight during this one's decode
                 more = kb + 1 < KB
                 word_next = gl.load(w_sf + (kb + 1) * N + w_rows, mask=(w_rows >= 0) & more, other=0)
-                a_word_next = _a_scales(l2_sf + (kb + 1) * SP + b * BM, valid, A0, NA, is_l2 & more)
+                a_word_next = _a_scales(l2_sf + (kb + 1) * SP + b * BM, valid, A0, NA, is_l2 & more & FOLD_A)
             mbarrier.wait(ready.index(s), ph)
             if PREFETCH:
-                if is_l2 and not FOLD_ONCE:  # fold the A stage per row (_fold_a_rows), this K block's exponents
+                if is_l2 and FOLD_A:  # fold the A stage per row (_fold_a_rows), this K block's exponents
                     _fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(
                         gl.SliceLayout(1, A_LAYOUT)), a_word)
                 _decode_rows(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), word, lut, R0, NR)
                 word = word_next
                 a_word = a_word_next
             else:  # this K block's words: with the stage (SF_TMA) or loaded here
-                if is_l2 and not FOLD_ONCE:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)) (_fold_e4m3)
+                if is_l2 and FOLD_A:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)) (_fold_e4m3)
                     if SF_TMA:
                         _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,
                                            HALVES)
@@ -585,12 +598,19 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                     STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr,
-                    TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False):
+                    TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False,
+                    L2_FOLDED: gl.constexpr = True, asf_bufs=None, SF_TMA: gl.constexpr = False, state=None,
+                    timeout_ns=None):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
     256)`` of ``wd_bufs``' stage, or (``TWO_WD``: ``DECODE_HALVES``) the stages of ``wd_bufs`` / ``wd2_bufs``.
-    ``FOLD_ONCE``: after an L1 epilogue, the fold of the block's L2 rows once it is the last (``_l1_fold_once``)."""
+    ``FOLD_ONCE``: after an L1 epilogue, the fold of the block's L2 rows once it is the last (``_l1_fold_once``).
+    ``L2_FOLDED`` off (``"hopper_l2_per_block"``): an L2 K block's partial sums are added times their tokens'
+    ``2^(s_kb - 127)`` (one FFMA where the folded operand needs an FADD; L1 blocks times 1), the K block's words of
+    the warpgroup's rows from the stage (``asf_bufs``, ``SF_TMA``) or else loaded one K block ahead from the pool's
+    scale words (after this partition's own acquire of the block's arrival mask at the tile's start), and the L2
+    epilogue has no token scale left to apply."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -598,7 +618,9 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     # leave no room for it (240520 B > 232448 with it, offline sm_90a compile)
     COALESCED: gl.constexpr = BM == 128
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
+    l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
     spare = gl.zeros([WM, HN], gl.float32, mma)
+    r = gl.arange(0, WM, layout=rows_l)
     it = 0
     j = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -610,11 +632,22 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             KB = H // BK
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
+        if not L2_FOLDED and not SF_TMA:  # the K block scales from the pool: acquire them, then one block ahead
+            row_ok = r < valid - wg * WM
+            if is_l2:
+                _wait_mask(l2_mask + b, _full_mask(I // 128), state, timeout_ns)
+            sk_next = gl.load(l2_sf + b * BM + wg * WM + r, mask=row_ok & is_l2, other=127)
         for kb in range(KB):
             s = it % STAGES
             ph = (it // STAGES) & 1
+            if not L2_FOLDED and not SF_TMA:  # this K block's token scales, the next block's load in flight
+                sk = sk_next & 0xFF
+                sk_next = gl.load(l2_sf + (kb + 1) * SP + b * BM + wg * WM + r,
+                                  mask=row_ok & is_l2 & (kb + 1 < KB), other=127)
             mbarrier.wait(ready.index(s), ph)
             mbarrier.wait(decoded.index(s), ph)
+            if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
+                sk = gl.where(is_l2, asf_bufs.index(s).slice(wg * WM, WM).load(rows_l) & 0xFF, 127)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
             if TWO_WD:
                 w_lo = wd_bufs.index(s)
@@ -624,20 +657,29 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 w_hi = wd_bufs.index(s).slice(HN, HN)
             dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-            acc_lo = _pin(acc_lo + d_lo)
+            if L2_FOLDED:
+                acc_lo = _pin(acc_lo + d_lo)
+            else:
+                tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
+                acc_lo = _pin(acc_lo + d_lo * tsk)
             dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
             d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             mbarrier.arrive(empty.index(s), count=1)
-            acc_hi = acc_hi + d_hi
+            if L2_FOLDED:
+                acc_hi = acc_hi + d_hi
+            else:
+                acc_hi = acc_hi + d_hi * tsk
             spare = d_hi
             it += 1
         # the scales: weight rows (columns) from the decode partition's slot (written before its first decoded[s]
         # of the tile), tokens (rows): L1 the pool's folded scale word, L2 the slot's row maxima. Applied one half at
         # a time (exact powers of two: the order is free), so only one half's column scales are live.
         slot = j % 2
-        r = gl.arange(0, WM, layout=rows_l)
         if is_l2:
-            ts = _pow2_f32(smax_s.index(slot).slice(wg * WM, WM).load(rows_l) - 127)
+            if L2_FOLDED:
+                ts = _pow2_f32(smax_s.index(slot).slice(wg * WM, WM).load(rows_l) - 127)
+            else:  # (applied per K block above)
+                ts = gl.full([WM], 1.0, gl.float32, rows_l)
         else:
             word = gl.load(l1_sf + b * BM + wg * WM + r, mask=r < valid - wg * WM, other=127 * 0x01010101)
             ts = _pow2_f32((word & 0xFF) - 127)
@@ -672,7 +714,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr,
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
-                          DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False):
+                          DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
+                          L2_FOLDED: gl.constexpr = True):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -741,7 +784,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
             (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                                smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
                                OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                               arrival, FOLD_ONCE)),
+                               arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                                wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
                                state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
@@ -749,23 +792,23 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                                  asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
                                  state, timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW2_PAD, BM, 0, TILE_N // 2, 0, BM // 2, PREFETCH, SF_TMA,
-                                 PREDECODED, False, FOLD_ONCE)),
+                                 PREDECODED, False, FOLD_ONCE, L2_FOLDED)),
             (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
                                  asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
                                  state, timeout_ns, OFF_L2_SF, H, I, SP,
                                  STAGES, KW2_PAD, BM, TILE_N // 2, TILE_N // 2, BM // 2, BM // 2,
-                                 PREFETCH, SF_TMA, PREDECODED, False, FOLD_ONCE)),
+                                 PREFETCH, SF_TMA, PREDECODED, False, FOLD_ONCE, L2_FOLDED)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
     gl.warp_specialize([
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
@@ -773,5 +816,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                              asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                              timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
                              KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
-                             FOLD_ONCE)),
+                             FOLD_ONCE, L2_FOLDED)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

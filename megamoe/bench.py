@@ -194,7 +194,8 @@ LAYER_ROUTINGS = ("uniform", "skewed")
 #: Per format: the (impl, numerics) rows the layer suite times besides the torch peer, and the bytes one weight
 #: element costs in HBM with its scales (FP4 + a UE8M0 byte per 32; FP8 + an fp32 per 128x128 block).
 LAYER_FORMATS = {
-    "fp8_fp4": {"impls": (("fused", "exact"), ("fused", "hopper"), ("staged", "exact")),
+    "fp8_fp4": {"impls": (("fused", "exact"), ("fused", "hopper"), ("fused", "hopper_l2_per_block"),
+                          ("staged", "exact")),
                 "weight_bytes": 0.5 + 1 / 32},
     "fp8": {"impls": (("fused", "exact"), ("staged", "exact")), "weight_bytes": 1 + 4 / (128 * 128)},
 }

@@ -106,6 +106,50 @@ class SpreadScalesCase(MoECase):
         return p
 
 
+@dataclass
+class L2SpreadCase(MoECase):
+    """A FP8 x FP4 case whose L2 inputs' per-128 scales differ within a token: the L1 weights' scales of the gate and
+    up rows of every other 128-column intermediate block lowered by 2^-6 (all four groups), so those blocks' SwiGLU
+    outputs are ~2^-12 of the others'. Folding the L2 input per token (``numerics="hopper"``) then shifts those
+    blocks' values ~12 exponents down and rounds every one below e4m3's normal range, and ``"hopper_l2_per_block"``
+    (each K block's own scale) does not: the two models' outputs differ in a few elements of most rows (measured: 34
+    of 40 rows at H 384, I 640, top-3, no clamp; a plain case of that shape: 5 of 40). Needs an intermediate size of
+    at least two 128-column blocks."""
+
+    def problem(self, device="cpu") -> Problem:
+        p = super().problem(device)
+        w, sf = p.l1_weights
+        I = self.intermediate
+        lower = torch.zeros(2 * I, dtype=torch.bool)
+        for b in range(1, I // 128, 2):
+            lower[b * 128: b * 128 + 128] = True  # gate rows
+            lower[I + b * 128: I + b * 128 + 128] = True  # up rows
+        lower = lower.to(sf.device)[None, :, None]
+        p.l1_weights = (w, torch.where(lower, sf - 0x06060606, sf))
+        return p
+
+
+def l2_fold_exact_tokens(problem: Problem, activation_clamp: float | None = None) -> torch.Tensor:
+    """Which tokens of a one-rank FP8 x FP4 ``problem`` have an L2 input that ``numerics="hopper"`` folds exactly,
+    bool ``[n]``: for every expert row of the token (every unmasked slot), folding the row's per-128 values relative
+    to its largest scale (:func:`megamoe.quant.fold_to_row_scale_dequant`) rounds nothing. For those tokens the two
+    Hopper numerics compute the same products and sums up to exact powers of two, so a kernel's outputs in the two
+    modes must be bitwise equal there, whatever order its sums take."""
+    from megamoe.quant import dequant_fp8, fold_to_row_scale_dequant
+    from megamoe.reference import reference_mega_moe
+
+    if problem.num_ranks != 1:
+        raise ValueError(f"problem: one rank's problem wanted, got num_ranks={problem.num_ranks}")
+    _, inter = reference_mega_moe(problem.x[0], problem.x_sf[0], problem.topk_idx[0], problem.topk_weights[0],
+                                  problem.l1_weights, problem.l2_weights, activation_clamp=activation_clamp,
+                                  return_intermediates=True, numerics="hopper")
+    exact = torch.ones(problem.x[0].shape[0], dtype=torch.bool, device=problem.x[0].device)
+    for rows, (q, sf) in zip(inter["expert_rows"], inter["l2_in"]):
+        ok = (fold_to_row_scale_dequant(q.float(), sf) == dequant_fp8(q, sf)).all(dim=1)
+        exact[rows[:, 0][~ok]] = False
+    return exact
+
+
 def gluon_phase_cases(**common) -> list[MoECase]:
     """The small cases both Gluon GEMM phases' GPU tests run (``common``: the format, block and impl keywords): one
     rank; two ranks with masks and an empty rank at top-6; four ranks with a clamp and an I of five 128-blocks; two

@@ -20,7 +20,9 @@ Configuration (as ``triton_kernels``' ``matmul_ogs``: derived from the call, no 
   ranks), 1 under the interpreter (its programs run one after another, so a grid sync between programs could never
   complete).
 * ``numerics``: ``"exact"`` runs the staged kernels' GEMM tiles (``megamoe.kernels.gemm.l1_tile`` / ``l2_tile``)
-  inside the persistent launch; ``"hopper"`` its swap-AB tiles with folded scales (``megamoe.kernels.fused``).
+  inside the persistent launch; ``"hopper"`` its swap-AB tiles with folded scales (``megamoe.kernels.fused``),
+  ``"hopper_l2_per_block"`` the same tiles with the L2 input's per-128 token scales applied per K block instead of
+  folded (constexpr ``L2_FOLDED`` off here and in both Gluon FP8 x FP4 phases; ``megamoe.reference.l2_folded``).
 * ``promote_every`` ("hopper"): K-steps of 128 per MMA chain before the chain is added into the fp32 accumulator.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from megamoe.layout import MIN_BLOCK_M
 from megamoe.ops import largest_pow2_tile
 from megamoe.quant import fold_lut
 from megamoe.quant_fp8 import FP8_BLOCK
+from megamoe.reference import HOPPER_NUMERICS, l2_folded
 
 #: Intra-kernel timeline events, as recorded per program: ``(kind, start ns, end ns)``, kind indexing this tuple.
 TIMELINE_KINDS = kf.EVENT_NAMES
@@ -497,10 +500,10 @@ def tile_kind(layout, numerics: str, expected: float | None = None, device: torc
     its Gluon GEMM phase ``"fp4_ws"`` instead (unless ``FP4_WS_ENABLED`` is off), above ``FP4_WS_MIN_EXPECTED``
     expected tokens and where it can run on ``device``."""
     if getattr(layout, "format", "fp8_fp4") != "fp8":
-        if (numerics == "hopper" and FP4_WS_ENABLED and expected is not None and expected > FP4_WS_MIN_EXPECTED
-                and ws_unsupported_reason(layout, device) is None):
+        if (numerics in HOPPER_NUMERICS and FP4_WS_ENABLED and expected is not None
+                and expected > FP4_WS_MIN_EXPECTED and ws_unsupported_reason(layout, device) is None):
             return "fp4_ws"
-        return numerics
+        return "hopper" if numerics in HOPPER_NUMERICS else numerics
     if expected is not None and expected <= FP8_SWAP_MAX_EXPECTED:
         return "fp8_swap"
     if expected is not None and expected > FP8_WS_MIN_EXPECTED and ws_unsupported_reason(layout, device) is None:
@@ -600,9 +603,9 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
                          f"kind='fp4_ws', no predecode, a token chunk of {chunks} and block_m="
                          f"fp4_rs_block_m(chunk) (64; 128 on 128-row chains, FP4_RS_ROWS); got kind={kind!r}, "
                          f"block_m={cfg.block_m}, predecode={cfg.predecode}")
-    if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics != "hopper"):
+    if kind == "fp4_ws" and (cfg.block_m not in FP4_WS_STAGES or cfg.numerics not in HOPPER_NUMERICS):
         raise ValueError(f"FusedConfig kind='fp4_ws' runs pool blocks of {sorted(FP4_WS_STAGES)} rows with "
-                         f"numerics='hopper' (its folded operands), got block_m={cfg.block_m}, "
+                         f"numerics in {HOPPER_NUMERICS} (its folded operands), got block_m={cfg.block_m}, "
                          f"numerics={cfg.numerics!r}")
     if (kind in FP8_KINDS) != (getattr(L, "format", "fp8_fp4") == "fp8"):
         raise ValueError(f"FusedConfig kind={kind!r} does not run a layout of format "
@@ -616,7 +619,8 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         COUNT_BLOCK=256, COMBINE_T=COMBINE_TOKENS, COMBINE_H=largest_pow2_tile(L.hidden, COMBINE_COLUMNS),
         HAS_CLAMP=has_clamp,
         HAS_STATS=has_stats, PROMOTE_EVERY=cfg.promote_every, PRMT_DECODE=gpu, HW_CVT=gpu, TIMED=gpu,
-        TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics == "hopper",
+        TIMELINE=timeline and gpu, MAX_EVENTS=TIMELINE_MAX_EVENTS, FOLDED=cfg.numerics in HOPPER_NUMERICS,
+        L2_FOLDED=l2_folded(cfg.numerics),
         BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,
         FP8_SWAP=kind == "fp8_swap",
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
@@ -775,7 +779,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
     if cfg.kind in WS_KINDS:
         _run_ws(calls, args_for, cfg.programs_per_rank, metas, tiles, rank0, L, dev, cfg.kind, cfg.predecode,
-                cfg.rs_block_n)
+                cfg.rs_block_n, cfg.numerics)
         return None
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
@@ -949,13 +953,13 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
-            predecode: bool = False, rs_block_n: int = 0) -> None:
+            predecode: bool = False, rs_block_n: int = 0, numerics: str = "hopper") -> None:
     """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
     per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
     (``WS_BACK_PROGRAMS_PER_SM`` programs per SM). ``args_for(G)``: the fused kernel's arguments for G programs per
-    local rank. Under the interpreter (only with an explicit ``FusedConfig(kind=...)``: ``fused_config`` picks these
-    kinds on sm_90 GPUs) the GEMM phase is its torch model, ``megamoe.gemm_phase``, and both launches have G
-    programs."""
+    local rank; ``numerics``: "fp4_ws"'s (``"hopper"`` or ``"hopper_l2_per_block"``). Under the interpreter (only
+    with an explicit ``FusedConfig(kind=...)``: ``fused_config`` picks these kinds on sm_90 GPUs) the GEMM phase is
+    its torch model, ``megamoe.gemm_phase``, and both launches have G programs."""
     from megamoe.kernels import gemm_fp8_ws as kws
 
     (meta, _), (front, front_key), (back, back_key) = metas[0], metas[1], metas[2]
@@ -966,18 +970,19 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         for c in calls:  # host code only: the Gluon launch's descriptors and keywords are built on CPU CI too
             if kind == "fp4_ws" and rs_block_n:
                 _fp4_rs_descriptors(c, L, meta["BM"], rs_block_n)
-                _fp4_rs_constexprs(c.sb, meta["BM"], rs_block_n, c.clamp is not None)
+                _fp4_rs_constexprs(c.sb, meta["BM"], rs_block_n, c.clamp is not None, numerics)
                 _fp4_row_maxima(c)
             elif kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"], predecode)
-                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode)
+                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode, numerics)
                 _fp4_row_maxima(c)
             else:
                 _ws_descriptors(c, L, meta["BM"])
                 _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
         kf.fused_mega_moe_kernel[grid](*args, **front)
         if kind == "fp4_ws":  # (the predecoded path: the model reads the decode pass's output)
-            run_gemm_phase_fp4(calls, tiles, meta["BM"], [_predecode(c) for c in calls] if predecode else None)
+            run_gemm_phase_fp4(calls, tiles, meta["BM"], [_predecode(c) for c in calls] if predecode else None,
+                               numerics)
         else:
             run_gemm_phase(calls, tiles, meta["BM"])
         kf.fused_mega_moe_kernel[grid](*args, **back)
@@ -993,9 +998,9 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
             for c in calls:
                 _predecode(c)
         if rs_block_n:
-            _launch_fp4_rs(calls, tiles, rank0, L, dev, meta["BM"], rs_block_n)
+            _launch_fp4_rs(calls, tiles, rank0, L, dev, meta["BM"], rs_block_n, numerics)
         else:
-            _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode)
+            _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode, numerics)
         direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -1007,7 +1012,8 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
     direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
 
 
-def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False) -> None:
+def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False,
+                   numerics: str = "hopper") -> None:
     """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
     ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors). The decode partitions take
     each weight row's fold reference from ``_fp4_row_maxima`` (as the register-operand tile)."""
@@ -1020,10 +1026,10 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
         direct_launch.launch(k4.fp4_gemm_phase_kernel, (sms,), (
             *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], rmax1, rmax2, _fold_lut(dev),
             tiles[lr], c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
-            _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode))
+            _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode, numerics))
 
 
-def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
+def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int, numerics: str = "hopper") -> None:
     """One register-operand FP8 x FP4 GEMM phase per local rank (``megamoe.kernels.gemm_fp4_rs``,
     ``FP4_RS_CTAS_PER_SM[block_n]`` persistent CTAs an SM), after this call's weight-row maxima
     (``_fp4_row_maxima``)."""
@@ -1038,7 +1044,7 @@ def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int) -> None:
         direct_launch.launch(krs.fp4_rs_gemm_phase_kernel, (FP4_RS_CTAS_PER_SM[block_n] * sms,), (
             *_fp4_rs_descriptors(c, L, bm, block_n), c.sb.buffer, rmax1, rmax2, _fold_lut(dev), tiles[lr], sched,
             c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
-            _fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None))
+            _fp4_rs_constexprs(c.sb, bm, block_n, c.clamp is not None, numerics))
 
 
 def _fp4_row_maxima(c):
@@ -1090,44 +1096,46 @@ def _fp4_rs_descriptors(c, L, bm: int, block_n: int):
     return _weights_cache(c, "_ws_descs", ("fp4_rs", bm, block_n), build)
 
 
-def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool) -> dict:
+def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool, numerics: str = "hopper") -> dict:
     """``fp4_rs_keywords`` for ``sb``'s layout, cached on the buffer (as ``_fp4_ws_constexprs``)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl()),
-                         lambda: fp4_rs_keywords(sb.layout, bm, block_n, has_clamp))
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl(), numerics),
+                         lambda: fp4_rs_keywords(sb.layout, bm, block_n, has_clamp, numerics))
 
 
-def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool) -> dict:
+def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool, numerics: str = "hopper") -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_rs.fp4_rs_gemm_phase_kernel`` for layout
     ``L``, pool block ``bm`` and token chunk ``block_n``: buffer offsets, shapes, ``fp4_rs_stages``, the loader's
-    registers, ``num_warps`` 4 and ``maxnreg`` ``fp4_rs_maxnreg(block_n)``."""
+    registers, ``num_warps`` 4 and ``maxnreg`` ``fp4_rs_maxnreg(block_n)``; ``L2_FOLDED`` from ``numerics``
+    (:func:`megamoe.reference.l2_folded`)."""
     offs = _offsets(L)
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        PAIR=FP4_RS_PAIR[block_n], num_warps=fp4_rs_num_warps(block_n),
+        PAIR=FP4_RS_PAIR[block_n], L2_FOLDED=l2_folded(numerics), num_warps=fp4_rs_num_warps(block_n),
         maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
-def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool) -> dict:
+def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: str = "hopper") -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
                 FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])
-    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings)
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics)
     return _buffer_cache(sb, "_ws_constexprs", key,
-                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode))
+                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics))
 
 
-def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dict:
+def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numerics: str = "hopper") -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` at ``bm``,
     ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
-    ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off)."""
+    ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
+    ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`)."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -1138,8 +1146,9 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False) -> dic
         PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
         # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
-        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm], FOLD_ONCE=FP4_WS_FOLD_ONCE[bm],
-        **_pdl_keywords())
+        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm],
+        # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
+        FOLD_ONCE=FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics), L2_FOLDED=l2_folded(numerics), **_pdl_keywords())
 
 
 #: The workspace and buffer offsets both FP8 x FP4 Gluon GEMM phases take (``_offsets`` names; the decode-partition

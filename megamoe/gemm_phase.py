@@ -31,7 +31,8 @@ to each row's largest exponent (:func:`megamoe.quant.fold_scales`, what the deco
   SwiGLU, top-k weight, per-128 UE8M0 requant (:func:`megamoe.quant.per_128_cast_to_fp8`) into ``l2_acts`` /
   ``l2_acts_sf``.
 * L2: the pool's per-128 L2 rows folded per token relative to their largest exponent (the decode warps fold the A
-  stage), the same sums and scales, bf16 rows into the source rank's ``combine``.
+  stage), or with ``numerics="hopper_l2_per_block"`` each K block times its own token scale (the math warpgroups'
+  per-K-block add), the same sums and scales, bf16 rows into the source rank's ``combine``.
 
 The one thing not modelled is the order of the float32 sums: the model sums all of K in one IEEE matmul, as the
 reference does, so the CPU test is bit-exact even on data whose sums round (``tests/test_fused.py`` spreads the
@@ -52,7 +53,7 @@ from megamoe.quant import (
     unpack_nibbles,
 )
 from megamoe.quant_fp8 import FP8_BLOCK, per_token_cast_to_fp8_128, unblock_weights
-from megamoe.reference import _ieee_fp32_matmul, block_scaled_matmul, swiglu
+from megamoe.reference import _ieee_fp32_matmul, block_scaled_matmul, l2_folded, swiglu
 
 #: Weight rows per tile, as the Gluon kernel (its rows per tile: one pool block of ``block_m`` = 128 or 64).
 TILE_N = WS_TILE_N.value
@@ -155,12 +156,28 @@ def _weight_rows(weights, decoded, e: int, rows: torch.Tensor):
     return decoded[0][e, rows].float(), decoded[1][e, rows]
 
 
-def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int, predecoded=None) -> None:
-    """The FP8 x FP4 ("hopper" numerics) GEMM phase: every tile of every rank's table, L1 tiles before L2 tiles
+def _l2_operand(q: torch.Tensor, sf: torch.Tensor, numerics: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 A operand of pool rows as the Gluon tiles multiply it: ``q`` e4m3 ``[m, I]``, ``sf`` their per-128
+    scale words int32 ``[m, I/128]`` (four equal UE8M0 bytes) -> ``(a float32 [m, I], s_tok int32 [m])`` with ``a *
+    2^(s_tok - 127)`` the operand's value. ``"hopper"``: folded per token relative to its largest exponent
+    (:func:`megamoe.quant.fold_scales`: the decode warps' A fold), ``s_tok`` that exponent. ``"hopper_l2_per_block"``:
+    each K block times its own ``2^(s_kb - 127)`` (exact: the kernel's per-K-block add ``acc += dot * 2^(s_kb -
+    127)``, whose power of two commutes with the float32 sums), ``s_tok`` = 127."""
+    if l2_folded(numerics):
+        a, s_tok = fold_scales(q.float(), sf)
+        return a.float(), s_tok
+    scale = _pow2((sf & 0xFF) - 127).repeat_interleave(128, dim=1)
+    return q.float() * scale, torch.full((q.shape[0],), 127, dtype=torch.int32, device=q.device)
+
+
+def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int, predecoded=None,
+                       numerics: str = "hopper") -> None:
+    """The FP8 x FP4 (Hopper numerics) GEMM phase: every tile of every rank's table, L1 tiles before L2 tiles
     (module docstring). ``block_m``: rows per pool block (128, or 64: the Gluon kernel's tile of one math warpgroup;
     the model is the same per row). The rows are in the L1 pool already (the front launch copied and folded them).
     ``predecoded``: per call ``((folded1, exp1), (folded2, exp2))`` of ``megamoe.fold_decode`` (the predecoded path),
-    read instead of decoding the weight rows here."""
+    read instead of decoding the weight rows here. ``numerics``: ``"hopper"`` or ``"hopper_l2_per_block"`` (the L2
+    A operand folded per token, or each K block's token scale applied: :func:`_l2_operand`)."""
     for ci, (c, t) in enumerate(zip(calls, tiles)):
         sb, I = c.sb, c.sb.layout.intermediate_hidden
         pre = None if predecoded is None else predecoded[ci]
@@ -186,8 +203,8 @@ def run_gemm_phase_fp4(calls, tiles: list[torch.Tensor], block_m: int, predecode
                 l2_sf[rows, nt] = s[:, 0]
             else:
                 w, s_row = _weight_rows(c.l2, pre and pre[1], e, w_rows)
-                a, s_tok = fold_scales(l2[rows].float(), l2_sf[rows, : I // 128])
-                acc = _dot(a.float(), w)
+                a, s_tok = _l2_operand(l2[rows], l2_sf[rows, : I // 128], numerics)
+                acc = _dot(a, w)
                 out = ((acc * _pow2(s_row - 127)) * _pow2(s_tok - 127).unsqueeze(1)).to(torch.bfloat16)
                 n = slice(nt * TILE_N, nt * TILE_N + TILE_N)
                 for (src, token, slot), row in zip(meta[rows].tolist(), out):

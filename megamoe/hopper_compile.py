@@ -95,7 +95,7 @@ def _loops(sass: str, min_instructions: int = 64) -> list:
 
 def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False, predecode: bool = False,
                         overrides: dict | None = None, keep: bool = False, block_n: int = 16,
-                        settings: dict | None = None) -> CompileReport:
+                        settings: dict | None = None, numerics: str = "hopper") -> CompileReport:
     """Compile ``kind``'s Gluon GEMM phase ("fp4_ws", "fp4_rs" -- the register-operand tile at token chunk
     ``block_n`` -- or "fp8_ws") for sm_90a at ``layout``'s shapes and pool block
     ``block_m`` with the host's keywords (``predecode``: "fp4_ws" on ``megamoe.fused._predecode``'s e4m3 weights;
@@ -103,7 +103,8 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     in ``results/probes/``); see the module docstring. ``keep``: leave the PTX / TTGIR / cubin / SASS in the
     report's ``directory`` (a probe's reader opens them; a test leaves nothing behind). ``settings``: constants of
     ``megamoe.fused`` to compile under (name -> value, e.g. ``fp4_rs_variant(...)``'s dicts, whose integer keys
-    survive the trip to the child), set for the compile and put back. In a process whose Triton
+    survive the trip to the child), set for the compile and put back. ``numerics``: the FP8 x FP4 tiles' (``"hopper"``
+    or ``"hopper_l2_per_block"``: their ``L2_FOLDED``). In a process whose Triton
     runs its interpreter (a CPU machine: ``megamoe.env``) the kernels are interpreter functions, so the compile runs
     in a child process with ``TRITON_INTERPRET=0`` (``python -m megamoe.hopper_compile``), its report read back as
     JSON."""
@@ -118,7 +119,7 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
         args = [kind, str(block_m), str(int(has_clamp)), str(int(predecode)), json.dumps(overrides or {}),
                 str(int(keep)), str(block_n), json.dumps(settings or {}), str(L.num_ranks), str(L.num_experts),
                 str(L.num_max_tokens_per_rank), str(L.num_topk), str(L.hidden), str(L.intermediate_hidden),
-                str(L.block_m), L.format]
+                str(L.block_m), L.format, numerics]
         out = subprocess.run([sys.executable, "-m", "megamoe.hopper_compile", *args], capture_output=True, text=True,
                              env=dict(os.environ, TRITON_INTERPRET="0"))
         if out.returncode != 0:
@@ -128,21 +129,22 @@ def compile_gluon_phase(kind: str, layout, block_m: int, has_clamp: bool = False
     try:
         for n, v in (settings or {}).items():
             setattr(mf, n, v)
-        return _compile_here(kind, layout, block_m, has_clamp, predecode, overrides, keep, block_n)
+        return _compile_here(kind, layout, block_m, has_clamp, predecode, overrides, keep, block_n, numerics)
     finally:
         for n, v in saved.items():
             setattr(mf, n, v)
 
 
-def _compile_here(kind, layout, block_m, has_clamp, predecode, overrides, keep, block_n) -> CompileReport:
+def _compile_here(kind, layout, block_m, has_clamp, predecode, overrides, keep, block_n,
+                  numerics="hopper") -> CompileReport:
     """:func:`compile_gluon_phase` in a process whose Triton does not interpret, under the current constants."""
     from megamoe import fused as mf
     if kind == "fp4_ws":
         from megamoe.kernels.gemm_fp4_ws import fp4_gemm_phase_kernel as fn
-        kw = mf.fp4_ws_keywords(layout, block_m, has_clamp, predecode)
+        kw = mf.fp4_ws_keywords(layout, block_m, has_clamp, predecode, numerics)
     elif kind == "fp4_rs":
         from megamoe.kernels.gemm_fp4_rs import fp4_rs_gemm_phase_kernel as fn
-        kw = mf.fp4_rs_keywords(layout, block_m, block_n, has_clamp)
+        kw = mf.fp4_rs_keywords(layout, block_m, block_n, has_clamp, numerics)
     elif kind == "fp8_ws":
         from megamoe.kernels.gemm_fp8_ws import fp8_gemm_phase_kernel as fn
         kw = mf.fp8_ws_keywords(layout, block_m, has_clamp)
@@ -204,16 +206,16 @@ def compile_report(fn, signature: dict, constexprs: dict, attrs: dict, options: 
 
 def main(argv: list[str]) -> None:
     """``python -m megamoe.hopper_compile KIND BLOCK_M HAS_CLAMP PREDECODE OVERRIDES_JSON KEEP BLOCK_N SETTINGS_JSON
-    R E T K H I LAYOUT_BLOCK_M FORMAT``: one report as a JSON line (what ``compile_gluon_phase`` reads back from its
-    child; the settings' dicts get their integer keys back)."""
+    R E T K H I LAYOUT_BLOCK_M FORMAT NUMERICS``: one report as a JSON line (what ``compile_gluon_phase`` reads back
+    from its child; the settings' dicts get their integer keys back)."""
     from megamoe.layout import Layout
 
-    kind, bm, clamp, predecode, overrides, keep, block_n, settings, *dims, fmt = argv
+    kind, bm, clamp, predecode, overrides, keep, block_n, settings, *dims, fmt, numerics = argv
     L = Layout(*(int(v) for v in dims), format=fmt)
     settings = {n: ({int(k) if k.lstrip("-").isdigit() else k: x for k, x in v.items()} if isinstance(v, dict) else v)
                 for n, v in json.loads(settings).items()}
     report = compile_gluon_phase(kind, L, int(bm), bool(int(clamp)), bool(int(predecode)), json.loads(overrides),
-                                 bool(int(keep)), int(block_n), settings)
+                                 bool(int(keep)), int(block_n), settings, numerics)
     print(json.dumps(dataclasses.asdict(report)))
 
 

@@ -47,6 +47,7 @@ from megamoe.kernels.symm import (
     reset_workspace,
 )
 from megamoe.quant import TransformedWeights, per_token_cast_to_fp8, transform_weights_for_mega_moe
+from megamoe.reference import HOPPER_NUMERICS, NUMERICS
 from megamoe.symm import SymmBuffer
 from megamoe.validation import (
     FP8_FP4,
@@ -113,7 +114,6 @@ class _RankCall:
 
 
 IMPLS = ("auto", "fused", "staged")
-NUMERICS = ("exact", "hopper")
 
 
 def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None) -> str:
@@ -180,7 +180,8 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
             :func:`resolve_impl`).
         numerics: ``"exact"`` (both paths; the seeds' per-32 scales, ``megamoe.reference``'s default) or
             ``"hopper"`` (fused path only: per-32 scales folded into the 8-bit operands, no scale multiply inside the
-            K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it).
+            K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it) or ``"hopper_l2_per_block"`` (the
+            same, but the L2 input's per-128 scales applied per K block instead of folded).
 
     Interruption: a call either completes or leaves the buffer marked (``SymmBuffer.fault`` host side, and
     ``call_state`` in the workspace). With the ``local`` backend every rank is in this process, so the workspace of
@@ -193,8 +194,8 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                        activation_clamp, dispatch, check)
     chosen = resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n)
-    if numerics == "hopper" and chosen != "fused":
-        raise ValueError(f"numerics='hopper' is the fused kernel's; impl={impl!r} resolved to {chosen!r} here")
+    if numerics in HOPPER_NUMERICS and chosen != "fused":
+        raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolved to {chosen!r} here")
     if chosen == "staged":
         run_steps(calls, pipeline_steps(dispatch), check)
         return

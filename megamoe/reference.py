@@ -41,8 +41,19 @@ from megamoe.quant import (
 #: ``"exact"``: the seeds' semantics (per-32 scales applied exactly; the staged kernels). ``"hopper"``: the fused
 #: Hopper kernel's numerics -- per-32 scales folded into the 8-bit operands relative to each token's / weight
 #: row's largest scale (:func:`megamoe.quant.fold_scales`); the L2 input quantised per 128, not per 32, then folded
-#: per token the same way.
-NUMERICS = ("exact", "hopper")
+#: per token the same way. ``"hopper_l2_per_block"``: as ``"hopper"`` but the L2 input's per-128 scales are not
+#: folded: each 128-wide K block of L2 is applied with its own token scale (DeepGEMM SM90's promotion per K block,
+#: here one exact power of two per token and block), so the L2 input is the per-128 dequantisation itself, exact
+#: where ``"hopper"``'s fold rounds a value below e4m3's normal range (:data:`HOPPER_NUMERICS`, :func:`l2_folded`).
+NUMERICS = ("exact", "hopper", "hopper_l2_per_block")
+#: The numerics of the fused Hopper tiles (folded L1 input and weights: no per-32 promotion in a K loop).
+HOPPER_NUMERICS = ("hopper", "hopper_l2_per_block")
+
+
+def l2_folded(numerics: str) -> bool:
+    """Whether ``numerics`` folds the L2 input per token relative to its largest per-128 scale (``"hopper"``), as
+    opposed to applying each K block's scale (``"hopper_l2_per_block"``; ``"exact"``: per 32, exactly)."""
+    return numerics == "hopper"
 
 
 @contextlib.contextmanager
@@ -122,15 +133,15 @@ class _ExpertOutput:
 
 def _expert_weights(weights: QuantWeights, e: int, numerics: str = "exact") -> torch.Tensor:
     """Expert ``e`` of FP4 weights ``(int8 [E, n, k/2], int32 [E, n, k/128])`` as float32 ``[n, k]``; with
-    ``numerics="hopper"`` each row's per-32 scales are folded relative to its largest (see ``NUMERICS``)."""
-    if numerics == "hopper":
+    Hopper numerics each row's per-32 scales are folded relative to its largest (see ``NUMERICS``)."""
+    if numerics in HOPPER_NUMERICS:
         return fold_to_row_scale_dequant(e2m1_decode(unpack_nibbles(weights[0][e])), weights[1][e])
     return dequant_fp4(weights[0][e], weights[1][e])
 
 
 def _tokens(x: torch.Tensor, x_sf: torch.Tensor, numerics: str) -> torch.Tensor:
-    """Dequantised tokens float32 ``[n, H]`` (folded per token with ``numerics="hopper"``)."""
-    if numerics == "hopper":
+    """Dequantised tokens float32 ``[n, H]`` (folded per token with Hopper numerics)."""
+    if numerics in HOPPER_NUMERICS:
         return fold_to_row_scale_dequant(x.float(), x_sf)
     return dequant_fp8(x, x_sf)
 
@@ -173,11 +184,12 @@ def _expert_forward(
     numerics: str = "exact",
 ) -> _ExpertOutput:
     """One expert on ``m`` rows: ``a`` float32 ``[m, H]``, top-k ``weights`` float32 ``[m]``, dequantised
-    ``w1 [2I, H]`` and ``w2 [H, I]``; the L2 input is quantised per 32 (``"exact"``) or per 128 (``"hopper"``)."""
+    ``w1 [2I, H]`` and ``w2 [H, I]``; the L2 input is quantised per 32 (``"exact"``) or per 128 (Hopper numerics),
+    and with ``"hopper"`` folded per token (:func:`l2_folded`)."""
     l1_out = (a @ w1.T).to(torch.bfloat16)
     act = swiglu(l1_out, activation_clamp) * weights.unsqueeze(1)
-    l2_in, l2_in_sf = (per_128_cast_to_fp8 if numerics == "hopper" else per_token_cast_to_fp8)(act)
-    a2 = fold_to_row_scale_dequant(l2_in.float(), l2_in_sf) if numerics == "hopper" else dequant_fp8(l2_in, l2_in_sf)
+    l2_in, l2_in_sf = (per_128_cast_to_fp8 if numerics in HOPPER_NUMERICS else per_token_cast_to_fp8)(act)
+    a2 = fold_to_row_scale_dequant(l2_in.float(), l2_in_sf) if l2_folded(numerics) else dequant_fp8(l2_in, l2_in_sf)
     out = (a2 @ w2.T).to(torch.bfloat16)
     return _ExpertOutput(l1_out, l2_in, l2_in_sf, out)
 
@@ -222,7 +234,7 @@ def reference_mega_moe(
         l1_weights: ``(int8 [E, 2I, H/2], int32 [E, 2I, H/128])``, rows gate then up, untransformed.
         l2_weights: ``(int8 [E, H, I/2], int32 [E, H, I/128])``, untransformed.
         activation_clamp: optional ``c > 0``: ``gate <= c`` and ``|up| <= c`` before SwiGLU.
-        numerics: ``"exact"`` or ``"hopper"`` (see :data:`NUMERICS`).
+        numerics: ``"exact"``, ``"hopper"`` or ``"hopper_l2_per_block"`` (see :data:`NUMERICS`).
         return_intermediates: also return a dict with
 
             * ``expert_recv_count`` int64 ``[E]``: (token, slot) pairs each expert receives;

@@ -2,14 +2,14 @@
 
 The fused kernel's cross-rank protocol (in-kernel barriers, arrival counts and masks, grid syncs) runs here for real
 with one process per rank; local ranks cannot share one interpreted launch (its programs run one after another).
-Both numerics are compared bit for bit with ``megamoe.reference`` in the matching mode.
+Every numerics is compared bit for bit with ``megamoe.reference`` in the matching mode.
 """
 import dataclasses
 
 import pytest
 import torch
 
-from megamoe.cases import MoECase, SpreadScalesCase, prepare_rank, run_case_local, run_case_rank
+from megamoe.cases import L2SpreadCase, MoECase, SpreadScalesCase, prepare_rank, run_case_local, run_case_rank
 from megamoe.fused import (
     FP8_SWAP_BLOCK_M,
     FP8_SWAP_MAX_EXPECTED,
@@ -267,6 +267,51 @@ def test_hopper_model_is_close_to_exact_and_not_identical():
     assert any(not torch.equal(a, b) for a, b in zip(exact, hopper))
 
 
+# ------------------------------------------------------------------------------------ "hopper_l2_per_block"
+L2_SPREAD_CASE = dict(num_ranks=1, num_tokens=32, hidden=256, intermediate=384, num_experts=4, num_topk=3,
+                      masked_ratio=0.2)
+
+
+def test_l2_per_block_model_differs_where_the_l2_fold_rounds():
+    """The two Hopper models differ only in the L2 input, so only where "hopper"'s fold of it rounds: in a few rows
+    of a plain case (its per-128 scales of one token are close), in most rows of ``L2SpreadCase`` (blocks ~2^-12
+    apart), and there ``"hopper_l2_per_block"`` (no fold) is the closer to ``"exact"``."""
+    p = L2SpreadCase(**L2_SPREAD_CASE).problem()
+    folded = p.reference(numerics="hopper")[0].float()
+    per_block = p.reference(numerics="hopper_l2_per_block")[0].float()
+    exact = p.reference(numerics="exact")[0].float()
+    assert (folded != per_block).any(dim=1).sum() >= 16  # most of the 32 rows (measured: 25)
+    assert (per_block - exact).norm() < (folded - exact).norm()
+
+
+def test_l2_fold_exact_tokens_are_where_the_models_agree():
+    """``l2_fold_exact_tokens`` (what the GPU tests of ``"hopper_l2_per_block"`` compare the two modes on): on a plain
+    case some tokens' L2 inputs fold exactly and some do not (measured: 175 of 300), the two models' outputs are
+    bitwise equal on every token that does and differ on some that do not (13); on ``L2SpreadCase`` none does."""
+    from megamoe.cases import l2_fold_exact_tokens
+
+    assert not l2_fold_exact_tokens(L2SpreadCase(**L2_SPREAD_CASE).problem()).any()
+    p = MoECase(**dict(FP4_WS_CASE, num_ranks=1, activation_clamp=None)).problem()
+    exact = l2_fold_exact_tokens(p)
+    assert 0 < int(exact.sum()) < len(exact)
+    differ = (p.reference(numerics="hopper")[0] != p.reference(numerics="hopper_l2_per_block")[0]).any(dim=1)
+    assert not (differ & exact).any() and differ.any()
+
+
+@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
+def test_one_launch_hopper_tiles_bitwise_on_spread_l2_scales(numerics, monkeypatch):
+    """The one-launch kernel's Hopper tiles (``_l2_tile_hopper`` with ``L2_FOLDED`` on or off) under the interpreter,
+    bit for bit against the matching model on ``L2SpreadCase`` (where the models differ); and the test can fail:
+    with ``L2_FOLDED`` the other way round the call no longer matches its model."""
+    import megamoe.fused as mf
+
+    case = L2SpreadCase(**L2_SPREAD_CASE, block_m=32, impl="fused", numerics=numerics)
+    _assert_exact(run_case_local(case))
+    real = mf.l2_folded
+    monkeypatch.setattr(mf, "l2_folded", lambda n: not real(n))
+    assert not any(r["bitwise_equal"] for r in run_case_local(case))
+
+
 # ---------------------------------------------------------------------------------------------------- "fp4_ws"
 def _fp4_ws_config(block_m=128):
     return FusedConfig(block_m=block_m, programs_per_rank=1, numerics="hopper", num_warps=8, num_stages=2,
@@ -310,6 +355,24 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
     assert max(block_rows) == block_m and all(0 < r <= block_m for r in block_rows)
     assert all(valid == block_rows[b] for b, _, _, valid in entries)
+
+
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fp4_ws_split_bitwise_with_l2_per_block(block_m, monkeypatch):
+    """The three-launch split above with ``numerics="hopper_l2_per_block"`` (the Gluon tiles' ``L2_FOLDED`` off: the
+    L2 A operand as stored, each K block's token scale in the math's per-K-block add) on ``L2SpreadCase``, where it
+    and "hopper" differ: the phase's model (``run_gemm_phase_fp4`` with that numerics) bit for bit against the
+    reference in that mode; and with the model's L2 operand folded instead the call fails."""
+    import megamoe.fused as mf
+    import megamoe.gemm_phase as gp
+
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: dataclasses.replace(
+        _fp4_ws_config(block_m), numerics="hopper_l2_per_block"))
+    case = L2SpreadCase(**dict(FP4_WS_CASE, numerics="hopper_l2_per_block", activation_clamp=None))
+    _assert_exact(run_case_local(case))
+    real = gp.l2_folded
+    monkeypatch.setattr(gp, "l2_folded", lambda n: not real(n))
+    assert not any(r["bitwise_equal"] for r in run_case_local(case))
 
 
 @pytest.mark.slow  # ~35 s on 2 cores
@@ -418,12 +481,18 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
     for cfg in (FusedConfig(32, 1, numerics="hopper", kind="fp4_ws"), FusedConfig(128, 1, kind="fp4_ws"),
                 FusedConfig(64, 1, kind="fp4_ws")):
         with pytest.raises(ValueError, match=re.escape("kind='fp4_ws' runs pool blocks of [64, 128] rows with "
-                                                       "numerics='hopper'")):
+                                                       "numerics in ('hopper', 'hopper_l2_per_block')")):
             kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
     for bm in (64, 128):
         meta = kernel_meta(L, FusedConfig(bm, 1, numerics="hopper", kind="fp4_ws"), has_clamp=False,
                            has_stats=False, timeline=False)
         assert meta["FOLDED"] and not meta["FP8W"] and meta["BM"] == bm
+        for numerics, folded in (("hopper", True), ("hopper_l2_per_block", False)):  # the L2 operand's constexpr
+            meta = kernel_meta(L, FusedConfig(bm, 1, numerics=numerics, kind="fp4_ws"), has_clamp=False,
+                               has_stats=False, timeline=False)
+            assert meta["FOLDED"] and meta["L2_FOLDED"] == folded
+            assert mf.fp4_ws_keywords(L, bm, False, numerics=numerics)["L2_FOLDED"] == folded
+            assert mf.fp4_rs_keywords(L, 64, 16, False, numerics=numerics)["L2_FOLDED"] == folded
 
 
 @pytest.mark.parametrize("block_n, block_m", [(8, 64), (32, 128), (128, 128)])

@@ -37,13 +37,18 @@ def _innermost(loops):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,block_m", [("fp4_ws", 64), ("fp4_ws", 128), ("fp8_ws", 64), ("fp8_ws", 128),
-                                          ("fp4_ws_predecoded", 64), ("fp4_ws_predecoded", 128)])
-def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m):
+@pytest.mark.parametrize("kind,block_m,numerics", [
+    ("fp4_ws", 64, "hopper"), ("fp4_ws", 128, "hopper"), ("fp8_ws", 64, "exact"), ("fp8_ws", 128, "exact"),
+    ("fp4_ws_predecoded", 64, "hopper"), ("fp4_ws_predecoded", 128, "hopper"),
+    ("fp4_ws", 64, "hopper_l2_per_block"), ("fp4_ws", 128, "hopper_l2_per_block"),
+    ("fp4_ws_predecoded", 128, "hopper_l2_per_block")])
+def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m, numerics):
+    """Also with ``numerics="hopper_l2_per_block"`` (``L2_FOLDED`` off: no L2 A fold in the decode partitions, the
+    per-K-block token scales in the math's adds)."""
     predecode = kind == "fp4_ws_predecoded"
     kind, budget = ("fp4_ws" if predecode else kind), SPILL_BUDGET[kind, block_m]
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8_fp4" if kind == "fp4_ws" else "fp8")
-    r = compile_gluon_phase(kind, layout, block_m, predecode=predecode)
+    r = compile_gluon_phase(kind, layout, block_m, predecode=predecode, numerics=numerics)
     assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK, r.shared
     math, load, worker, maxnreg = mf.FP4_WS_REGS[block_m] if kind == "fp4_ws" else mf.FP8_WS_REGS
     assert r.registers <= maxnreg
@@ -84,6 +89,18 @@ def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     r = compile_gluon_phase("fp4_rs", layout, mf.fp4_rs_block_m(block_n), block_n=block_n, has_clamp=True)
     _assert_rs_within_budgets(r, block_n, 600 if block_n == 128 else 120)  # (chunk 32: 108 B since the register-
     # order FP4 words of session 26, 88 before; none in a K loop)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n", [8, 32, 64])
+def test_fp4_rs_phase_compiles_with_l2_per_block(block_n):
+    """The register-operand tile with ``numerics="hopper_l2_per_block"`` (no fold in ``_l1_done``; each L2 K block's
+    partial sums times the tokens' scales, read from the stash): within the same budgets, no spill in a K loop (chunk
+    32 on 128-row chains: 152 B outside them, against 104 with the fold; Triton 3.6)."""
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    r = compile_gluon_phase("fp4_rs", layout, mf.fp4_rs_block_m(block_n), block_n=block_n, has_clamp=True,
+                            numerics="hopper_l2_per_block")
+    _assert_rs_within_budgets(r, block_n, 160)
 
 
 def _assert_rs_within_budgets(r, block_n: int, spill_budget: int) -> None:

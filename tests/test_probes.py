@@ -147,6 +147,40 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
         assert r["rel_fro"] < 2e-2, r
 
 
+@pytest.mark.slow
+def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
+    """The probe's ``l2_per_block`` mode on a CPU rank at a small shape (as the tests above): both Hopper numerics
+    alternating twice at each T, plus the decode-partition tile at ``L2PB_FORCED_T``; each row on its tile and within
+    the bench's tolerance of its own numerics' model, the overridden constant put back."""
+    import json
+
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
+                                             block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [16])  # 8 expected: the host's register-operand tile
+    monkeypatch.setattr(probe, "L2PB_FORCED_T", 16)
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    limit = mf.FP4_RS_MAX_EXPECTED
+    probe.probe_l2_per_block()
+    assert mf.FP4_RS_MAX_EXPECTED == limit
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    modes = ("hopper", "hopper_l2_per_block")
+    want = [f"{n} host" for _ in range(2) for n in modes] + [f"{n} decode-partition" for _ in range(2) for n in modes]
+    assert [r["choice"] for r in rows] == want
+    for r in rows:
+        assert r["numerics"] == r["choice"].split()[0] and r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r
+        assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
+
+
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

@@ -525,7 +525,8 @@ def format_table(series: list[dict]) -> list[dict]:
             for s in series]
 
 
-_IMPL_COLORS = {("fused", "exact"): "C0", ("fused", "hopper"): "C4", ("staged", "exact"): "C1",
+_IMPL_COLORS = {("fused", "exact"): "C0", ("fused", "hopper"): "C4", ("fused", "hopper_l2_per_block"): "C6",
+                ("staged", "exact"): "C1",
                 ("torch_grouped_mm", None): "C2", ("deepgemm_sm90", None): "k"}
 
 

@@ -83,6 +83,12 @@
 #                  decode-partition tile at block 128 instead of the register-operand tile (-> $OUT/t512_ws/
 #                  layer_h200.json; ~35 s est.): whether the hand-over can move to 32 now that the tile reads the row
 #                  maxima once per weight set (uniform 1130 against 1229 us in session 30's probe rows; skewed unmeasured)
+#   l2pb_tests     numerics="hopper_l2_per_block" (no L2 A fold; each K block's token scales in the per-K-block add) in
+#                  every FP8 x FP4 Hopper tile: tests/gpu/test_l2_per_block_gpu.py (small cases, the two modes bit for
+#                  bit where the fold is exact, one EP8 rank at T = 8 ... 8192, CUDA graphs; not yet timed, est. 5 min)
+#   l2pb           fp8_ws_probe.py l2_per_block: "hopper" against "hopper_l2_per_block" alternating twice at T = 128,
+#                  512, 2048, 8192, the host's tile, and at T = 512 the decode-partition tile too
+#                  (-> $OUT/l2_per_block.jsonl; est. 2-3 min)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) (-> $OUT/stage_profile.jsonl; not yet timed)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
@@ -324,6 +330,16 @@ step_fold_once() {
     mkdir -p "$OUT/thr32"
     timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/thr32" | tail -12
+    return $rc
+}
+
+step_l2pb_tests() { timeout 560 $PY -m pytest -q -x -rfE -s tests/gpu/test_l2_per_block_gpu.py | tail -60; }
+
+step_l2pb() {
+    timeout 400 $PY results/probes/fp8_ws_probe.py l2_per_block "${L2PB_TOKENS:-128,512,2048,8192}" \
+        >>"$OUT/l2_per_block.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/l2_per_block.jsonl"
     return $rc
 }
 

@@ -32,6 +32,7 @@ with its L2 flush, as the bench).
   alternating; the blocked layout then became ``transform_weights_for_mega_moe_sm90``'s.)
 * ``halves [T1,..]``: the block-128 decode-partition tile's decoded stage as two halves (``FP4_WS_DECODE_HALVES``)
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
+* ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
@@ -198,10 +199,10 @@ def use_kernel(mod):
     mk.gemm_fp8_ws = mod
 
 
-def rank(T: int, fmt: str = "fp8", max_tokens: int = 0):
+def rank(T: int, fmt: str = "fp8", max_tokens: int = 0, numerics: str = "hopper"):
     """A fresh one-rank buffer (for ``max(T, max_tokens)`` tokens: the launch keywords are cached on it) with case
-    ``T`` of format ``fmt`` placed in it: ``(buffer, problem, y, call)``, ``call`` the fused layer ("hopper"
-    numerics for ``fp8_fp4``). Without CUDA (``tests/test_probes.py``'s dry run of the modes) a one-process CPU
+    ``T`` of format ``fmt`` placed in it: ``(buffer, problem, y, call)``, ``call`` the fused layer (``numerics``, by
+    default "hopper", for ``fp8_fp4``). Without CUDA (``tests/test_probes.py``'s dry run of the modes) a one-process CPU
     rank, where the fused kernel runs under the interpreter."""
     case = MoECase(num_tokens=T, format=fmt, **SHAPE)
     shape = (case.num_experts, max(T, max_tokens), case.num_topk, case.hidden, case.intermediate)
@@ -213,7 +214,7 @@ def rank(T: int, fmt: str = "fp8", max_tokens: int = 0):
     y, l1, l2, _ = prepare_rank(sb, problem, 0)
     if fmt == "fp8":
         return sb, problem, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
-    return sb, problem, y, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)
+    return sb, problem, y, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
 
 
 def _tokens(default):
@@ -305,25 +306,27 @@ def _timed(call) -> dict:
     return dict(us=_median_ms(call) * 1e3, **_timing_fields(call, graph=True))
 
 
-def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False) -> None:
+def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False,
+                numerics: str = "hopper") -> None:
     """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
     put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
-    the format's reference ("hopper" numerics for ``fp8_fp4``) and its timings (``noflush``: also ``us_noflush``,
-    ``megamoe.bench._events_median_us`` of 20 calls)."""
+    the format's reference (``numerics``, by default "hopper", for ``fp8_fp4``) and its timings (``noflush``: also
+    ``us_noflush``, ``megamoe.bench._events_median_us`` of 20 calls)."""
     from megamoe.testing import moe_error_stats
 
     saved = {n: getattr(mf, n) for n in overrides}
     for n, v in overrides.items():
         setattr(mf, n, v)
     try:
-        numerics = "hopper" if fmt == "fp8_fp4" else "exact"
-        sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0)
+        numerics = numerics if fmt == "fp8_fp4" else "exact"
+        sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0, numerics)
         cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, numerics)
         y.fill_(float("nan"))
         call()
         torch.cuda.synchronize()
         err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
-        emit(probe=probe, T=T, choice=label, kind=cfg.kind, block_m=cfg.block_m, predecode=cfg.predecode,
+        emit(probe=probe, T=T, choice=label, numerics=numerics, kind=cfg.kind, block_m=cfg.block_m,
+             predecode=cfg.predecode,
              rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _events_median_us(call, 20)} if noflush else {}),
              rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
         sb.destroy()
@@ -450,6 +453,29 @@ def probe_fold_once(tokens=(512, 2048, 8192)):
     _block128_off_on("fold_once", "FP4_WS_FOLD_ONCE", tokens)
 
 
+#: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
+#: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
+L2PB_FORCED_T = 512
+
+
+def probe_l2_per_block(tokens=(128, 512, 2048, 8192)):
+    """The FP8 x FP4 call in ``numerics="hopper"`` (the L2 A operand folded per token: in the decode partitions'
+    every L2 stage, or once per pool block in the register-operand tile) against ``"hopper_l2_per_block"`` (no fold;
+    each K block's token scales in the math's per-K-block add), alternating twice, whole call with its error against
+    its own model, the tile the host picks; at T = ``L2PB_FORCED_T`` also the decode-partition tile forced
+    (``FP4_RS_MAX_EXPECTED = -1``), for ``FP4_RS_MAX_EXPECTED``. The bits of the two modes are compared in
+    ``tests/gpu/test_l2_per_block_gpu.py``."""
+    for T in _tokens(tokens):
+        for _ in range(2):
+            for numerics in ("hopper", "hopper_l2_per_block"):
+                _choice_row("l2_per_block", T, f"{numerics} host", "fp8_fp4", {}, numerics=numerics)
+        if T == L2PB_FORCED_T:
+            for _ in range(2):
+                for numerics in ("hopper", "hopper_l2_per_block"):
+                    _choice_row("l2_per_block", T, f"{numerics} decode-partition", "fp8_fp4",
+                                {"FP4_RS_MAX_EXPECTED": -1}, numerics=numerics)
+
+
 def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128: 16 expected tokens per expert)
     as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (the measured alternatives, dropped
@@ -544,4 +570,4 @@ if __name__ == "__main__":
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
-         "fold_once": probe_fold_once}[name]()
+         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()
