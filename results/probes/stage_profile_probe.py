@@ -64,7 +64,7 @@ def _full_mask('''
 _DEC_LOOP_END = ("            fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads"
                  " them\n            gl.thread_barrier()  # every warp has stored and fenced before the one arrive\n"
                  "            mbarrier.arrive(decoded.index(s), count=1)\n            it += 1\n        j += 1\n")
-_MATH_EPI = "        slot = j % 2\n        r = gl.arange(0, WM, layout=rows_l)\n"
+_MATH_EPI = "        slot = j % 2\n        if is_l2:\n            if L2_FOLDED:\n"
 _MATH_END = ("                _l1_fold_once(old, buf, arrival, b, nt, valid, wg, NWG, BM, OFF_L2, OFF_L2_SF, I, SP)\n"
              "        j += 1\n")
 _LOAD_START = ("    full = _full_mask(I // 128)\n    it = 0\n    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):\n"
@@ -98,9 +98,9 @@ PATCHES = [
      + "    _prof(0, _clk() - c0)\n    _prof(1, c_ready)\n    _prof(2, c_tile)\n    _prof(3, c_fold)\n"
        "    _prof(4, c_dec)\n    _prof(5, c_sync)\n    _prof(6, n_st.to(gl.int64))\n    _prof(7, n_t.to(gl.int64))\n"),
     # math warpgroups
-    ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    spare = ",
+    ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = ",
      f"    c0 = _clk()\n    c_wait = {_ZERO}\n    c_mma = {_ZERO}\n    c_epi = {_ZERO}\n    n_st = 0\n"
-     "    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    spare = "),
+     "    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = "),
     ("            mbarrier.wait(ready.index(s), ph)\n            mbarrier.wait(decoded.index(s), ph)\n",
      "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n"
      "            mbarrier.wait(decoded.index(s), ph)\n            t1 = _clk()\n            c_wait += t1 - t0\n"),
@@ -163,6 +163,14 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
     "ws128": {"FP4_RS_MAX_EXPECTED": -1, "FP4_BLOCK64_MAX_EXPECTED": -1, "FP4_PREDECODE_MIN_EXPECTED": 1 << 30},
     "ws64": {"FP4_RS_MAX_EXPECTED": -1, "FP4_BLOCK64_MAX_EXPECTED": 1 << 30, "FP4_PREDECODE_MIN_EXPECTED": 1 << 30},
 }
+#: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
+#: times nothing); every other config in "hopper".
+CONFIGS.update({f"{name}_pb": dict(settings) for name, settings in list(CONFIGS.items())})
+
+
+def numerics_of(config: str) -> str:
+    """The FP8 x FP4 numerics a config name runs (``CONFIGS``)."""
+    return "hopper_l2_per_block" if config.endswith("_pb") else "hopper"
 
 
 def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
@@ -175,8 +183,8 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
             try:
                 for k, v in CONFIGS[name].items():
                     setattr(mf, k, v)
-                sb, _, y, call = wv.rank("fp8_fp4", T)
-                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+                sb, _, y, call = wv.rank("fp8_fp4", T, numerics_of(name))
+                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, numerics_of(name))
                 if cfg.kind != "fp4_ws" or cfg.rs_block_n:
                     wv.emit(probe="stage_profile", T=T, config=name, skipped=f"{cfg.kind} rs {cfg.rs_block_n}")
                     sb.destroy()
@@ -193,7 +201,8 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
                 prof.zero_()
                 call()
                 torch.cuda.synchronize()
-                wv.emit(probe="stage_profile", T=T, config=name, kind=cfg.kind, block_m=cfg.block_m,
+                wv.emit(probe="stage_profile", T=T, config=name, numerics=numerics_of(name), kind=cfg.kind,
+                        block_m=cfg.block_m,
                         predecode=cfg.predecode, us=us, clock_mhz=torch.cuda.clock_rate(0) if hasattr(
                             torch.cuda, "clock_rate") else None, **summarize(prof, grid),
                         commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
@@ -205,16 +214,17 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
 
 
 def compile_offline():
-    """Offline sm_90a compile of the patched copy at BM 128 and 64 (a CPU machine: ``TRITON_INTERPRET=0``)."""
+    """Offline sm_90a compile of the patched copy at BM 128 and 64, and at BM 128 in "hopper_l2_per_block" (a CPU
+    machine: ``TRITON_INTERPRET=0``)."""
     from megamoe.hopper_compile import _compile_here
     from megamoe.layout import Layout
     mod = kernel_module(1 << 40)
     sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    for bm in (128, 64):
-        r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16)
-        print(json.dumps(dict(block_m=bm, shared=r.shared, registers=r.registers, spill=r.spill_stores,
-                              setmaxnreg=r.setmaxnreg)), flush=True)
+    for bm, numerics in ((128, "hopper"), (64, "hopper"), (128, "hopper_l2_per_block")):
+        r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16, numerics)
+        print(json.dumps(dict(block_m=bm, numerics=numerics, shared=r.shared, registers=r.registers,
+                              spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,18 @@ from megamoe.testing import moe_error_stats
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
 MATH_AS_IS = """            dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-            acc_lo = _pin(acc_lo + d_lo)
+            if L2_FOLDED:
+                acc_lo = _pin(acc_lo + d_lo)
+            else:
+                tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
+                acc_lo = _pin(acc_lo + d_lo * tsk)
             dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
             d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             mbarrier.arrive(empty.index(s), count=1)
-            acc_hi = acc_hi + d_hi
+            if L2_FOLDED:
+                acc_hi = acc_hi + d_hi
+            else:
+                acc_hi = acc_hi + d_hi * tsk
             spare = d_hi
 """
 MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_lo.permute((1, 0)), acc_lo, is_async=True)
@@ -118,7 +125,7 @@ def use_kernel(mod):
     mk.gemm_fp4_ws = mod
 
 
-def rank(fmt: str, T: int):
+def rank(fmt: str, T: int, numerics: str = "hopper"):
     case = MoECase(num_tokens=T, format=fmt, **SHAPE)
     sb = SymmBuffer.local(1, case.num_experts, T, case.num_topk, case.hidden, case.intermediate,
                           block_m=case.block_m, device="cuda", format=fmt)[0]
@@ -127,7 +134,7 @@ def rank(fmt: str, T: int):
     if fmt == "fp8":
         call = lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)  # noqa: E731
     else:
-        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
+        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)  # noqa: E731
     return sb, problem, y, call
 
 
