@@ -313,8 +313,9 @@ FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: mean fell. (Which CTAs fold, and for how long, was not measured.) Session 28 had measured the same idea
 #: (its fold one row a thread pair, 16 rows a step: T = 2048 2971 -> 3921 us, ``fold_once`` rows at 1e9b888) and
 #: its branch was lost with the checkout; this form loses less, and the profile says why it loses at all. Off; kept as
-#: a GPU-tested option for a fold that is spread over the CTAs (or for DeepGEMM's alternative: the per-128 token
-#: scales applied in the per-K-block add instead of folded into the operand -- a change of numerics).
+#: a GPU-tested option for a fold that is spread over the CTAs. (DeepGEMM's alternative, the per-128 token scales
+#: applied in the per-K-block add instead of folded into the operand -- a change of numerics -- is
+#: ``numerics="hopper_l2_per_block"`` since session 31; this option does nothing there.)
 FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64

@@ -59,11 +59,12 @@ def _expect(family: str, cfg) -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("case", fp4_gluon_phase_cases(block_m=128, impl="fused", numerics=PB)[2:],
-                         ids=["r4-clamp-i640", "r2-skew-3calls", "r2-spread-scales"])
+@pytest.mark.parametrize("case", fp4_gluon_phase_cases(block_m=128, impl="fused", numerics=PB)[2::2],
+                         ids=["r4-clamp-i640", "r2-spread-scales"])
 def test_l2_per_block_small_cases(case, family, monkeypatch):
-    """4 local ranks with a clamp and five 128-column blocks of I, two skewed ranks over three calls, spread scales:
-    every tile family within tolerance of the ``"hopper_l2_per_block"`` model."""
+    """4 local ranks of 133 / 7 / 0 / 212 tokens with a clamp and five 128-column blocks of I; two ranks with spread
+    scales, masks, a clamp, two calls: every tile family within tolerance of the ``"hopper_l2_per_block"`` model.
+    (Each case and family is a compile of its own: ~10 s each on the H200.)"""
     import megamoe.fused as mf
 
     _force(monkeypatch, family)
