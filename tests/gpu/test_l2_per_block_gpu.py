@@ -89,10 +89,15 @@ def _outputs(case: MoECase, numerics: str) -> torch.Tensor:
 def test_l2_per_block_equals_hopper_where_the_fold_is_exact(family, monkeypatch):
     """The same tile in both Hopper numerics on one rank (300 tokens, 6 experts, top-3; 175 tokens' L2 inputs fold
     exactly, ``tests/test_fused.py``): bitwise equal outputs on those tokens, unequal on at least one other -- the
-    per-K-block path neither folds (it would be equal everywhere) nor scales wrongly (unequal on exact tokens)."""
+    per-K-block path neither folds (it would be equal everywhere) nor scales wrongly (unequal on exact tokens). The
+    one-launch tiles run one K block a chain in both modes here (``promote_every`` 1: "hopper" chains four by
+    default, a different sum)."""
     import megamoe.fused as mf
 
     _force(monkeypatch, family)
+    if family == "one_launch":
+        real = mf.fused_config
+        monkeypatch.setattr(mf, "fused_config", lambda *a, **k: dataclasses.replace(real(*a, **k), promote_every=1))
     case = MoECase(num_ranks=1, num_tokens=300, hidden=512, intermediate=384, num_topk=3, num_experts=6,
                    masked_ratio=0.1, block_m=128, impl="fused", seed=21)
     _expect(family, mf.fused_config(case.layout(), 300, 1, torch.device("cuda"), PB))
