@@ -403,6 +403,19 @@ def _chain_step(wp, sw, ab, s, slot, rm, lut, dot_a: gl.constexpr, acc, tsk, SCA
 
 
 @gluon.jit
+def _chunk_exponents(l2_sf, a_row, nv, fill: gl.constexpr, KW2_PAD: gl.constexpr, BN: gl.constexpr, I: gl.constexpr,
+                     SP: gl.constexpr, KL: gl.constexpr):
+    """The L2 input's per-128 UE8M0 exponents of a chunk's tokens (pool rows ``[a_row, a_row + BN)``, the first
+    ``nv`` real), int32 ``[KW2_PAD, BN]`` in layout ``KL``: row ``kb`` = K block ``kb``'s; ``fill`` past the chunk's
+    tokens and past ``I / 128``."""
+    kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
+    tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
+    words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
+                    mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=fill)
+    return words & 0xFF
+
+
+@gluon.jit
 def _chain_epilogue(acc, q: gl.constexpr, w_row, rmax, rows_m, ts, topk_w, is_l2, stash, clamp, buf, buffer_ptrs, me,
                     a_row, nt, nv, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr,
                     H: gl.constexpr, SL: gl.constexpr, HAS_CLAMP: gl.constexpr):
@@ -480,19 +493,12 @@ def _math_partition(buf, buffer_ptrs, me, clamp, rmax1, rmax2, lut, wp, ab, sw, 
             if is_l2 and not L2_FOLDED:  # every K block's token scales into the stash (applied in the adds)
                 gl.static_assert(KW2_PAD <= 128, "the K blocks' token scales fit the stash's 128 rows")
                 ts = gl.full([BN], 1.0, gl.float32, gl.SliceLayout(0, mma))
-                kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
-                tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
-                words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
-                                mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=127)
+                exps = _chunk_exponents(l2_sf, a_row, nv, 127, KW2_PAD, BN, I, SP, KL)
                 gl.thread_barrier()  # the previous chunk's K loops have read the stash
-                stash.slice(0, KW2_PAD).store(_pow2_f32((words & 0xFF) - 127))
+                stash.slice(0, KW2_PAD).store(_pow2_f32(exps - 127))
                 gl.thread_barrier()
             elif is_l2:  # per token the largest of its I / 128 exponents: the fold's reference, the token's scale
-                kw = gl.arange(0, KW2_PAD, layout=gl.SliceLayout(1, KL))
-                tk = gl.arange(0, BN, layout=gl.SliceLayout(0, KL))
-                words = gl.load(l2_sf + gl.expand_dims(kw, 1) * SP + a_row + gl.expand_dims(tk, 0),
-                                mask=gl.expand_dims(kw < I // 128, 1) & gl.expand_dims(tk < nv, 0), other=0)
-                smax = gl.max(words & 0xFF, axis=0)
+                smax = gl.max(_chunk_exponents(l2_sf, a_row, nv, 0, KW2_PAD, BN, I, SP, KL), axis=0)
                 ts = _pow2_f32(gl.convert_layout(smax, gl.SliceLayout(0, mma)) - 127)
             else:  # the front launch's folded scale word of each pool row
                 word = gl.load(l1_sf + a_row + tok_m, mask=tok_m < nv, other=127 * 0x01010101)
