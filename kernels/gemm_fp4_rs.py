@@ -24,7 +24,8 @@ per-128 exponents, here **once per pool block**, in place in the L2 pool, by the
 tokens' ``2^(s_kb - 127)`` (a ``[I / 128, BN]`` float32 table built per chunk in the ``stash``, which L2 tiles do
 not use otherwise, read per K block in the accumulator's column layout). Offline sm_90a (Triton 3.6): K loop 326 ->
 337 SASS at chunk 64, 269 -> 272 at 8, 294 -> 304 at 32 (128-row chains; 152 B spilled outside the loops, 104 with
-the fold). Not yet run on a GPU.
+the fold), and one ``bar.sync`` more a K block (2 -> 3: Triton's barrier pass sees the L1 chain epilogues' stores to
+the stash in the same loop nest; a table of its own would cost a ring stage at chunk 64). Not yet run on a GPU.
 
 Tiles: the front launch's tile table (pool blocks of ``BM`` = 64 rows; entries (block, n-tile of 256 weight rows,
 expert, valid rows)), L1 tiles first, taken one at a time from a counter by whichever CTA is free (a static
