@@ -469,10 +469,10 @@ def _l2_tile_hopper(buf, buffer_ptrs, me, w2, w2_sf, lut, expert, rows, sf_rows,
     w_sf = w2_sf + expert.to(tl.int64) * (I // 128) * H
     rmax = _row_exponent_max(w_sf, n_rows, H, I // 128, KW2_PAD)
     acc = tl.zeros([128, BM], dtype=tl.float32)
-    part = tl.zeros([128, BM], dtype=tl.float32)
     if L2_FOLDED:
         # the token's largest per-128 exponent over I: fold each K-block's activations relative to it (module
         # docstring)
+        part = tl.zeros([128, BM], dtype=tl.float32)
         kb = tl.arange(0, KW2_PAD)
         sf_all = tl.load(acts_sf + kb[None, :] * SP + sf_rows[:, None],
                          mask=mask_m[:, None] & (kb[None, :] < I // 128), other=0) & 0xFF
