@@ -247,8 +247,12 @@ class ProgressBeacon:
             self._clock = time.pthread_getcpuclockid(self._owner)
         except (AttributeError, OSError):  # no per-thread CPU clock on this platform: the frame position only
             self._clock = None
+        self._stop = self._thread = None  # (made in __enter__, only where a thread beats: a fused call has none)
+
+    def _start(self) -> None:
         self._stop = threading.Event()
-        self._thread = None
+        self._thread = threading.Thread(target=self._run, name="megamoe-progress-beacon", daemon=True)
+        self._thread.start()
 
     def _position(self):
         """The owner's CPU seconds (its thread clock), or without one its ``(frame id, line, instruction)``; None
@@ -278,14 +282,13 @@ class ProgressBeacon:
 
     def __enter__(self) -> "ProgressBeacon":
         if self.sbs and interpreting():
-            self._thread = threading.Thread(target=self._run, name="megamoe-progress-beacon", daemon=True)
-            self._thread.start()
+            self._start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        self._stop.set()
         if self._thread is not None:
+            self._stop.set()
             self._thread.join()
 
 

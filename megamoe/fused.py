@@ -532,7 +532,6 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
                  numerics: str = "exact") -> FusedConfig:
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
-    want = triton.next_power_of_2(max(1, int(expected + 0.999)))
     kind = tile_kind(layout, numerics, expected, device)
     warps, stages = WARPS_STAGES[kind]
     rs, predecode = 0, False  # (the register-operand chunk and the predecode: "fp4_ws" only)
@@ -547,6 +546,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
     elif kind == "fp4_ws":
         block_m, rs, predecode = fp4_ws_tiles(layout, expected)
     else:  # tokens on the MMA's N
+        want = triton.next_power_of_2(max(1, int(expected + 0.999)))
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
     if interpreting() or device.type != "cuda":
         programs = 1
@@ -712,15 +712,18 @@ def _arg_table(calls, timelines, tiles) -> torch.Tensor:
                 None, tl_.data_ptr() if tl_ is not None else base, tiles_.data_ptr() if tiles_ is not None else base]
 
     rows = [addrs(c, t, g) for c, t, g in zip(calls, timelines, tiles)]
-    for r, (c, row) in enumerate(zip(calls, rows)):
-        for name, a in zip(kf.ARG_NAMES, row):
-            if a is not None and a % 16:
-                raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused "
-                                 "kernel needs aligned tensors (a fresh allocation, not an offset view)")
-    table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
-    key = tuple(map(tuple, table_rows)) + tuple(rows[0][i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9))
-    return _buffer_cache(calls[0].sb, "_fused_arg_tables", key, limit=64, build=lambda: torch.tensor(
-        table_rows, dtype=torch.int64, device=calls[0].sb.buffer.device))
+    key = tuple(map(tuple, rows)) + tuple(c.n for c in calls)  # (every address: a hit was checked when built)
+
+    def build():
+        for c, row in zip(calls, rows):
+            for name, a in zip(kf.ARG_NAMES, row):
+                if a is not None and a % 16:
+                    raise ValueError(f"{name} of rank {c.sb.rank} is not 16-byte aligned (address {a:#x}): the fused "
+                                     "kernel needs aligned tensors (a fresh allocation, not an offset view)")
+        table_rows = [[c.n if a is None else a - a0 for a, a0 in zip(row, rows[0])] for c, row in zip(calls, rows)]
+        return torch.tensor(table_rows, dtype=torch.int64, device=calls[0].sb.buffer.device)
+
+    return _buffer_cache(calls[0].sb, "_fused_arg_tables", key, build, limit=64)
 
 
 _FOLD_LUTS: dict = {}
@@ -815,7 +818,8 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
             m = phase_meta(meta, phase, sb.layout)
             if pdl and phase:  # the front triggers, the back is a programmatic dependent (WS_PDL)
                 m.update(PDL=True, **({"launch_pdl": True} if phase == 2 else {}))
-            out[phase] = (m, tuple(sorted(m.items())))
+            frozen = direct_launch.FrozenKeywords(m)
+            out[phase] = (frozen, direct_launch.keywords_token(frozen))
         return out
 
     return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl), build,
@@ -1100,7 +1104,8 @@ def _fp4_rs_descriptors(c, L, bm: int, block_n: int):
 def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool, numerics: str = "hopper") -> dict:
     """``fp4_rs_keywords`` for ``sb``'s layout, cached on the buffer (as ``_fp4_ws_constexprs``)."""
     return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl(), numerics),
-                         lambda: fp4_rs_keywords(sb.layout, bm, block_n, has_clamp, numerics))
+                         lambda: direct_launch.FrozenKeywords(fp4_rs_keywords(sb.layout, bm, block_n, has_clamp,
+                                                                              numerics)))
 
 
 def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool, numerics: str = "hopper") -> dict:
@@ -1125,8 +1130,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
                 FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics)
-    return _buffer_cache(sb, "_ws_constexprs", key,
-                         lambda: fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics))
+    return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
+        fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics)))
 
 
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numerics: str = "hopper") -> dict:
@@ -1169,7 +1174,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     per-call work)."""
     key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"])
     return _buffer_cache(sb, "_ws_constexprs", key,
-                         lambda: fp8_ws_keywords(sb.layout, bm, has_clamp))
+                         lambda: direct_launch.FrozenKeywords(fp8_ws_keywords(sb.layout, bm, has_clamp)))
 
 
 def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
@@ -1207,8 +1212,8 @@ def _check_resident(args, grid, meta, meta_key, device) -> None:
     """Refuse, before it launches, a fused grid whose programs cannot all be resident at once: they meet in grid
     syncs, so one program left waiting for an SM dead-locks the launch until the in-kernel timeout. Compiles (or
     finds) the kernel without running it; checked once per (device, grid, constexprs); ``meta_key``: the constexprs
-    ``meta`` as a hashable key (``_launch_metas``)."""
-    key = (str(device), grid, meta_key)
+    ``meta`` as a hashable key (``_launch_metas``: ``direct_launch.keywords_token``)."""
+    key = (device, grid, meta_key)
     if key in _RESIDENT_OK:
         return
     kernel = kf.fused_mega_moe_kernel.warmup(*args, grid=grid, **meta)

@@ -56,6 +56,13 @@ class WeightFormat:
     x_sf_error: Callable[[int, int, torch.Tensor], str]
 
 
+def _mn_major(sf: torch.Tensor) -> bool:
+    """Whether scales ``sf [El, N, KW]`` are stored MN-major, ``[El][KW][N]`` (``sf.transpose(1, 2).is_contiguous()``,
+    read from the strides: no view made on every call; ``check_weights`` checked the shape first)."""
+    (e, n, kw), (s0, s1, s2) = sf.shape, sf.stride()
+    return (e * n * kw == 0 or ((n == 1 or s1 == 1) and (kw == 1 or s2 == n) and (e == 1 or s0 == n * kw)))
+
+
 FP8_FP4 = WeightFormat(
     name="fp8_fp4", op="fp8_fp4_mega_moe",
     describes="FP4 weights of the fp8_fp4 format (transform_weights_for_mega_moe)",
@@ -65,7 +72,7 @@ FP8_FP4 = WeightFormat(
                      "itself)"),
     weight_dtype=torch.int8, k_per_element=2, scale_dtype=torch.int32,
     scale_shape=lambda n_rows, k: (n_rows, k // 128),
-    scales_laid_out=lambda sf: sf.transpose(1, 2).is_contiguous(),
+    scales_laid_out=lambda sf: _mn_major(sf),
     layout_error=("must come from transform_weights_for_mega_moe (contiguous weights, MN-major scales); it was re-laid "
                   "out since"),
     bad_x_sf=lambda x_sf: x_sf.view(torch.uint8) == UE8M0_NAN,  # packed words: one UE8M0 byte per 32

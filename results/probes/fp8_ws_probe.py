@@ -496,7 +496,8 @@ def probe_host(tokens=(128, 512)):
     On a GPU also the same call with ``megamoe.direct_launch.ENABLED`` off, every launch through
     ``JITFunction.run`` (``jit_run``: ``host_us``, ``us``, and ``y`` bitwise equal to the direct launches'; until
     session 19 the row's ``direct`` was the reverse experiment, a probe-local ``DirectLaunch`` against the library's
-    ``JITFunction.run`` launches)."""
+    ``JITFunction.run`` launches), and with ``megamoe.direct_launch.RAW`` off, a hit through the compiled kernel's
+    runner instead of its C launcher (``runner``: the same fields; session 32)."""
     import cProfile
     import pstats
 
@@ -508,20 +509,11 @@ def probe_host(tokens=(128, 512)):
             call()
             torch.cuda.synchronize()
             host_us = _host_us(call)
-            jit_run = None
+            jit_run = runner = None
             if torch.cuda.is_available():  # (the interpreter's launches always go through JITFunction)
                 want = y.clone()
-                try:
-                    direct_launch.ENABLED = False
-                    y.fill_(float("nan"))
-                    call()
-                    torch.cuda.synchronize()
-                    jit_run = dict(host_us=_host_us(call), us=_median_ms(call) * 1e3,
-                                   bitwise_equal=bool(torch.equal(y.view(torch.int16), want.view(torch.int16))))
-                except Exception as exc:  # reported in the row: the experiment, not the probe, failed
-                    jit_run = dict(error=repr(exc)[:300])
-                finally:
-                    direct_launch.ENABLED = True
+                jit_run = _host_variant(call, y, want, "ENABLED")
+                runner = _host_variant(call, y, want, "RAW")
                 jit_run["us_direct"] = _median_ms(call) * 1e3
             prof = cProfile.Profile()
             for _ in range(HOST_PROFILE_CALLS):
@@ -533,11 +525,29 @@ def probe_host(tokens=(128, 512)):
             stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, tottime, cumtime, callers)}
             top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:25]
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
-            emit(probe="host", T=T, format=fmt, kind=cfg.kind, host_us=host_us, jit_run=jit_run, top=[
+            emit(probe="host", T=T, format=fmt, kind=cfg.kind, host_us=host_us, jit_run=jit_run, runner=runner, top=[
                 [f"{pathlib.Path(f).name}:{line}({name})", n // HOST_PROFILE_CALLS,
                  round(tot / HOST_PROFILE_CALLS * 1e6, 1), round(cum / HOST_PROFILE_CALLS * 1e6, 1)]
                 for (f, line, name), (n, _, tot, cum, _) in top])
             sb.destroy()
+
+
+def _host_variant(call, y, want, switch: str) -> dict:
+    """``call`` with ``megamoe.direct_launch``'s ``switch`` (``"ENABLED"`` / ``"RAW"``) off: ``host_us``, ``us`` and
+    ``y`` bitwise equal to ``want`` (or the error, reported in the row: the experiment, not the probe, failed)."""
+    from megamoe.bench import _host_us
+
+    try:
+        setattr(direct_launch, switch, False)
+        y.fill_(float("nan"))
+        call()
+        torch.cuda.synchronize()
+        return dict(host_us=_host_us(call), us=_median_ms(call) * 1e3,
+                    bitwise_equal=bool(torch.equal(y.view(torch.int16), want.view(torch.int16))))
+    except Exception as exc:
+        return dict(error=repr(exc)[:300])
+    finally:
+        setattr(direct_launch, switch, True)
 
 
 #: Eager calls ``host`` profiles per row.
