@@ -25,7 +25,8 @@
 #                  decode-partition tile at T = 512, 2048
 #                  (-> $OUT/rs_wide.jsonl)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
-#                  with megamoe.direct_launch on and off, and its cProfile (-> $OUT/host.jsonl; not timed)
+#                  with megamoe.direct_launch on and off and its C-launcher hits (RAW) off, and its cProfile
+#                  (-> $OUT/host.jsonl; not timed)
 #   layer_fp8      python -m megamoe.bench --suite layer_fp8, DeepGEMM's kit (when .peers is carried), merged
 #                  (-> $OUT/layer_fp8_h200.json with the kit's rows, $OUT/dg_layer_fp8.json; ~170 s)
 #   layer          the same for --suite layer (FP8 x FP4; -> $OUT/layer_h200.json, $OUT/dg_layer.json; ~200 s;

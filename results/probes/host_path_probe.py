@@ -7,7 +7,9 @@ The shapes are a small layout with V4-Pro's routing (48 experts, top-6, so the s
 one EP8 rank at the same T; the host path does not depend on H and I). Not measured here: the C launch, the CUDA
 driver, torch's CUDA calls -- the GPU host's own enqueue time is ``megamoe.bench``'s ``host_us``.
 
-    python results/probes/host_path_probe.py [T1,..] >> results/probes/host_path_cpu.jsonl
+Run with ``TRITON_INTERPRET=0`` (the kernels then are ``JITFunction`` objects, as on a GPU; nothing is compiled):
+
+    TRITON_INTERPRET=0 python results/probes/host_path_probe.py [T1,..] >> results/probes/host_path_cpu.jsonl
 """
 import json
 import platform
