@@ -38,21 +38,26 @@ once and never compared again.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 #: Launch through the cached ``CompiledKernel`` (False: every launch through ``JITFunction.run``).
 ENABLED = True
-#: A hit calls the compiled kernel's C launcher itself (False: through the compiled kernel's runner).
-RAW = True
+#: A hit calls the compiled kernel's C launcher itself (False: through the compiled kernel's runner; the environment
+#: variable ``MEGAMOE_DIRECT_LAUNCH_RAW=0`` sets it off at import, without an edit, e.g. on a device machine).
+RAW = os.environ.get("MEGAMOE_DIRECT_LAUNCH_RAW", "1") != "0"
 _CACHE: dict = {}
 _KW_KEYS: dict = {}  # id(keyword dict) -> (the dict, (its snapshot, its values' types, its token))
-_KW_TOKENS: dict = {}  # keyword key (sorted items) -> small int: the launch key hashes an int, not 60 pairs
+#: keyword key (sorted items) -> small int: the launch key hashes an int, not 60 pairs. Kept for the process (one
+#: entry per distinct keyword set launched: tens).
+_KW_TOKENS: dict = {}
 _DESC_TOKENS: dict = {}  # descriptor fact -> small int (its layout objects hash in Python)
 #: Most distinct keys kept (each a compiled kernel's runner and the constexpr tail of its arguments).
 MAX_ENTRIES = 256
 #: The attribute of a tensor descriptor object that holds what launches made of it once: ``"fact"`` (its key entry)
 #: and, per kernel metadata token, its encoded launch arguments. On the object, so it lives exactly as long as the
-#: descriptor (nor keeps it, nor the weights or pool it points into, alive).
+#: descriptor and keeps nothing alive after it (neither it nor the weights or pool it points into).
 DESC_ATTR = "_megamoe_launch"
 
 
