@@ -23,6 +23,9 @@ import torch
 
 #: SMs of the stand-in device (an H200's).
 SMS = 132
+#: The layout of :func:`small_rank`: V4-Pro's routing (48 experts, top-6), so the same tiles as one EP8 rank at the
+#: same T; small H and I (the host path does not depend on them).
+SMALL_SHAPE = dict(num_ranks=1, hidden=1024, intermediate=512, num_experts=48, num_topk=6, block_m=128)
 
 
 @dataclass
@@ -145,3 +148,23 @@ def hopper_host():
         dl.clear()
         env._DEVICE_FACTS.clear()  # (facts read through the stand-in's torch.cuda functions)
 
+
+def small_rank(num_tokens: int, fmt: str = "fp8_fp4", stats: bool = False):
+    """One CPU rank of :data:`SMALL_SHAPE` at ``num_tokens`` in format ``fmt`` (inputs loaded, weights
+    transformed) and its fused call as the bench times it (``check=False``; ``numerics="hopper"`` for FP8 x FP4;
+    with ``stats`` also adding to a recv-stats tensor): ``(sym_buffer, call)``. Run ``call`` inside
+    :func:`hopper_host`; ``sym_buffer.destroy()`` when done."""
+    from megamoe.cases import MoECase, prepare_rank
+    from megamoe.ops import fp8_fp4_mega_moe
+    from megamoe.ops_fp8 import fp8_mega_moe
+    from megamoe.symm import SymmBuffer
+
+    case = MoECase(num_tokens=num_tokens, format=fmt, **SMALL_SHAPE)
+    sb = SymmBuffer.local(1, case.num_experts, max(num_tokens, 128), case.num_topk, case.hidden, case.intermediate,
+                          block_m=case.block_m, device="cpu", format=fmt)[0]
+    y, l1, l2, recv = prepare_rank(sb, case.problem(device="cpu"), 0)
+    recv = recv if stats else None
+    if fmt == "fp8_fp4":
+        return sb, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False,
+                                            cumulative_local_expert_recv_stats=recv)
+    return sb, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False, cumulative_local_expert_recv_stats=recv)

@@ -5,13 +5,8 @@ import pytest
 
 import megamoe.direct_launch as dl
 import megamoe.fused as mf
-from megamoe.cases import MoECase, prepare_rank
-from megamoe.host_path import hopper_host
-from megamoe.ops import fp8_fp4_mega_moe
-from megamoe.ops_fp8 import fp8_mega_moe
-from megamoe.symm import SymmBuffer
+from megamoe.host_path import hopper_host, small_rank
 
-SHAPE = dict(num_ranks=1, hidden=1024, intermediate=512, num_experts=48, num_topk=6, block_m=128)
 #: (format, T, the tile the host picks there: kind, pool block, register-operand chunk, predecode) -- V4-Pro's
 #: routing, so T / 8 expected tokens per expert, as one EP8 rank.
 CASES = [("fp8_fp4", 8, ("fp4_ws", 64, 8, False)), ("fp8_fp4", 128, ("fp4_ws", 128, 32, False)),
@@ -20,25 +15,13 @@ CASES = [("fp8_fp4", 8, ("fp4_ws", 64, 8, False)), ("fp8_fp4", 128, ("fp4_ws", 1
          ("fp8", 128, ("fp8_ws", 64, 0, False)), ("fp8", 2048, ("fp8_ws", 128, 0, False))]
 
 
-def _rank(fmt: str, T: int):
-    case = MoECase(num_tokens=T, format=fmt, **SHAPE)
-    sb = SymmBuffer.local(1, case.num_experts, max(T, 128), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cpu", format=fmt)[0]
-    y, l1, l2, stats = prepare_rank(sb, case.problem(device="cpu"), 0)
-    if fmt == "fp8_fp4":
-        return sb, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False,
-                                            cumulative_local_expert_recv_stats=stats)
-    return sb, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False,
-                                    cumulative_local_expert_recv_stats=stats)
-
-
 def _host_objects(sb) -> dict:
     return {name: len(cache) for name, cache in sb._host_caches.items()}
 
 
 @pytest.mark.parametrize("fmt, T, tile", CASES)
 def test_a_repeated_call_compiles_encodes_and_builds_nothing(fmt, T, tile):
-    sb, call = _rank(fmt, T)
+    sb, call = small_rank(T, fmt, stats=True)
     try:
         with hopper_host() as log:
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
@@ -81,7 +64,7 @@ def test_the_stand_in_puts_everything_back():
                 driver._active)
 
     before = state()
-    sb, call = _rank("fp8_fp4", 8)
+    sb, call = small_rank(8)
     try:
         with hopper_host():
             call()

@@ -3,8 +3,8 @@ launch code around a C launch that only counts): per format and T, the median ho
 (``check=False``, as the bench times it) and what the call launched, compiled and encoded, with a hit through the
 compiled kernel's C launcher (``RAW``, the library's default) and through its runner, alternating twice.
 
-The shapes are a small layout with V4-Pro's routing (48 experts, top-6, so the same tile kinds and token chunks as
-one EP8 rank at the same T; the host path does not depend on H and I). Not measured here: the C launch, the CUDA
+The shapes: ``megamoe.host_path.SMALL_SHAPE`` (V4-Pro's routing, so the same tile kinds and token chunks as one EP8
+rank at the same T; the host path does not depend on H and I). Not measured here: the C launch, the CUDA
 driver, torch's CUDA calls -- the GPU host's own enqueue time is ``megamoe.bench``'s ``host_us``.
 
 Run with ``TRITON_INTERPRET=0`` (the kernels then are ``JITFunction`` objects, as on a GPU; nothing is compiled):
@@ -18,27 +18,11 @@ import time
 
 import megamoe  # noqa: F401  (before triton)
 import megamoe.direct_launch as dl
-from megamoe.cases import MoECase, prepare_rank
 from megamoe.env import provenance
-from megamoe.host_path import hopper_host
-from megamoe.ops import fp8_fp4_mega_moe
-from megamoe.ops_fp8 import fp8_mega_moe
-from megamoe.symm import SymmBuffer
+from megamoe.host_path import hopper_host, small_rank
 
 #: Eager calls timed per row (after two untimed ones: the first launches, the first hits).
 CALLS = 2000
-SHAPE = dict(num_ranks=1, hidden=1024, intermediate=512, num_experts=48, num_topk=6, block_m=128)
-
-
-def rank(T: int, fmt: str):
-    """One CPU rank at T tokens in format ``fmt`` and its fused call (``numerics="hopper"`` for FP8 x FP4)."""
-    case = MoECase(num_tokens=T, format=fmt, **SHAPE)
-    sb = SymmBuffer.local(1, case.num_experts, max(T, 128), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cpu", format=fmt)[0]
-    y, l1, l2, _ = prepare_rank(sb, case.problem(device="cpu"), 0)
-    if fmt == "fp8_fp4":
-        return sb, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)
-    return sb, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False)
 
 
 def median_us(call, n: int = CALLS) -> tuple[float, float]:
@@ -58,7 +42,7 @@ def main(tokens=(8, 128, 512, 2048)):
     prov["cpu"] = platform.processor() or platform.machine()
     for fmt in ("fp8_fp4", "fp8"):
         for T in tokens:
-            sb, call = rank(T, fmt)
+            sb, call = small_rank(T, fmt)
             with hopper_host() as log:
                 call()
                 first = dict(compiled=len(log.compiled), launches=len(log.launches), encoded=len(log.encoded))
