@@ -543,6 +543,31 @@ def test_masked_slot_may_hold_any_weight():
         r.destroy()
 
 
+def test_weights_re_laid_out_after_the_transform_are_rejected():
+    """Tagged weights whose memory layout changed since the transform (contiguous K-major scales, a non-contiguous
+    weight view) are refused naming the argument, before any kernel; the scales' MN-major test reads the strides
+    (``megamoe.validation._mn_major``) and agrees with ``sf.transpose(1, 2).is_contiguous()`` on every layout."""
+    import itertools
+
+    from megamoe.validation import _mn_major
+
+    case = MoECase(num_ranks=1, num_tokens=2, hidden=256, intermediate=128, num_experts=2, num_topk=1, block_m=16)
+    problem = case.problem()
+    t1, t2 = transform_weights_for_mega_moe(*problem.weights_for_rank(0))
+    with SymmBuffer(None, 2, 2, 1, 256, 128, block_m=16, backend="cpu") as sb:
+        y = torch.empty(0, 256, dtype=torch.bfloat16)
+        assert t1.sf.shape[2] == 2 and _mn_major(t1.sf)  # (L1: two scale words a row)
+        for bad in (TransformedWeights(t1.w, t1.sf.contiguous(), "l1"),
+                    TransformedWeights(t1.w.mT.contiguous().mT, t1.sf, "l1")):
+            with pytest.raises(ValueError, match="l1_weights must come from transform_weights_for_mega_moe"):
+                ops.fp8_fp4_mega_moe(y, bad, t2, sb, impl="staged")
+    for e, n, kw in itertools.product((0, 1, 3), (1, 2, 5), (1, 2, 4)):
+        mn = torch.zeros(e, kw, n).transpose(1, 2)
+        for sf in (mn, mn.contiguous(), torch.zeros(e, n, 2 * kw)[:, :, ::2],
+                   torch.zeros(2 * e, kw, n).transpose(1, 2)[::2], torch.zeros(e, kw, 2 * n).transpose(1, 2)[:, ::2]):
+            assert _mn_major(sf) == sf.transpose(1, 2).is_contiguous(), (sf.shape, sf.stride())
+
+
 def test_weights_from_the_wrong_transform_are_rejected():
     case = MoECase(num_ranks=1, num_tokens=1, hidden=256, intermediate=128, num_experts=2, num_topk=1, block_m=16)
     problem = case.problem()
