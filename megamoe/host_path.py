@@ -149,11 +149,11 @@ def hopper_host():
         env._DEVICE_FACTS.clear()  # (facts read through the stand-in's torch.cuda functions)
 
 
-def small_rank(num_tokens: int, fmt: str = "fp8_fp4", stats: bool = False):
-    """One CPU rank of :data:`SMALL_SHAPE` at ``num_tokens`` in format ``fmt`` (inputs loaded, weights
+def small_rank(num_tokens: int, fmt: str = "fp8_fp4", stats: bool = False, device: str = "cpu"):
+    """One rank of :data:`SMALL_SHAPE` at ``num_tokens`` in format ``fmt`` on ``device`` (inputs loaded, weights
     transformed) and its fused call as the bench times it (``check=False``; ``numerics="hopper"`` for FP8 x FP4;
-    with ``stats`` also adding to a recv-stats tensor): ``(sym_buffer, call)``. Run ``call`` inside
-    :func:`hopper_host`; ``sym_buffer.destroy()`` when done."""
+    with ``stats`` also adding to a recv-stats tensor): ``(sym_buffer, y, call)``, ``y`` the call's output. On CPU run
+    ``call`` inside :func:`hopper_host`; ``sym_buffer.destroy()`` when done."""
     from megamoe.cases import MoECase, prepare_rank
     from megamoe.ops import fp8_fp4_mega_moe
     from megamoe.ops_fp8 import fp8_mega_moe
@@ -161,10 +161,11 @@ def small_rank(num_tokens: int, fmt: str = "fp8_fp4", stats: bool = False):
 
     case = MoECase(num_tokens=num_tokens, format=fmt, **SMALL_SHAPE)
     sb = SymmBuffer.local(1, case.num_experts, max(num_tokens, 128), case.num_topk, case.hidden, case.intermediate,
-                          block_m=case.block_m, device="cpu", format=fmt)[0]
-    y, l1, l2, recv = prepare_rank(sb, case.problem(device="cpu"), 0)
+                          block_m=case.block_m, device=device, format=fmt)[0]
+    y, l1, l2, recv = prepare_rank(sb, case.problem(device=device), 0)
     recv = recv if stats else None
     if fmt == "fp8_fp4":
-        return sb, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False,
-                                            cumulative_local_expert_recv_stats=recv)
-    return sb, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False, cumulative_local_expert_recv_stats=recv)
+        return sb, y, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False,
+                                               cumulative_local_expert_recv_stats=recv)
+    return sb, y, lambda: fp8_mega_moe(y, l1, l2, sb, impl="fused", check=False,
+                                       cumulative_local_expert_recv_stats=recv)

@@ -21,7 +21,7 @@ def _host_objects(sb) -> dict:
 
 @pytest.mark.parametrize("fmt, T, tile", CASES)
 def test_a_repeated_call_compiles_encodes_and_builds_nothing(fmt, T, tile):
-    sb, call = small_rank(T, fmt, stats=True)
+    sb, _, call = small_rank(T, fmt, stats=True)
     try:
         with hopper_host() as log:
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper" if fmt == "fp8_fp4" else "exact")
@@ -64,7 +64,7 @@ def test_the_stand_in_puts_everything_back():
                 driver._active)
 
     before = state()
-    sb, call = small_rank(8)
+    sb, _, call = small_rank(8)
     try:
         with hopper_host():
             call()

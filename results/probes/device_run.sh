@@ -84,6 +84,10 @@
 #                  decode-partition tile at block 128 instead of the register-operand tile (-> $OUT/t512_ws/
 #                  layer_h200.json; ~35 s est.): whether the hand-over can move to 32 now that the tile reads the row
 #                  maxima once per weight set (uniform 1130 against 1229 us in session 30's probe rows; skewed unmeasured)
+#   direct_tests   tests/gpu/test_direct_launch_gpu.py: every kernel of a fused call recognised by
+#                  megamoe.direct_launch (hits straight into Triton's C launcher, TMA descriptors encoded once), the
+#                  bits equal with RAW off / ENABLED off / a CUDA graph, both formats (session 32: the C-launcher hits
+#                  were built without a device; run this before any timing; est. 1 min)
 #   l2pb_tests     numerics="hopper_l2_per_block" (no L2 A fold; each K block's token scales in the per-K-block add) in
 #                  every FP8 x FP4 Hopper tile: tests/gpu/test_l2_per_block_gpu.py (small cases, the two modes bit for
 #                  bit where the fold is exact, one EP8 rank at T = 8 ... 8192, CUDA graphs; not yet timed, est. 5 min)
@@ -333,6 +337,8 @@ step_fold_once() {
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/thr32" | tail -12
     return $rc
 }
+
+step_direct_tests() { timeout 300 $PY -m pytest -q -x -rfE tests/gpu/test_direct_launch_gpu.py | tail -30; }
 
 step_l2pb_tests() { timeout 560 $PY -m pytest -q -x -rfE -s tests/gpu/test_l2_per_block_gpu.py | tail -60; }
 

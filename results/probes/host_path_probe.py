@@ -42,7 +42,7 @@ def main(tokens=(8, 128, 512, 2048)):
     prov["cpu"] = platform.processor() or platform.machine()
     for fmt in ("fp8_fp4", "fp8"):
         for T in tokens:
-            sb, call = small_rank(T, fmt)
+            sb, _, call = small_rank(T, fmt)
             with hopper_host() as log:
                 call()
                 first = dict(compiled=len(log.compiled), launches=len(log.launches), encoded=len(log.encoded))
