@@ -452,14 +452,26 @@ class MegaMoE:
         l2_weights: untransformed FP4 ``(w int8 [El, H, I/2], sf int32 [El, H, I/128])``.
         activation_clamp: see :func:`fp8_fp4_mega_moe`.
         dispatch: ``"pull"`` or ``"push"``.
+        impl, numerics, check: as :func:`fp8_fp4_mega_moe`'s, for every call of this layer (on an H200
+            ``numerics="hopper"`` is the fast one; ``check=False`` skips the call's one host sync reading the inputs).
+            Checked here: a Hopper ``numerics`` where ``impl`` does not resolve to the fused kernel is refused now,
+            not at the first call.
     """
 
     def __init__(self, sym_buffer: SymmBuffer, l1_weights: WeightPair, l2_weights: WeightPair, *,
-                 activation_clamp: float | None = None, dispatch: str = "pull"):
+                 activation_clamp: float | None = None, dispatch: str = "pull", impl: str = "auto",
+                 numerics: str = "exact", check: bool = True):
         check_buffers(sym_buffer, FP8_FP4)
         if isinstance(sym_buffer, (list, tuple)):
             raise TypeError("MegaMoE takes one rank's SymmBuffer (one process per rank); for the local backend call "
                             "fp8_fp4_mega_moe with lists")
+        check_options("swiglu", dispatch, check)
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
+        chosen = resolve_impl(impl, [sym_buffer], dispatch)
+        if numerics in HOPPER_NUMERICS and chosen != "fused":
+            raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolves to {chosen!r} here")
+        self.impl, self.numerics, self.check = impl, numerics, check
         self.sym_buffer = sym_buffer
         dev = sym_buffer.buffer.device
         for name, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
@@ -483,7 +495,7 @@ class MegaMoE:
         """x bf16/float32 [n, H], topk_idx int64 [n, k] (-1 = masked), topk_weights float32 [n, k] -> y bf16 [n, H].
 
         Every argument is validated before anything is copied or launched (TypeError / ValueError naming it: None,
-        meta tensors, wrong shapes or dtypes), then as in :func:`fp8_fp4_mega_moe` with ``check=True``."""
+        meta tensors, wrong shapes or dtypes), then as in :func:`fp8_fp4_mega_moe` with this layer's ``check``."""
         check_buffers(self.sym_buffer, FP8_FP4)
         sb, L = self.sym_buffer, self.sym_buffer.layout
         if not isinstance(x, torch.Tensor):
@@ -501,7 +513,7 @@ class MegaMoE:
         y = torch.empty(n, L.hidden, dtype=torch.bfloat16, device=sb.buffer.device)
         fp8_fp4_mega_moe(y, self.l1_weights, self.l2_weights, sb, activation_clamp=self.activation_clamp,
                          cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                         dispatch=self.dispatch)
+                         dispatch=self.dispatch, impl=self.impl, numerics=self.numerics, check=self.check)
         return y
 
     __call__ = forward

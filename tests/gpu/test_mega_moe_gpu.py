@@ -48,3 +48,27 @@ def test_real_size_one_process_per_gpu():
     n = torch.cuda.device_count()
     case = MoECase(num_ranks=n, num_tokens=512, masked_ratio=0.1, num_calls=2, **REAL)
     assert_reports(launch(run_case_rank, n, case, backend="cuda"), f"real cuda x{n}")
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Hopper numerics are sm_90 only")
+@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
+def test_layer_wrapper_with_hopper_numerics(numerics):
+    """``MegaMoE(..., numerics=..., check=False)``: the wrapper's calls run the fused kernel in that numerics (one EP8
+    rank's share of V4-Pro at T = 128, twice), within the FP8-MMA tolerance of its reference model."""
+    from megamoe.ops import MegaMoE
+    from megamoe.symm import SymmBuffer
+    from megamoe.testing import assert_moe_close
+
+    case = MoECase(num_ranks=1, num_tokens=128, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, seed=9)
+    problem = case.problem(device="cuda")
+    sb = SymmBuffer.local(1, 48, 128, 6, 7168, 3072, block_m=128, device="cuda")[0]
+    try:
+        layer = MegaMoE(sb, *problem.weights_for_rank(0), numerics=numerics, check=False)
+        ref = problem.reference(numerics=numerics)[0]
+        for _ in range(2):
+            y = layer(problem.x_bf16[0], problem.topk_idx[0], problem.topk_weights[0])
+            torch.cuda.synchronize()
+            assert_moe_close(y, ref, accumulation="fp8_mma")
+    finally:
+        sb.destroy()
