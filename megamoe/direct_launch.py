@@ -204,6 +204,14 @@ def _first_launch(fn, grid, args, kwargs):
     return kernel
 
 
+#: The Triton release whose CUDA launcher :class:`_Raw` calls as its runner would (``tests/test_direct_launch.py``
+#: checks the arguments against that release's own launcher code), and the C launch's leading arguments there:
+#: grid x / y / z, stream, function, cooperative, PDL, global and profile scratch, kernel metadata, launch metadata,
+#: enter and exit hooks. Another release takes the runner.
+RAW_TRITON = "3.6."
+RAW_BASE_FORMAT = "iiiKKppOOOOOO"
+
+
 class _Raw:
     """A compiled kernel's C launcher and what its runner would pass it (Triton 3.6's ``CompiledKernel.__getitem__``
     runner -> ``CudaLauncher.__call__`` -> ``wrap_handle_tensordesc``'s ``inner`` -> the module's ``launch``), made
@@ -216,6 +224,11 @@ class _Raw:
         """For ``kernel`` (a ``CompiledKernel`` after its first launch) launched on ``grid3`` with ``num_args``
         leading runtime arguments, or None where a hit must take the runner."""
         try:
+            import triton
+            from triton.backends.nvidia import driver as nv
+
+            if not triton.__version__.startswith(RAW_TRITON) or nv._BASE_ARGS_FORMAT != RAW_BASE_FORMAT:
+                return None  # (a launcher this call was not checked against)
             run = kernel.run
             if (type(run).__name__ != "CudaLauncher" or run.global_scratch_size or run.profile_scratch_size
                     or getattr(kernel, "function", None) is None):

@@ -245,12 +245,12 @@ def test_a_hit_calls_the_c_launcher_as_tritons_runner_would(on_gpu, cuda_driver,
 
 def test_a_launch_hook_scratch_or_another_launcher_takes_the_runner(on_gpu, cuda_driver, monkeypatch):
     """Where a hit cannot call the C launcher as the runner would -- a launch hook in Triton's chain (a profiler), a
-    kernel that needs scratch memory, a launcher of another shape -- it takes the runner, which encodes the
-    descriptor every launch."""
+    kernel that needs scratch memory, a launcher of another shape, another Triton release -- it takes the runner,
+    which encodes the descriptor every launch."""
     from triton import knobs
 
     buf, desc = torch.zeros(64), _gluon_desc(torch.zeros(16, 32, dtype=torch.uint8))
-    for case in ("hook", "scratch", "other"):
+    for case in ("hook", "scratch", "other", "release"):
         dl.clear()
         c_log = []
         kernel = _cuda_kernel(c_log, SIGNATURE, DESC_META, scratch=64 if case == "scratch" else 0)
@@ -261,6 +261,8 @@ def test_a_launch_hook_scratch_or_another_launcher_takes_the_runner(on_gpu, cuda
             if case == "hook":
                 m.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
                 knobs.runtime.launch_enter_hook.add(lambda metadata: None)
+            if case == "release":  # (a Triton release whose launcher the hit was not checked against)
+                m.setattr(dl, "RAW_TRITON", "9.9.")
             if case == "scratch":  # (the runner allocates it through Triton's allocator, here a fake)
                 m.setattr("triton.runtime._allocation._allocator", SimpleNamespace(get=lambda: lambda *a: 0xA11))
             start = len(cuda_driver)
