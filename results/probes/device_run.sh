@@ -87,7 +87,7 @@
 #   direct_tests   tests/gpu/test_direct_launch_gpu.py: every kernel of a fused call recognised by
 #                  megamoe.direct_launch (hits straight into Triton's C launcher, TMA descriptors encoded once), the
 #                  bits equal with RAW off / ENABLED off / a CUDA graph, both formats (session 32: the C-launcher hits
-#                  were built without a device; run this before any timing; est. 1 min)
+#                  were built without a device; run this before any timing; est. 3 min: ~10 compiles at its small shape)
 #   l2pb_tests     numerics="hopper_l2_per_block" (no L2 A fold; each K block's token scales in the per-K-block add) in
 #                  every FP8 x FP4 Hopper tile: tests/gpu/test_l2_per_block_gpu.py (small cases, the two modes bit for
 #                  bit where the fold is exact, one EP8 rank at T = 8 ... 8192, CUDA graphs; not yet timed, est. 5 min)
