@@ -369,6 +369,10 @@ STAGE_PROFILE_ROLES = (
 )
 
 
+#: The stage-profile configurations the figure and notebook 08 show: block 128 forced, in either Hopper numerics.
+STAGE_PROFILE_CONFIGS = ("ws128", "ws128_pb")
+
+
 @needs("probe")
 def stage_profile(data: dict) -> Figure:
     """``results/probes/stage_profile_probe_h200.jsonl``: cycles a ring stage of the FP8 x FP4 decode-partition tile
@@ -376,7 +380,7 @@ def stage_profile(data: dict) -> Figure:
     pair per (commit, tokens per rank, predecoded) row: the decode partition and the first math warpgroup. Where a
     role's stage is mostly waiting, another role sets the pace."""
     rows = [r for r in data["rows"] if r.get("probe") == "stage_profile" and "dec_total_per_stage" in r
-            and (r.get("config") == "ws128" or r.get("predecode"))]  # (the host's choice: its predecoded rows)
+            and (r.get("config") in STAGE_PROFILE_CONFIGS or r.get("predecode"))]  # (the host's: predecoded rows)
     fig, axes = new_figure(1, 1, size=(10.0, 0.55 * 2 * max(1, len(rows)) + 1.4))
     ax = axes[0, 0]
     labels, y = [], 0.0
@@ -391,7 +395,8 @@ def stage_profile(data: dict) -> Figure:
                 seen.add((prefix, key))
                 left += v
             ax.text(left, y, f" {r[f'{prefix}_total_per_stage']:.0f}", va="center", fontsize=6)
-            labels.append(f"{role}, T = {r['T']}{' predecoded' if r.get('predecode') else ''} "
+            labels.append(f"{role}, T = {r['T']}{' predecoded' if r.get('predecode') else ''}"
+                          f"{' L2 per block' if r.get('numerics') == 'hopper_l2_per_block' else ''} "
                           f"@ {str(r.get('commit'))[:7]}")
             y += 1.0
         y += 0.5
