@@ -116,12 +116,21 @@ class _RankCall:
 IMPLS = ("auto", "fused", "staged")
 
 
-def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None) -> str:
+def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None,
+                 numerics: str = "exact") -> str:
     """Which path runs: ``"staged"``, or ``"fused"`` where it can run (a Hopper GPU, pull dispatch, see
     ``megamoe.fused.unsupported_reason``). ``"auto"`` takes the fused kernel wherever it can run (on an H200 it
     measured 1.0-1.7x faster than the staged pipeline from 8 to 2048 tokens per rank and 5% slower at 8192 with
     uniform routing, ``results/layer_h200.json``); ``"fused"`` where it cannot run raises
-    ValueError saying why. ``num_tokens`` (this rank's) is accepted for size-dependent choices."""
+    ValueError saying why, and so does a Hopper ``numerics`` (the fused kernel's only) where the path is the
+    staged one. ``num_tokens`` (this rank's) is accepted for size-dependent choices."""
+    chosen = _resolve_path(impl, sym_buffers, dispatch)
+    if numerics in HOPPER_NUMERICS and chosen != "fused":
+        raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolves to {chosen!r} here")
+    return chosen
+
+
+def _resolve_path(impl: str, sym_buffers: list, dispatch: str) -> str:
     from megamoe.fused import unsupported_reason
 
     if impl not in IMPLS:
@@ -193,9 +202,7 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                        activation_clamp, dispatch, check)
-    chosen = resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n)
-    if numerics in HOPPER_NUMERICS and chosen != "fused":
-        raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolved to {chosen!r} here")
+    chosen = resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n, numerics)
     if chosen == "staged":
         run_steps(calls, pipeline_steps(dispatch), check)
         return
@@ -468,9 +475,7 @@ class MegaMoE:
         check_options("swiglu", dispatch, check)
         if numerics not in NUMERICS:
             raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
-        chosen = resolve_impl(impl, [sym_buffer], dispatch)
-        if numerics in HOPPER_NUMERICS and chosen != "fused":
-            raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolves to {chosen!r} here")
+        resolve_impl(impl, [sym_buffer], dispatch, numerics=numerics)
         self.impl, self.numerics, self.check = impl, numerics, check
         self.sym_buffer = sym_buffer
         dev = sym_buffer.buffer.device
