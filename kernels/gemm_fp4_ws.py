@@ -427,7 +427,13 @@ def _decode_values(wp, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
     block's scale word of each of the rows (int32 ``[ROWS]``, ``SliceLayout(1, D_LAYOUT)``; groups in its four
     bytes); ``rmax``: the 256 rows' largest exponents (shared memory; this partition's rows written by it). ``ROWS``
     64: one row a thread; 128: two."""
-    rm = rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT))
+    return _decode_values_rm(wp, rmax.slice(r0, ROWS).load(gl.SliceLayout(1, D_LAYOUT)), word, lut, r0, ROWS)
+
+
+@gluon.jit
+def _decode_values_rm(wp, rm, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):
+    """``_decode_values`` with the rows' largest exponents ``rm`` in registers (int32 ``[ROWS]``,
+    ``SliceLayout(1, D_LAYOUT)``)."""
     p = wp.slice(r0, ROWS)
     t00, t01 = _fold_table(lut, word, rm, 0)
     t10, t11 = _fold_table(lut, word, rm, 1)
@@ -475,15 +481,38 @@ def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constex
 
 
 @gluon.jit
-def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut):
+def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, hi):
     """``_decode_stage_smem`` of a whole stage (256 rows, one decode partition: BM 128) with ``DECODE_HALVES``: the
     two 128-row halves (two rows a thread) into two buffers (``wd_lo`` / ``wd_hi`` ``[128, 128]`` e4m3, the halves
     the math warpgroups' two wgmmas read), one store each. One buffer written in 64-row chunks makes Triton's
     shared-memory barrier pass put a ``bar.sync`` before each chunk's store (a write after a write to one
-    allocation: it cannot tell the chunks' rows apart); stores to two allocations need none."""
+    allocation: it cannot tell the chunks' rows apart); stores to two allocations need none. ``hi`` false: the low
+    half only (``IDLE_DECODE``: the idle math warpgroup decodes the high one)."""
     HR: gl.constexpr = TILE_N // 2
     wd_lo.store(_decode_values(wp, rmax, wsf.slice(0, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, 0, HR))
-    wd_hi.store(_decode_values(wp, rmax, wsf.slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, HR, HR))
+    if hi:
+        wd_hi.store(_decode_values(wp, rmax, wsf.slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, HR, HR))
+
+
+@gluon.jit
+def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded, empty, rm, lut, it, KB, STAGES: gl.constexpr):
+    """``IDLE_DECODE``: math warpgroup 1's part of a tile whose pool block has no row of its own (``valid <= 64``):
+    per stage, the high half of the weights (rows ``[128, 256)``, ``_decode_values_rm`` with the rows' largest
+    exponents ``rm`` in registers) into ``wd2_bufs`` instead of the decode partition, then ``fence.proxy.async``, a
+    warpgroup barrier, one arrive on ``decoded[s]`` (its count includes this warpgroup) and, since this warpgroup
+    reads nothing of the stage after that, one on ``empty[s]``. Returns the ring position after the tile."""
+    HR: gl.constexpr = TILE_N // 2
+    for kb in range(KB):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        word = wsf_bufs.index(s).slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT))
+        wd2_bufs.index(s).store(_decode_values_rm(wp_bufs.index(s), rm, word, lut, HR, HR))
+        fence_async_shared()  # generic-proxy stores, then wgmma (warpgroup 0) reads them
+        gl.thread_barrier()  # every warp has stored and fenced before the one arrive
+        mbarrier.arrive(decoded.index(s), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    return it
 
 
 @gluon.jit
@@ -494,7 +523,8 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                       KW2_PAD: gl.constexpr, BM: gl.constexpr, R0: gl.constexpr,
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
                       SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr,
-                      FOLD_ONCE: gl.constexpr = False, L2_FOLDED: gl.constexpr = True):
+                      FOLD_ONCE: gl.constexpr = False, L2_FOLDED: gl.constexpr = True,
+                      IDLE_DECODE: gl.constexpr = False):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
     and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
     both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
@@ -509,7 +539,10 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     ``wd2_bufs`` (the two halves) and the A fold as one load and one store. ``FOLD_ONCE``: no A fold here (the math
     warpgroups folded the block's L2 rows once, ``_l1_fold_once``). ``L2_FOLDED`` off (``"hopper_l2_per_block"``): no
     A fold, no pool-row maxima and no wait for the arrival mask either (the partition then reads nothing the L1
-    epilogues wrote): an L2 stage is its W decode alone."""
+    epilogues wrote): an L2 stage is its W decode alone. ``IDLE_DECODE`` (``HALVES``): in a tile whose pool block has
+    no row past the first 64 (``valid <= 64``) only the low half of each stage's weights (math warpgroup 1, idle
+    there, decodes the high half: ``_idle_decode_tile``)."""
+    gl.static_assert((not IDLE_DECODE) or (HALVES and not FOLD_ONCE), "IDLE_DECODE: DECODE_HALVES, no FOLD_ONCE")
     gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
@@ -522,6 +555,10 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
+        if IDLE_DECODE:  # whether this partition decodes the stages' high halves too (else math warpgroup 1 does)
+            hi = valid > WM
+        else:
+            hi = True
         slot = j % 2
         mbarrier.wait(rfree.index(slot), ((j // 2) & 1) ^ 1)  # tile j - 2's epilogues have read the slot
         if is_l2:
@@ -578,7 +615,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if HALVES:
                         _decode_stage_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                            rmax_s.index(slot), wsf_bufs.index(s), lut)
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, hi)
                     elif SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
                                            R0, NR, lut)
@@ -600,7 +637,8 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr,
                     TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False,
                     L2_FOLDED: gl.constexpr = True, asf_bufs=None, SF_TMA: gl.constexpr = False, state=None,
-                    timeout_ns=None):
+                    timeout_ns=None, IDLE_DECODE: gl.constexpr = False, wp_bufs=None, wsf_bufs=None, rmax1=None,
+                    rmax2=None, lut=None):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
@@ -610,7 +648,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     ``2^(s_kb - 127)`` (one FFMA where the folded operand needs an FADD; L1 blocks times 1), the K block's words of
     the warpgroup's rows from the stage (``asf_bufs``, ``SF_TMA``) or else loaded one K block ahead from the pool's
     scale words (after this partition's own acquire of the block's arrival mask at the tile's start), and the L2
-    epilogue has no token scale left to apply."""
+    epilogue has no token scale left to apply. ``IDLE_DECODE`` (BM 128, ``TWO_WD``): in a tile whose pool block has
+    no row past the first 64 (``valid <= 64``), warpgroup 1 has no rows to multiply; it decodes the high half of each
+    stage's weights instead (``_idle_decode_tile``, from ``wp_bufs`` / ``wsf_bufs`` with the rows' maxima from
+    ``rmax1`` / ``rmax2`` and the table ``lut``), then runs its epilogue on zero sums: no valid row, so it stores
+    nothing (the scales it multiplies by may be read before the decode partition wrote the slot: zero times anything,
+    in rows no store takes), releases the maxima slot and, for L1, publishes its rows' arrival bit. In every other
+    tile it arrives on ``decoded[s]`` itself, after the stage's ``ready`` and before its own wait on ``decoded[s]``
+    (the barrier's count includes it)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -623,6 +668,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     r = gl.arange(0, WM, layout=rows_l)
     it = 0
     j = 0
+    IDLE: gl.constexpr = IDLE_DECODE and wg == 1  # this warpgroup decodes where its rows are empty
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
@@ -630,6 +676,16 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             KB = I // BK
         else:
             KB = H // BK
+        KB_MMA = KB  # the K blocks this warpgroup multiplies
+        if IDLE:
+            if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
+                if is_l2:
+                    rm_ptr = rmax2 + e * H + nt * TILE_N + HN
+                else:
+                    rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
+                rm = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
+                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded, empty, rm, lut, it, KB, STAGES)
+                KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
         if not L2_FOLDED and not SF_TMA:  # the K block scales from the pool: acquire them, then one block ahead
@@ -637,7 +693,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             if is_l2:
                 _wait_mask(l2_mask + b, _full_mask(I // 128), state, timeout_ns)
             sk_next = gl.load(l2_sf + b * BM + wg * WM + r, mask=row_ok & is_l2, other=127)
-        for kb in range(KB):
+        for kb in range(KB_MMA):
             s = it % STAGES
             ph = (it // STAGES) & 1
             if not L2_FOLDED and not SF_TMA:  # this K block's token scales, the next block's load in flight
@@ -645,6 +701,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 sk_next = gl.load(l2_sf + (kb + 1) * SP + b * BM + wg * WM + r,
                                   mask=row_ok & is_l2 & (kb + 1 < KB), other=127)
             mbarrier.wait(ready.index(s), ph)
+            if IDLE:  # decoded's count includes this warpgroup, which decodes in idle tiles. After the ready wait,
+                # not before: after an idle tile this warpgroup has not waited for its arrivals' phases to complete,
+                # and the stage's ready implies the previous phase of decoded[s] (warpgroup 0's empty[s] came after)
+                mbarrier.arrive(decoded.index(s), count=1)
             mbarrier.wait(decoded.index(s), ph)
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
                 sk = gl.where(is_l2, asf_bufs.index(s).slice(wg * WM, WM).load(rows_l) & 0xFF, 127)
@@ -715,7 +775,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
                           DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
-                          L2_FOLDED: gl.constexpr = True):
+                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -751,6 +811,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
     gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
     TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves
+    # math warpgroup 1 decodes the high halves of tiles without rows of its own (megamoe.fused.FP4_WS_IDLE_DECODE)
+    IDLE: gl.constexpr = IDLE_DECODE and TWO_WD and BM == 128
     if PREDECODED:
         wd_bufs = wp_bufs
         wd2_bufs = wp_bufs
@@ -774,7 +836,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     rfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
-        mbarrier.init(decoded.index(i), count=NDEC)  # one arrive per decode partition
+        # one arrive per decode partition (and with IDLE one of math warpgroup 1)
+        mbarrier.init(decoded.index(i), count=NDEC + (1 if IDLE else 0))
         mbarrier.init(empty.index(i), count=NWG)  # one arrive per math warpgroup
     for i in gl.static_range(2):
         mbarrier.init(rfree.index(i), count=NWG)  # one arrive per math warpgroup
@@ -804,11 +867,12 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, wp_bufs, wsf_bufs, rmax1,
+                           rmax2, lut)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
@@ -816,5 +880,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                              asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, state,
                              timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
                              KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
-                             FOLD_ONCE, L2_FOLDED)),
+                             FOLD_ONCE, L2_FOLDED, IDLE)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

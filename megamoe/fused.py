@@ -317,6 +317,14 @@ FP4_WS_DECODE_HALVES = {128: True, 64: False}
 #: applied in the per-K-block add instead of folded into the operand -- a change of numerics -- is
 #: ``numerics="hopper_l2_per_block"`` since session 31; this option does nothing there.)
 FP4_WS_FOLD_ONCE = {128: False, 64: False}
+#: "fp4_ws" at block 128 (with ``FP4_WS_DECODE_HALVES``, not predecoded): in a tile whose pool block has no row past
+#: its first 64 (``valid <= 64``), math warpgroup 1 has nothing to multiply; with this on it decodes the high half of
+#: each stage's weights (``IDLE_DECODE`` of ``megamoe.kernels.gemm_fp4_ws``) while the decode partition decodes the
+#: low half, so that tile's stage has two decoding warpgroups -- a second decode warp on each scheduler, at the math
+#: warpgroup's registers (the stage profile puts the tile's time in its one decode partition, latency-bound). Where it
+#: applies: an expert's last pool block when it holds <= 64 rows -- at 64 expected tokens per expert (T = 512 of one
+#: EP8 rank) about half of the blocks, under skew the cold experts' blocks.
+FP4_WS_IDLE_DECODE = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -1128,7 +1136,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])
+                FP4_WS_FOLD_ONCE[bm], FP4_WS_IDLE_DECODE[bm], WS_GROUP_SYNC["fp4_ws"])
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics)))
@@ -1137,7 +1145,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
 def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numerics: str = "hopper") -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
-    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` at ``bm``,
+    ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
+    ``FP4_WS_IDLE_DECODE`` at ``bm``,
     ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
@@ -1154,7 +1163,10 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
         DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm],
         # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
-        FOLD_ONCE=FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics), L2_FOLDED=l2_folded(numerics), **_pdl_keywords())
+        FOLD_ONCE=FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics), L2_FOLDED=l2_folded(numerics),
+        # (the idle warpgroup decodes a half of the two-halves stage; predecoded calls decode nothing)
+        IDLE_DECODE=(FP4_WS_IDLE_DECODE[bm] and FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm] and not predecode
+                     and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics))), **_pdl_keywords())
 
 
 #: The workspace and buffer offsets both FP8 x FP4 Gluon GEMM phases take (``_offsets`` names; the decode-partition

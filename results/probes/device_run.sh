@@ -24,6 +24,8 @@
 #   rs_wide        fused_fp8_ws_profile.py: the chunk-128 tile (and chunk 64 on 128-row chains at T = 512) against the
 #                  decode-partition tile at T = 512, 2048
 #                  (-> $OUT/rs_wide.jsonl)
+#   idle           FP4_WS_IDLE_DECODE: its GPU tests, fp8_ws_probe.py idle_decode at T = $IDLE_TOKENS (512,1024,2048),
+#                  the layer bench at T = 512 on the decode-partition tile with it on (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
 #                  with megamoe.direct_launch on and off and its C-launcher hits (RAW) off, and its cProfile
 #                  (-> $OUT/host.jsonl; not timed)
@@ -354,6 +356,22 @@ step_t512_ws() {
     mkdir -p "$OUT/t512_ws"
     timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t512_ws" | tail -6
+}
+
+step_idle() {  # FP4_WS_IDLE_DECODE: its GPU tests (same bits on and off, several cases), then off / on / off / on at
+    # T = $IDLE_TOKENS (-> $OUT/idle_decode.jsonl) and the layer bench at T = 512 on the decode-partition tile with it
+    # on (uniform and skewed; -> $OUT/t512_idle/)
+    timeout 200 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "IDLE_DECODE and fp8_fp4" \
+        | tail -15 || return 1
+    timeout 240 $PY results/probes/fp8_ws_probe.py idle_decode "${IDLE_TOKENS:-512,1024,2048}" \
+        >>"$OUT/idle_decode.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/idle_decode.jsonl"
+    mkdir -p "$OUT/t512_idle"
+    timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
+mf.FP4_WS_IDLE_DECODE = {128: True, 64: False}; \
+b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t512_idle" | tail -6
+    return $rc
 }
 
 step_stage_profile() {

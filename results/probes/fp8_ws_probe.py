@@ -453,6 +453,15 @@ def probe_fold_once(tokens=(512, 2048, 8192)):
     _block128_off_on("fold_once", "FP4_WS_FOLD_ONCE", tokens)
 
 
+def probe_idle_decode(tokens=(512, 1024, 2048)):
+    """The block-128 decode-partition tile's idle math warpgroup decoding the high half of each stage where its 64
+    rows of the pool block are empty (``FP4_WS_IDLE_DECODE``: the expert's last block holds <= 64 rows) off / on /
+    off / on, whole call at each T with its error (``FP8 x FP4``, "hopper"; the decode-partition tile forced:
+    ``FP4_RS_MAX_EXPECTED = -1``). Up to T = 512 also the register-operand tile (chunk 64) twice, the tile the host
+    runs there. The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens)
+
+
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
 #: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
 L2PB_FORCED_T = 512
@@ -580,4 +589,5 @@ if __name__ == "__main__":
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
+         "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()

@@ -81,7 +81,7 @@ DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), s
                 "\n" + " " * 24 + _FOLD_SMEM,
                 "\n" + " " * 24 + _FOLD,
                 "\n" + " " * 24 + "_decode_stage_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n"
-                + " " * 44 + "rmax_s.index(slot), wsf_bufs.index(s), lut)\n",
+                + " " * 44 + "rmax_s.index(slot), wsf_bufs.index(s), lut, hi)\n",
                 "\n" + " " * 24 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
                 " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
                 "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"

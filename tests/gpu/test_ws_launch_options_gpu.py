@@ -12,7 +12,7 @@ in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the def
 import pytest
 import torch
 
-from megamoe.cases import MoECase, gluon_phase_cases, prepare_rank
+from megamoe.cases import MoECase, expected_recv_counts, gluon_phase_cases, prepare_rank
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon phases are sm_90 only")
 
@@ -33,15 +33,21 @@ OPTIONS["FP4_WS_DECODE_HALVES@predecoded"] = OPTIONS["FP4_WS_DECODE_HALVES"]
 FORCE["FP4_WS_FOLD_ONCE"] = FORCE["FP4_WS_DECODE_HALVES"]
 FORCE["FP4_WS_FOLD_ONCE@predecoded"] = FORCE["FP4_WS_DECODE_HALVES@predecoded"]
 OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
+#: the idle math warpgroup's decode (block 128, per-block decode only: predecoded calls decode nothing)
+OPTIONS["FP4_WS_IDLE_DECODE"] = tuple({128: v, 64: False} for v in (False, True))
+FORCE["FP4_WS_IDLE_DECODE"] = FORCE["FP4_WS_DECODE_HALVES"]
+#: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
+#: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
+#: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
+CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_fp4"])
 def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     import megamoe.fused as mf
-    from megamoe.symm import SymmBuffer
-    from megamoe.testing import assert_moe_close, default_accumulation
 
+    monkeypatch.setattr(mf, option.split("@")[0], getattr(mf, option.split("@")[0]))  # (put back after the test)
     monkeypatch.setattr(mf, "FP8_WS_MIN_EXPECTED", -1)  # the Gluon kinds whatever the size
     monkeypatch.setattr(mf, "FP8_SWAP_MAX_EXPECTED", -1)
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
@@ -50,10 +56,17 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     numerics = "exact" if fmt == "fp8" else "hopper"
     common = dict(format=fmt, block_m=128, impl="fused") if fmt == "fp8" else dict(block_m=128, impl="fused",
                                                                                     numerics="hopper")
-    case: MoECase = gluon_phase_cases(**common)[2]  # four ranks, a clamp, an empty rank
+    for index in CASES.get(option, (2, )):  # (2: four ranks, a clamp, an empty rank)
+        _same_bits_on_and_off(gluon_phase_cases(**common)[index], fmt, option, numerics, mf)
+
+
+def _same_bits_on_and_off(case: MoECase, fmt: str, option: str, numerics: str, mf) -> None:
+    from megamoe.symm import SymmBuffer
+    from megamoe.testing import assert_moe_close, default_accumulation
+
     outs = []
     for value in OPTIONS[option]:
-        monkeypatch.setattr(mf, option.split("@")[0], value)
+        setattr(mf, option.split("@")[0], value)  # (the test's monkeypatch puts it back)
         sbs = SymmBuffer.local(case.num_ranks, case.num_experts, case.max_tokens(), case.num_topk, case.hidden,
                                case.intermediate, block_m=case.block_m, device="cuda", format=case.format)
         problem = case.problem(device="cuda")
@@ -70,6 +83,10 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
         outs.append([y.clone() for y in ys])
         for sb in sbs:
             sb.destroy()
+    if option == "FP4_WS_IDLE_DECODE":  # the case has pool blocks of <= 64 rows and blocks of more
+        counts = torch.cat([expected_recv_counts(problem, r) for r in range(case.num_ranks)])
+        tail = counts % 128
+        assert ((tail >= 1) & (tail <= 64)).any() and ((tail > 64) | (counts >= 128)).any(), counts
     refs = problem.reference(activation_clamp=case.activation_clamp, numerics=numerics)
     for r, (off, on) in enumerate(zip(*outs)):
         assert torch.equal(off.view(torch.int16), on.view(torch.int16)), f"rank {r}: {option} changed the output"
