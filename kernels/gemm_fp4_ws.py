@@ -481,17 +481,32 @@ def _fold_a_stage_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constex
 
 
 @gluon.jit
-def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, hi):
+def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, HI: gl.constexpr = True):
     """``_decode_stage_smem`` of a whole stage (256 rows, one decode partition: BM 128) with ``DECODE_HALVES``: the
     two 128-row halves (two rows a thread) into two buffers (``wd_lo`` / ``wd_hi`` ``[128, 128]`` e4m3, the halves
     the math warpgroups' two wgmmas read), one store each. One buffer written in 64-row chunks makes Triton's
     shared-memory barrier pass put a ``bar.sync`` before each chunk's store (a write after a write to one
-    allocation: it cannot tell the chunks' rows apart); stores to two allocations need none. ``hi`` false: the low
+    allocation: it cannot tell the chunks' rows apart); stores to two allocations need none. ``HI`` false: the low
     half only (``IDLE_DECODE``: the idle math warpgroup decodes the high one)."""
     HR: gl.constexpr = TILE_N // 2
     wd_lo.store(_decode_values(wp, rmax, wsf.slice(0, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, 0, HR))
-    if hi:
+    if HI:
         wd_hi.store(_decode_values(wp, rmax, wsf.slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, HR, HR))
+
+
+@gluon.jit
+def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl.constexpr):
+    """The decode partition's ``_decode_stage_halves`` of a stage of a tile with ``valid`` pool rows: with
+    ``IDLE_DECODE`` and ``valid <= 64`` the low half only (math warpgroup 1 decodes the high one). Two calls under
+    one branch, not a branch between the halves: each call's code stays one basic block, in which ptxas overlaps the
+    high half's loads with the low half's arithmetic (a branch inside cost ~3 % at T = 2048 on an H200)."""
+    if IDLE_DECODE:
+        if valid > WM:
+            _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut)
+        else:
+            _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, False)
+    else:
+        _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut)
 
 
 @gluon.jit
@@ -555,10 +570,6 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
-        if IDLE_DECODE:  # whether this partition decodes the stages' high halves too (else math warpgroup 1 does)
-            hi = valid > WM
-        else:
-            hi = True
         slot = j % 2
         mbarrier.wait(rfree.index(slot), ((j // 2) & 1) ^ 1)  # tile j - 2's epilogues have read the slot
         if is_l2:
@@ -614,8 +625,8 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                         _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if HALVES:
-                        _decode_stage_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                            rmax_s.index(slot), wsf_bufs.index(s), lut, hi)
+                        _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
                     elif SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
                                            R0, NR, lut)

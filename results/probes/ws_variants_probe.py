@@ -73,6 +73,8 @@ MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_lo.permute((1, 0))
 _FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)\n"
 _FOLD_SMEM = ("_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,\n"
               + " " * 43 + "HALVES)\n")
+_HALVES_CALL = ("_decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n" + " " * 44
+                + "rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)\n")
 # (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
 DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
@@ -80,8 +82,7 @@ DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), s
                 " NR)\n",
                 "\n" + " " * 24 + _FOLD_SMEM,
                 "\n" + " " * 24 + _FOLD,
-                "\n" + " " * 24 + "_decode_stage_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n"
-                + " " * 44 + "rmax_s.index(slot), wsf_bufs.index(s), lut, hi)\n",
+                "\n" + " " * 24 + _HALVES_CALL,
                 "\n" + " " * 24 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
                 " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
                 "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
