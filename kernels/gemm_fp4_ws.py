@@ -495,6 +495,20 @@ def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, HI: gl.constexpr = Tr
 
 
 @gluon.jit
+def _fold_tile_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr, HALVES: gl.constexpr,
+                    IDLE_DECODE: gl.constexpr):
+    """The decode partition's ``_fold_a_stage_smem`` of a stage of an L2 tile with ``valid`` pool rows: with
+    ``IDLE_DECODE`` and ``valid <= 64`` only the first 64 rows (math warpgroup 0's; warpgroup 1 multiplies none)."""
+    if IDLE_DECODE:
+        if valid > WM:
+            _fold_a_stage_smem(a_buf, smax, asf, valid, A0, NA, HALVES)
+        else:
+            _fold_a_stage_smem(a_buf, smax, asf, valid, A0, WM, HALVES)
+    else:
+        _fold_a_stage_smem(a_buf, smax, asf, valid, A0, NA, HALVES)
+
+
+@gluon.jit
 def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl.constexpr):
     """The decode partition's ``_decode_stage_halves`` of a stage of a tile with ``valid`` pool rows: with
     ``IDLE_DECODE`` and ``valid <= 64`` the low half only (math warpgroup 1 decodes the high one). Two calls under
@@ -510,12 +524,14 @@ def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl
 
 
 @gluon.jit
-def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded, empty, rm, lut, it, KB, STAGES: gl.constexpr):
+def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES: gl.constexpr):
     """``IDLE_DECODE``: math warpgroup 1's part of a tile whose pool block has no row of its own (``valid <= 64``):
     per stage, the high half of the weights (rows ``[128, 256)``, ``_decode_values_rm`` with the rows' largest
     exponents ``rm`` in registers) into ``wd2_bufs`` instead of the decode partition, then ``fence.proxy.async``, a
-    warpgroup barrier, one arrive on ``decoded[s]`` (its count includes this warpgroup) and, since this warpgroup
-    reads nothing of the stage after that, one on ``empty[s]``. Returns the ring position after the tile."""
+    warpgroup barrier, one arrive on ``decoded2[s]`` (count 1: warpgroup 0 waits on it in such tiles, after
+    ``decoded[s]``) and, since this warpgroup reads nothing of the stage after that, one on ``empty[s]``. (Its own
+    barrier, not one more arrive on ``decoded[s]`` in every tile: that tied the two math warpgroups together stage by
+    stage, and full tiles lost 2 % at T = 2048 on an H200.) Returns the ring position after the tile."""
     HR: gl.constexpr = TILE_N // 2
     for kb in range(KB):
         s = it % STAGES
@@ -524,7 +540,7 @@ def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded, empty, rm, lu
         wd2_bufs.index(s).store(_decode_values_rm(wp_bufs.index(s), rm, word, lut, HR, HR))
         fence_async_shared()  # generic-proxy stores, then wgmma (warpgroup 0) reads them
         gl.thread_barrier()  # every warp has stored and fenced before the one arrive
-        mbarrier.arrive(decoded.index(s), count=1)
+        mbarrier.arrive(decoded2.index(s), count=1)
         mbarrier.arrive(empty.index(s), count=1)
         it += 1
     return it
@@ -619,8 +635,8 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
             else:  # this K block's words: with the stage (SF_TMA) or loaded here
                 if is_l2 and FOLD_A:  # fold the A stage per row: e4m3(a * 2^(s_kb - s_max)) (_fold_e4m3)
                     if SF_TMA:
-                        _fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,
-                                           HALVES)
+                        _fold_tile_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,
+                                        HALVES, IDLE_DECODE)
                     else:
                         _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
@@ -648,8 +664,8 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr,
                     TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False,
                     L2_FOLDED: gl.constexpr = True, asf_bufs=None, SF_TMA: gl.constexpr = False, state=None,
-                    timeout_ns=None, IDLE_DECODE: gl.constexpr = False, wp_bufs=None, wsf_bufs=None, rmax1=None,
-                    rmax2=None, lut=None):
+                    timeout_ns=None, IDLE_DECODE: gl.constexpr = False, decoded2=None, wp_bufs=None, wsf_bufs=None,
+                    rmax1=None, rmax2=None, lut=None):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
@@ -662,11 +678,11 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     epilogue has no token scale left to apply. ``IDLE_DECODE`` (BM 128, ``TWO_WD``): in a tile whose pool block has
     no row past the first 64 (``valid <= 64``), warpgroup 1 has no rows to multiply; it decodes the high half of each
     stage's weights instead (``_idle_decode_tile``, from ``wp_bufs`` / ``wsf_bufs`` with the rows' maxima from
-    ``rmax1`` / ``rmax2`` and the table ``lut``), then runs its epilogue on zero sums: no valid row, so it stores
-    nothing (the scales it multiplies by may be read before the decode partition wrote the slot: zero times anything,
-    in rows no store takes), releases the maxima slot and, for L1, publishes its rows' arrival bit. In every other
-    tile it arrives on ``decoded[s]`` itself, after the stage's ``ready`` and before its own wait on ``decoded[s]``
-    (the barrier's count includes it)."""
+    ``rmax1`` / ``rmax2`` and the table ``lut``; arrives on ``decoded2[s]``), then runs its epilogue on zero sums: no
+    valid row, so it stores nothing (the scales it multiplies by may be read before the decode partition wrote the
+    slot: zero times anything, in rows no store takes), releases the maxima slot and, for L1, publishes its rows'
+    arrival bit. Warpgroup 0 then waits on ``decoded2[s]`` after ``decoded[s]``, its phase per ring slot in a bit
+    mask (``ph2``: the slot's idle stages so far, mod 2)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -680,6 +696,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     it = 0
     j = 0
     IDLE: gl.constexpr = IDLE_DECODE and wg == 1  # this warpgroup decodes where its rows are empty
+    ph2 = 0  # IDLE_DECODE, warpgroup 0: the phase of decoded2[s] in bit s
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
         is_l2 = t >= num_l1
@@ -695,7 +712,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 else:
                     rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
                 rm = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
-                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded, empty, rm, lut, it, KB, STAGES)
+                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES)
                 KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
@@ -712,11 +729,11 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 sk_next = gl.load(l2_sf + (kb + 1) * SP + b * BM + wg * WM + r,
                                   mask=row_ok & is_l2 & (kb + 1 < KB), other=127)
             mbarrier.wait(ready.index(s), ph)
-            if IDLE:  # decoded's count includes this warpgroup, which decodes in idle tiles. After the ready wait,
-                # not before: after an idle tile this warpgroup has not waited for its arrivals' phases to complete,
-                # and the stage's ready implies the previous phase of decoded[s] (warpgroup 0's empty[s] came after)
-                mbarrier.arrive(decoded.index(s), count=1)
             mbarrier.wait(decoded.index(s), ph)
+            if IDLE_DECODE and wg == 0:
+                if valid <= WM:  # warpgroup 1 decoded the stage's high half
+                    mbarrier.wait(decoded2.index(s), (ph2 >> s) & 1)
+                    ph2 = ph2 ^ (1 << s)
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
                 sk = gl.where(is_l2, asf_bufs.index(s).slice(wg * WM, WM).load(rows_l) & 0xFF, 127)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
@@ -844,11 +861,16 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     decoded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if IDLE:  # math warpgroup 1's decode of the high halves in tiles without its rows
+        decoded2 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        decoded2 = decoded  # (not used)
     rfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
-        # one arrive per decode partition (and with IDLE one of math warpgroup 1)
-        mbarrier.init(decoded.index(i), count=NDEC + (1 if IDLE else 0))
+        mbarrier.init(decoded.index(i), count=NDEC)  # one arrive per decode partition
+        if IDLE:
+            mbarrier.init(decoded2.index(i), count=1)  # math warpgroup 1's arrive in a tile without its rows
         mbarrier.init(empty.index(i), count=NWG)  # one arrive per math warpgroup
     for i in gl.static_range(2):
         mbarrier.init(rfree.index(i), count=NWG)  # one arrive per math warpgroup
@@ -878,12 +900,12 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD, arrival,
-                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, wp_bufs, wsf_bufs, rmax1,
-                           rmax2, lut)),
+                           FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2, wp_bufs,
+                           wsf_bufs, rmax1, rmax2, lut)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                            wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state,
                            timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),

@@ -101,9 +101,8 @@ PATCHES = [
     ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = ",
      f"    c0 = _clk()\n    c_wait = {_ZERO}\n    c_mma = {_ZERO}\n    c_epi = {_ZERO}\n    n_st = 0\n"
      "    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = "),
-    ("            mbarrier.wait(ready.index(s), ph)\n            if IDLE:",
-     "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n            if IDLE:"),
-    ("            mbarrier.wait(decoded.index(s), ph)\n",
+    ("            mbarrier.wait(ready.index(s), ph)\n            mbarrier.wait(decoded.index(s), ph)\n",
+     "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n"
      "            mbarrier.wait(decoded.index(s), ph)\n            t1 = _clk()\n            c_wait += t1 - t0\n"),
     ("            spare = d_hi\n            it += 1\n",
      "            spare = d_hi\n            c_mma += _clk() - t1\n            n_st += 1\n            it += 1\n"),

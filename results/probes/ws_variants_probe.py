@@ -71,8 +71,8 @@ MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_lo.permute((1, 0))
             mbarrier.arrive(empty.index(s), count=1)
 """
 _FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)\n"
-_FOLD_SMEM = ("_fold_a_stage_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,\n"
-              + " " * 43 + "HALVES)\n")
+_FOLD_SMEM = ("_fold_tile_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,\n"
+              + " " * 40 + "HALVES, IDLE_DECODE)\n")
 _HALVES_CALL = ("_decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n" + " " * 44
                 + "rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)\n")
 # (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
