@@ -10,7 +10,10 @@ each; the outputs are not checked). Counters per CTA (``SLOTS``):
   ``rfree`` wait, row maxima, L2's arrival-mask wait), the L2 A fold, the W decode, the fence + partition barrier +
   arrive, stages, tiles;
 * each math warpgroup: total, ``ready`` + ``decoded`` waits, the two wgmma chains and adds, the epilogue, stages;
-* loader: total, ``empty`` waits (the math has not released the slot: the ring is full), L2 arrival-mask waits.
+* loader: total, ``empty`` waits (the math has not released the slot: the ring is full), L2 arrival-mask waits;
+* math warpgroup 1's stages of idle tiles (``FP4_WS_IDLE_DECODE``: its rows of the pool block empty, it decodes the
+  high half): ``ready`` waits, the decode + fence + barrier + arrives, stages (its ``math1_*`` counters then count
+  only the tiles it multiplies).
 
 One row per (T, config): per-stage means over CTAs of every counter, in cycles, and the call's µs (an unpatched
 call, ``_median_ms`` as the bench). Reading: if the decode partition's ``ready`` wait is a large part of its stage,
@@ -36,7 +39,8 @@ SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_deco
          "dec_stages": 6, "dec_tiles": 7,
          "math0_total": 8, "math0_wait": 9, "math0_mma": 10, "math0_epi": 11, "math0_stages": 12,
          "math1_total": 16, "math1_wait": 17, "math1_mma": 18, "math1_epi": 19, "math1_stages": 20,
-         "load_total": 24, "load_empty": 25, "load_mask": 26, "load_stages": 27}
+         "load_total": 24, "load_empty": 25, "load_mask": 26, "load_stages": 27,
+         "idle_ready": 13, "idle_decode": 14, "idle_stages": 15}
 PER_CTA = 32
 ADDR = "__PROF_ADDR__"
 
@@ -53,6 +57,13 @@ def _prof(k: gl.constexpr, v):
     """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
     p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
     gl.store(p + gl.program_id(0) * 32 + k, v)
+
+
+@gluon.jit
+def _prof_add(k: gl.constexpr, v):
+    """Add ``v`` to counter ``k`` of this CTA (probe; one partition's threads load and store the same values)."""
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 32 + k
+    gl.store(p, gl.load(p) + v)
 
 
 _PROF_ADDR: gl.constexpr = gl.constexpr(__PROF_ADDR__)
@@ -73,6 +84,8 @@ _LOAD_MASK = ("            if FOLD_ONCE:\n                _wait_folded(arrival +
               "            else:\n                _wait_mask(l2_mask + b, full, state, timeout_ns)\n")
 _LOAD_END = "            it += 1\n\n\n@gluon.jit\ndef _fold_table("
 _ZERO = "_clk() * 0"
+_IDLE_WAIT = "        mbarrier.wait(ready.index(s), (it // STAGES) & 1)\n"
+_IDLE_END = "        mbarrier.arrive(empty.index(s), count=1)\n        it += 1\n    return it\n"
 
 PATCHES = [
     ("\n\n@gluon.jit\ndef _full_mask(", _CLK),
@@ -110,6 +123,12 @@ PATCHES = [
     (_MATH_END, _MATH_END.replace("        j += 1\n", "        c_epi += _clk() - t4\n        j += 1\n")
      + "    _prof(8 + 8 * wg, _clk() - c0)\n    _prof(9 + 8 * wg, c_wait)\n    _prof(10 + 8 * wg, c_mma)\n"
        "    _prof(11 + 8 * wg, c_epi)\n    _prof(12 + 8 * wg, n_st.to(gl.int64))\n"),
+    # math warpgroup 1's idle-tile decode (its sums added to the CTA's slots: every thread loads and stores the same)
+    (_IDLE_WAIT, f"        t0 = _clk()\n{_IDLE_WAIT}        t1 = _clk()\n        c_iw += t1 - t0\n"),
+    ("    HR: gl.constexpr = TILE_N // 2\n    for kb in range(KB):\n",
+     f"    HR: gl.constexpr = TILE_N // 2\n    c_iw = {_ZERO}\n    c_id = {_ZERO}\n    for kb in range(KB):\n"),
+    (_IDLE_END, "        mbarrier.arrive(empty.index(s), count=1)\n        c_id += _clk() - t1\n        it += 1\n"
+                "    _prof_add(13, c_iw)\n    _prof_add(14, c_id)\n    _prof_add(15, KB.to(gl.int64))\n    return it\n"),
     # loader
     (_LOAD_START, f"    c0 = _clk()\n    c_empty = {_ZERO}\n    c_mask = {_ZERO}\n    n_st = 0\n" + _LOAD_START),
     (_LOAD_MASK, "            t0 = _clk()\n" + _LOAD_MASK + "            c_mask += _clk() - t0\n"),
