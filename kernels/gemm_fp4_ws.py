@@ -76,6 +76,12 @@ where a 128-row block is mostly padding; the pool is sized for 128, as for the F
   never wait on each other: each waits ``ready[s]`` / ``rfree`` itself and reads back only what it wrote (its rows'
   maxima); a partition cannot run a whole ring ahead of the other, since the stage's next ``ready`` needs the
   math's ``empty``, which needs every partition's ``decoded``.
+* ``IDLE_DECODE`` (BM 128 with ``DECODE_HALVES``; ``megamoe.fused.FP4_WS_IDLE_DECODE``): in a tile whose pool block
+  holds no row past its first 64 (an expert's last block, ``valid <= 64``) math warpgroup 1 has nothing to
+  multiply, so it decodes the high half of each stage's weights (``_idle_decode_tile``, at its own registers) and
+  arrives on ``decoded2[s]``; the decode partition decodes the low half and folds only the first 64 L2 A rows;
+  warpgroup 0 waits on both barriers. The tile's stage then has two decoding warpgroups, one warp of each on every
+  scheduler.
 
 Shared memory per stage: A 16 KB (BM 64: 8 KB) + packed W 16 KB + decoded W 32 KB = 64 KB (56 KB); 3 stages = 192
 KB (168 KB) + 3 KB (2.5 KB) of row exponents and barriers.
