@@ -146,6 +146,9 @@ class FusedConfig:
     #: decode in the math warps, tokens in chunks of this many on the MMA's N; FP4_RS_MAX_EXPECTED) instead of the
     #: decode-partition tile; 0 = the decode-partition tile.
     rs_block_n: int = 0
+    #: "fp4_ws" decode-partition tile at pool block 128: math warpgroup 1 decodes the high halves of tiles without
+    #: rows of its own (``fp4_ws_idle_decode``: FP4_WS_IDLE_DECODE, FP4_WS_IDLE_MAX_EXPECTED).
+    idle_decode: bool = False
 
 
 def expected_tokens_per_expert(layout, num_tokens: int) -> float:
@@ -324,7 +327,10 @@ FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: warpgroup's registers (the stage profile puts the tile's time in its one decode partition, latency-bound). Where it
 #: applies: an expert's last pool block when it holds <= 64 rows -- at 64 expected tokens per expert (T = 512 of one
 #: EP8 rank) about half of the blocks, under skew the cold experts' blocks.
-FP4_WS_IDLE_DECODE = {128: False, 64: False}
+FP4_WS_IDLE_DECODE = {128: True, 64: False}
+#: ... up to this many expected tokens per local expert (where about half of the blocks hold <= 64 rows; above it the
+#: option costs the full tiles ~1 %, below).
+FP4_WS_IDLE_MAX_EXPECTED = 64
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -379,7 +385,7 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: and token chunks do not. 3 % on uniform routing is not worth 22 % on skewed: back to 64. T = 256 (32 expected,
 #: block 64 for both) register-operand 819 / 820 against 832 / 837 (``halves`` rows at c54f4b5).
 FP4_RS_ENABLED = True
-FP4_RS_MAX_EXPECTED = 64
+FP4_RS_MAX_EXPECTED = 32
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
 #: as 8 warps at ``maxnreg`` ``fp4_rs_maxnreg``: 65536 registers shared by the SM's CTAs). Four up to chunk 16
 #: (``maxnreg`` 64; ``fp4_rs_probe``: 4 CTAs an SM 2.5 TB/s of FP4, 2 CTAs 2.3); two at chunk 32, where four weight
@@ -536,13 +542,21 @@ def fp4_ws_tiles(layout, expected: float) -> tuple[int, int, bool]:
     return block_m, rs, predecode
 
 
+def fp4_ws_idle_decode(expected: float, block_m: int, rs_block_n: int, predecode: bool) -> bool:
+    """Whether the "fp4_ws" decode-partition tile runs with ``IDLE_DECODE`` at ``expected`` tokens per local expert
+    (its pool block ``block_m``; not the register-operand tile, ``rs_block_n`` > 0, nor predecoded weights):
+    FP4_WS_IDLE_DECODE at the block, up to FP4_WS_IDLE_MAX_EXPECTED."""
+    return (FP4_WS_IDLE_DECODE.get(block_m, False) and not rs_block_n and not predecode
+            and expected <= FP4_WS_IDLE_MAX_EXPECTED)
+
+
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
                  numerics: str = "exact") -> FusedConfig:
     """The configuration for a call with ``num_tokens`` tokens on this rank (``num_local_ranks`` share a launch)."""
     expected = expected_tokens_per_expert(layout, num_tokens)
     kind = tile_kind(layout, numerics, expected, device)
     warps, stages = WARPS_STAGES[kind]
-    rs, predecode = 0, False  # (the register-operand chunk and the predecode: "fp4_ws" only)
+    rs, predecode, idle = 0, False, False  # (the register-operand chunk, predecode, idle decode: "fp4_ws" only)
     if kind == "exact":  # tokens on the MMA's M, where wgmma needs 64 rows
         block_m = min(layout.block_m, 64)
     elif kind == "fp8_swap":  # tokens on the MMA's N; expected <= FP8_SWAP_MAX_EXPECTED
@@ -553,6 +567,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         block_m = 64 if expected <= FP8_WS_BLOCK64_MAX_EXPECTED else 128
     elif kind == "fp4_ws":
         block_m, rs, predecode = fp4_ws_tiles(layout, expected)
+        idle = fp4_ws_idle_decode(expected, block_m, rs, predecode)
     else:  # tokens on the MMA's N
         want = triton.next_power_of_2(max(1, int(expected + 0.999)))
         block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, layout.block_m, want))
@@ -563,9 +578,11 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
         per_sm, maxnreg = PROGRAMS_PER_SM[kind]
         programs = max(1, per_sm * sms // num_local_ranks)
         return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                           num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode, rs_block_n=rs)
+                           num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode, rs_block_n=rs,
+                           idle_decode=idle)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                       num_stages=stages, kind=kind, predecode=predecode, rs_block_n=rs)
+                       num_stages=stages, kind=kind, predecode=predecode, rs_block_n=rs,
+                           idle_decode=idle)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -791,7 +808,7 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
     if cfg.kind in WS_KINDS:
         _run_ws(calls, args_for, cfg.programs_per_rank, metas, tiles, rank0, L, dev, cfg.kind, cfg.predecode,
-                cfg.rs_block_n, cfg.numerics)
+                cfg.rs_block_n, cfg.numerics, cfg.idle_decode)
         return None
     args = args_for(cfg.programs_per_rank)
     if not interpreting():
@@ -966,13 +983,14 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
-            predecode: bool = False, rs_block_n: int = 0, numerics: str = "hopper") -> None:
+            predecode: bool = False, rs_block_n: int = 0, numerics: str = "hopper", idle: bool = False) -> None:
     """A Gluon kind's call ("fp8_ws", "fp4_ws"): front launch (``G`` programs per local rank), one Gluon GEMM phase
     per local rank (one CTA per SM each; they need no other rank inside, so local ranks take turns), back launch
     (``WS_BACK_PROGRAMS_PER_SM`` programs per SM). ``args_for(G)``: the fused kernel's arguments for G programs per
     local rank; ``numerics``: "fp4_ws"'s (``"hopper"`` or ``"hopper_l2_per_block"``). Under the interpreter (only
     with an explicit ``FusedConfig(kind=...)``: ``fused_config`` picks these kinds on sm_90 GPUs) the GEMM phase is
-    its torch model, ``megamoe.gemm_phase``, and both launches have G programs."""
+    its torch model, ``megamoe.gemm_phase``, and both launches have G programs. ``idle``: "fp4_ws"'s
+    ``IDLE_DECODE`` (``FusedConfig.idle_decode``)."""
     from megamoe.kernels import gemm_fp8_ws as kws
 
     (meta, _), (front, front_key), (back, back_key) = metas[0], metas[1], metas[2]
@@ -987,7 +1005,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
                 _fp4_row_maxima(c)
             elif kind == "fp4_ws":
                 _fp4_ws_descriptors(c, L, meta["BM"], predecode)
-                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode, numerics)
+                _fp4_ws_constexprs(c.sb, meta["BM"], c.clamp is not None, predecode, numerics, idle)
                 _fp4_row_maxima(c)
             else:
                 _ws_descriptors(c, L, meta["BM"])
@@ -1013,7 +1031,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         if rs_block_n:
             _launch_fp4_rs(calls, tiles, rank0, L, dev, meta["BM"], rs_block_n, numerics)
         else:
-            _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode, numerics)
+            _launch_fp4_ws(calls, tiles, rank0, L, dev, meta["BM"], predecode, numerics, idle)
         direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
@@ -1026,7 +1044,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
 
 
 def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False,
-                   numerics: str = "hopper") -> None:
+                   numerics: str = "hopper", idle: bool = False) -> None:
     """One FP8 x FP4 Gluon GEMM phase per local rank (one CTA per SM each) at pool block ``bm``, as the FP8 phase in
     ``_run_ws``; ``predecode``: on the weights ``_predecode`` wrote (e4m3 descriptors). The decode partitions take
     each weight row's fold reference from ``_fp4_row_maxima`` (as the register-operand tile)."""
@@ -1039,7 +1057,7 @@ def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool =
         direct_launch.launch(k4.fp4_gemm_phase_kernel, (sms,), (
             *_fp4_ws_descriptors(c, L, bm, predecode), c.sb.buffer, c.l1[1], c.l2[1], rmax1, rmax2, _fold_lut(dev),
             tiles[lr], c.sb.buffer_ptrs, rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
-            _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode, numerics))
+            _fp4_ws_constexprs(c.sb, bm, c.clamp is not None, predecode, numerics, idle))
 
 
 def _launch_fp4_rs(calls, tiles, rank0, L, dev, bm: int, block_n: int, numerics: str = "hopper") -> None:
@@ -1130,19 +1148,21 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool, numerics: str = "
         maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
-def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: str = "hopper") -> dict:
+def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: str = "hopper",
+                       idle: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
                 FP4_WS_FOLD_ONCE[bm], FP4_WS_IDLE_DECODE[bm], WS_GROUP_SYNC["fp4_ws"])
-    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics)
+    key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
-        fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics)))
+        fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
 
 
-def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numerics: str = "hopper") -> dict:
+def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numerics: str = "hopper",
+                    idle: bool | None = None) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
@@ -1150,7 +1170,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
-    ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`)."""
+    ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`). ``idle``: ``IDLE_DECODE`` (``FusedConfig.idle_decode``;
+    None: FP4_WS_IDLE_DECODE at ``bm``, as an offline compile asks), where the tile can run it."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
@@ -1165,8 +1186,10 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
         FOLD_ONCE=FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics), L2_FOLDED=l2_folded(numerics),
         # (the idle warpgroup decodes a half of the two-halves stage; predecoded calls decode nothing)
-        IDLE_DECODE=(FP4_WS_IDLE_DECODE[bm] and FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm] and not predecode
-                     and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics))), **_pdl_keywords())
+        IDLE_DECODE=bool((FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and FP4_WS_DECODE_HALVES[bm]
+                         and FP4_WS_SF_TMA[bm] and not predecode
+                         and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics))),
+        **_pdl_keywords())
 
 
 #: The workspace and buffer offsets both FP8 x FP4 Gluon GEMM phases take (``_offsets`` names; the decode-partition

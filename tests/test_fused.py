@@ -461,10 +461,16 @@ def test_fp4_ws_is_chosen_only_when_enabled(monkeypatch):
                  mf.fused_config(L, t, 1, cuda, "hopper").rs_block_n)
              for t in (8, 16, 24, 128, 256, 264, 512, 520, 2048, 8192)}
     # (the register-operand tile up to FP4_RS_MAX_EXPECTED: token chunk by fp4_rs_block_n, pool block by fp4_rs_block_m)
-    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 64
+    assert mf.FP4_RS_ENABLED is True and mf.FP4_RS_MAX_EXPECTED == 32
     assert picks == {8: ("fp4_ws", 64, 8), 16: ("fp4_ws", 64, 8), 24: ("fp4_ws", 64, 16), 128: ("fp4_ws", 128, 32),
-                     256: ("fp4_ws", 64, 64), 264: ("fp4_ws", 64, 64), 512: ("fp4_ws", 64, 64),
+                     256: ("fp4_ws", 64, 64), 264: ("fp4_ws", 128, 0), 512: ("fp4_ws", 128, 0),
                      520: ("fp4_ws", 128, 0), 2048: ("fp4_ws", 128, 0), 8192: ("fp4_ws", 128, 0)}
+    # (the decode-partition tile at block 128 with IDLE_DECODE up to FP4_WS_IDLE_MAX_EXPECTED, per-block decode)
+    assert mf.FP4_WS_IDLE_DECODE == {128: True, 64: False} and mf.FP4_WS_IDLE_MAX_EXPECTED == 64
+    assert {t for t in picks if mf.fused_config(L, t, 1, cuda, "hopper").idle_decode} == {264, 512}
+    assert mf.fp4_ws_keywords(L, 128, False, idle=True)["IDLE_DECODE"] is True
+    assert mf.fp4_ws_keywords(L, 128, False, predecode=True, idle=True)["IDLE_DECODE"] is False
+    assert mf.fp4_ws_keywords(L, 64, False, idle=False)["IDLE_DECODE"] is False
     for t, (kind, block_m, rs) in picks.items():  # the same tiles without a device (what notebook 08 reads)
         assert mf.fp4_ws_tiles(L, t * 6 / 48) == (block_m, rs, t * 6 / 48 >= mf.FP4_PREDECODE_MIN_EXPECTED)
     monkeypatch.setattr(mf, "FP4_RS_ENABLED", False)

@@ -8,9 +8,10 @@ import megamoe.fused as mf
 from megamoe.host_path import hopper_host, small_rank
 
 #: (format, T, the tile the host picks there: kind, pool block, register-operand chunk, predecode) -- V4-Pro's
-#: routing, so T / 8 expected tokens per expert, as one EP8 rank.
+#: routing, so T / 8 expected tokens per expert, as one EP8 rank. (T = 512: block 128 with IDLE_DECODE, 1024 without.)
 CASES = [("fp8_fp4", 8, ("fp4_ws", 64, 8, False)), ("fp8_fp4", 128, ("fp4_ws", 128, 32, False)),
-         ("fp8_fp4", 512, ("fp4_ws", 64, 64, False)), ("fp8_fp4", 1024, ("fp4_ws", 128, 0, False)),
+         ("fp8_fp4", 256, ("fp4_ws", 64, 64, False)), ("fp8_fp4", 512, ("fp4_ws", 128, 0, False)),
+         ("fp8_fp4", 1024, ("fp4_ws", 128, 0, False)),
          ("fp8_fp4", 4096, ("fp4_ws", 128, 0, True)), ("fp8", 8, ("fp8_swap", 32, 0, False)),
          ("fp8", 128, ("fp8_ws", 64, 0, False)), ("fp8", 2048, ("fp8_ws", 128, 0, False))]
 

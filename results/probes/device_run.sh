@@ -26,6 +26,8 @@
 #                  (-> $OUT/rs_wide.jsonl)
 #   idle           FP4_WS_IDLE_DECODE: its GPU tests, fp8_ws_probe.py idle_decode at T = $IDLE_TOKENS (512,1024,2048),
 #                  the layer bench at T = 512 on the decode-partition tile with it on (not timed)
+#   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
+#                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
 #                  with megamoe.direct_launch on and off and its C-launcher hits (RAW) off, and its cProfile
 #                  (-> $OUT/host.jsonl; not timed)
@@ -372,6 +374,14 @@ step_idle() {  # FP4_WS_IDLE_DECODE: its GPU tests (same bits on and off, severa
 mf.FP4_WS_IDLE_DECODE = {128: True, 64: False}; \
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t512_idle" | tail -6
     return $rc
+}
+
+step_ws_tests() {  # the decode-partition tile's GPU tests at block 128 (small cases, the host's tile at T = 512 / 384
+    # in both numerics with IDLE_DECODE, the CUDA graph at T = 512), one EP8 rank at T = 512 in the per-block numerics
+    timeout 300 $PY -m pytest -q -x -rfE tests/gpu/test_fp4_ws_gpu.py \
+        -k "(small_cases and 128) or idle or (graph and 512)" | tail -8 || return 1
+    timeout 120 $PY -m pytest -q -x -rfE "tests/gpu/test_l2_per_block_gpu.py::test_l2_per_block_one_ep8_rank[512]" \
+        | tail -4
 }
 
 step_stage_profile() {

@@ -421,14 +421,14 @@ def probe_rs_threshold(tokens=(512, 1024)):
                 _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit}, noflush=True)
 
 
-def _block128_off_on(probe: str, option: str, tokens) -> None:
+def _block128_off_on(probe: str, option: str, tokens, **forced) -> None:
     """Rows ``probe`` of a block-128 option of the decode-partition tile (``megamoe.fused`` dict ``option``, block 64
     off): at each T off / on / off / on, the tile forced (``FP4_RS_MAX_EXPECTED = -1``), whole call with its error;
     up to T = 512 also the register-operand tile (chunk 64) twice, the tile the host runs there."""
     for T in _tokens(tokens):
         for on in (False, True, False, True):
             _choice_row(probe, T, f"{probe} {'on' if on else 'off'}", "fp8_fp4",
-                        {option: {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1})
+                        {option: {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1, **forced})
         if T <= 512:
             for _ in range(2):
                 _choice_row(probe, T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
@@ -457,9 +457,9 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     """The block-128 decode-partition tile's idle math warpgroup decoding the high half of each stage where its 64
     rows of the pool block are empty (``FP4_WS_IDLE_DECODE``: the expert's last block holds <= 64 rows) off / on /
     off / on, whole call at each T with its error (``FP8 x FP4``, "hopper"; the decode-partition tile forced:
-    ``FP4_RS_MAX_EXPECTED = -1``). Up to T = 512 also the register-operand tile (chunk 64) twice, the tile the host
-    runs there. The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens)
+    ``FP4_RS_MAX_EXPECTED = -1``; "on" at every T: ``FP4_WS_IDLE_MAX_EXPECTED`` lifted). Up to T = 512 also the
+    register-operand tile (chunk 64) twice. The bits off and on are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs

@@ -184,7 +184,9 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
 }
 #: ``ws128_idle``: ws128 with math warpgroup 1 decoding the high halves of tiles without rows of its own
 #: (``FP4_WS_IDLE_DECODE``; its warpgroup-1 counters then count only the tiles it multiplies)
-CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False})
+CONFIGS["ws128"]["FP4_WS_IDLE_DECODE"] = {128: False, 64: False}  # (as it was measured before the option)
+CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False},
+                             FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 #: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
 #: times nothing); every other config in "hopper".
 CONFIGS.update({f"{name}_pb": dict(settings) for name, settings in list(CONFIGS.items())})

@@ -124,11 +124,28 @@ def test_fold_decode_on_the_gpu_equals_the_cpu_pass():
             assert torch.equal(folded[e, rows.cuda()].float().cpu(), want)
 
 
-@pytest.mark.parametrize("num_tokens,block_m", [(2048, 128), (256, 64)])
+@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
+@pytest.mark.parametrize("num_tokens", [512, 384])
+def test_fp4_ws_idle_decode_one_ep8_rank(num_tokens, numerics):
+    """The host's tile at 64 / 48 expected tokens per expert of one EP8 rank of V4-Pro: the decode-partition tile at
+    block 128 with ``IDLE_DECODE`` (math warpgroup 1 decodes where its rows of an expert's last block are empty:
+    about half of the blocks here, and at T = 384 most), masked rows, two calls."""
+    import megamoe.fused as mf
+    from megamoe.layout import Layout
+
+    cfg = mf.fused_config(Layout(1, 48, num_tokens, 6, 7168, 3072, 128), num_tokens, 1, torch.device("cuda"),
+                          numerics)
+    assert (cfg.kind, cfg.block_m, cfg.rs_block_n, cfg.predecode, cfg.idle_decode) == ("fp4_ws", 128, 0, False, True)
+    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
+                   block_m=128, masked_ratio=0.1, num_calls=2, seed=11, impl="fused", numerics=numerics)
+    assert_reports(run_case_local(case, device="cuda"), f"{numerics} fused, idle decode, T={num_tokens}")
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(2048, 128), (512, 128), (256, 64)])
 def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     """The three launches captured in a CUDA graph (descriptors, tile tables, the fold table cached before the
     capture) and replayed three times, at one EP8 rank's share of V4-Pro (48 experts, T = 2048: pool block 128;
-    T = 256: block 64)."""
+    T = 512: block 128 with ``IDLE_DECODE``; T = 256: block 64)."""
     import megamoe.fused as mf
     from megamoe.symm import SymmBuffer
 

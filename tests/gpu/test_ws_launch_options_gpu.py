@@ -35,7 +35,7 @@ FORCE["FP4_WS_FOLD_ONCE@predecoded"] = FORCE["FP4_WS_DECODE_HALVES@predecoded"]
 OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
 #: the idle math warpgroup's decode (block 128, per-block decode only: predecoded calls decode nothing)
 OPTIONS["FP4_WS_IDLE_DECODE"] = tuple({128: v, 64: False} for v in (False, True))
-FORCE["FP4_WS_IDLE_DECODE"] = FORCE["FP4_WS_DECODE_HALVES"]
+FORCE["FP4_WS_IDLE_DECODE"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
 #: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
