@@ -327,9 +327,18 @@ FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: warpgroup's registers (the stage profile puts the tile's time in its one decode partition, latency-bound). Where it
 #: applies: an expert's last pool block when it holds <= 64 rows -- at 64 expected tokens per expert (T = 512 of one
 #: EP8 rank) about half of the blocks, under skew the cold experts' blocks.
+#: Measured on an H200 (session 33, ``results/probes/idle_decode_runs/``, whole call, the decode-partition tile forced,
+#: off / on / off / on, same bits -- ``tests/gpu/test_ws_launch_options_gpu.py``): T = 512 1109 / 1048 / 1117 / 1055 us
+#: (-5.5 %), T = 2048 2801 / 2844 / 2828 / 2850 (+1.1 %: the full tiles lose what the idle ones gain; at T = 1024 the
+#: first form lost 1 %). The stage profile with every tile idle (T = 256 forced to block 128): the decode partition's
+#: stage 2632 -> 2024 cycles (W decode 1634 -> 1067 for its 128 rows, fold 418 -> 272 for 64), warpgroup 1's decode
+#: of the other 128 rows 1245 + 466 waiting for the TMA, warpgroup 0's MMA 1027 -- the call 1093 -> 878 us. Two
+#: forms were slower on the full tiles and replaced: a branch between the halves inside the decode partition's stage
+#: (the halves no longer one basic block; T = 2048 +3 %), and warpgroup 1 arriving on ``decoded[s]`` in every tile
+#: (the two math warpgroups tied stage by stage; +2 %). So on up to FP4_WS_IDLE_MAX_EXPECTED expected tokens per
+#: local expert (``fp4_ws_idle_decode``, ``FusedConfig.idle_decode``; with FP4_RS_MAX_EXPECTED = 32 that is T = 264
+#: ... 512 of one EP8 rank), off above.
 FP4_WS_IDLE_DECODE = {128: True, 64: False}
-#: ... up to this many expected tokens per local expert (where about half of the blocks hold <= 64 rows; above it the
-#: option costs the full tiles ~1 %, below).
 FP4_WS_IDLE_MAX_EXPECTED = 64
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
@@ -384,6 +393,11 @@ FP4_PREDECODE_MIN_EXPECTED = 512
 #: the 128-row blocks decode the hot experts' weights once per block where the register-operand tile's 64-row blocks
 #: and token chunks do not. 3 % on uniform routing is not worth 22 % on skewed: back to 64. T = 256 (32 expected,
 #: block 64 for both) register-operand 819 / 820 against 832 / 837 (``halves`` rows at c54f4b5).
+#: Session 33, with the decode-partition tile's idle warpgroup decoding (FP4_WS_IDLE_DECODE, about half of T = 512's
+#: blocks): T = 512 1048 / 1055 us against the register-operand tile's 1219 / 1223 (``idle_decode_3cbecb5.jsonl``), and
+#: the layer bench at T = 512 with it (``layer_h200_3cbecb5_t512_idle.json``): uniform 1067, skewed 1198 -- against
+#: 1222 / 1176 for the register-operand tile in ``results/layer_h200.json`` at 3d6d852: 13 % faster uniform, 2 %
+#: slower skewed. So 32 (T = 264 ... 512 take the decode-partition tile).
 FP4_RS_ENABLED = True
 FP4_RS_MAX_EXPECTED = 32
 #: CTAs of the register-operand tile per SM, by token chunk (each CTA a math warpgroup and a loader warp, launched
