@@ -595,8 +595,7 @@ def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.de
                            num_stages=stages, maxnreg=maxnreg, kind=kind, predecode=predecode, rs_block_n=rs,
                            idle_decode=idle)
     return FusedConfig(block_m=block_m, programs_per_rank=programs, numerics=numerics, num_warps=warps,
-                       num_stages=stages, kind=kind, predecode=predecode, rs_block_n=rs,
-                           idle_decode=idle)
+                       num_stages=stages, kind=kind, predecode=predecode, rs_block_n=rs, idle_decode=idle)
 
 
 def unsupported_reason(sym_buffers, device: torch.device) -> str | None:
@@ -1165,11 +1164,11 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool, numerics: str = "
 def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: str = "hopper",
                        idle: bool = False) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for ``sb``'s
-    layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode) and cached on the
+    layout at pool block ``bm`` (``fp4_ws_keywords``); built once per (block, clamp, predecode, idle) and cached on the
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], FP4_WS_IDLE_DECODE[bm], WS_GROUP_SYNC["fp4_ws"])
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])  # (IDLE_DECODE: ``idle``, from the config)
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
