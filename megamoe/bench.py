@@ -216,8 +216,10 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = No
     """Our implementations and the torch grouped-mm peer side by side, same inputs, same run (one EP8 rank's 48
     V4-Pro experts at world size 1) in weight format ``fmt``; per row: µs, TFLOP/s, weight GB/s (FP4 or FP8 with
     scales), % of this run's roofline for that format, error vs the implementation's reference numerics; fused rows
-    also ``tile_kind``, ``tile_block_m`` and ``tile_predecode``, the tile family, pool block and whether the FP4
-    weights were decoded once per call (``megamoe.fold_decode``) that ``megamoe.fused.fused_config`` chose."""
+    also ``tile_kind``, ``tile_block_m``, ``tile_predecode``, ``tile_rs_block_n`` and ``tile_idle_decode``, the tile
+    family, pool block, whether the FP4 weights were decoded once per call (``megamoe.fold_decode``), the
+    register-operand tile's token chunk (0: not that tile) and whether the idle math warpgroup decodes
+    (``FusedConfig.idle_decode``) that ``megamoe.fused.fused_config`` chose."""
     spec = LAYER_FORMATS[fmt]
     call = _layer_call(fmt)
     case = MoECase(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128, format=fmt)
@@ -254,7 +256,7 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = No
                 if impl == "fused":  # which tile family and pool block megamoe.fused.fused_config chose for this call
                     cfg = fused_config(sb.layout, n, 1, sb.buffer.device, numerics)
                     base_impl = {"tile_kind": cfg.kind, "tile_block_m": cfg.block_m, "tile_predecode": cfg.predecode,
-                                 "tile_rs_block_n": cfg.rs_block_n}
+                                 "tile_rs_block_n": cfg.rs_block_n, "tile_idle_decode": cfg.idle_decode}
                 else:
                     base_impl = {}
                 rows.append({**base, **base_impl, "impl": impl, "numerics": numerics, "us": ms * 1e3, **timing,

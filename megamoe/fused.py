@@ -278,6 +278,15 @@ FP4_WS_MIN_EXPECTED = 0
 #: 1038 / 1561, PREFETCH at 4 stages 954 / 1527.
 FP4_WS_STAGES = {128: 3, 64: 4}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
+#: Decode partitions of "fp4_ws" by pool block: block 64 always runs two; at block 128, 2 gives each of two decode
+#: partitions one 128-row half of every stage's weights and 64 of its L2 A rows (a second decode warp on each
+#: scheduler in every tile, what FP4_WS_IDLE_DECODE gives only the tiles with <= 64 rows), the math warpgroups then
+#: multiplying in four 64-row wgmma chains a stage (a fresh [64, 64] register tile, not [64, 128]) so that the
+#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE.
+FP4_WS_DECODERS = {128: 1, 64: 2}
+#: (math, loader, decode, maxnreg) registers of block 128 with two decode partitions: 5 warpgroups,
+#: 2 x math + 24 + 2 x decode <= 512.
+FP4_WS_REGS_TWO_DECODERS = (168, 24, 56, 96)
 #: Whether the decode partitions load each K block's scale words one K block ahead (``PREFETCH`` of
 #: ``megamoe.kernels.gemm_fp4_ws``: in flight during the previous block's decode instead of first on each stage's
 #: dependency chain, words -> fold-table gathers -> PRMT), by pool block. Only block 64 (a partition's 128 weight
@@ -559,9 +568,9 @@ def fp4_ws_tiles(layout, expected: float) -> tuple[int, int, bool]:
 def fp4_ws_idle_decode(expected: float, block_m: int, rs_block_n: int, predecode: bool) -> bool:
     """Whether the "fp4_ws" decode-partition tile runs with ``IDLE_DECODE`` at ``expected`` tokens per local expert
     (its pool block ``block_m``; not the register-operand tile, ``rs_block_n`` > 0, nor predecoded weights):
-    FP4_WS_IDLE_DECODE at the block, up to FP4_WS_IDLE_MAX_EXPECTED."""
-    return (FP4_WS_IDLE_DECODE.get(block_m, False) and not rs_block_n and not predecode
-            and expected <= FP4_WS_IDLE_MAX_EXPECTED)
+    FP4_WS_IDLE_DECODE at the block with one decode partition (FP4_WS_DECODERS), up to FP4_WS_IDLE_MAX_EXPECTED."""
+    return (FP4_WS_IDLE_DECODE.get(block_m, False) and FP4_WS_DECODERS.get(block_m, 1) == 1 and not rs_block_n
+            and not predecode and expected <= FP4_WS_IDLE_MAX_EXPECTED)
 
 
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
@@ -1168,7 +1177,8 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])  # (IDLE_DECODE: ``idle``, from the config)
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODERS[bm],
+                FP4_WS_REGS_TWO_DECODERS)  # (IDLE_DECODE: ``idle``, from the config)
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
@@ -1179,15 +1189,16 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
-    ``FP4_WS_IDLE_DECODE`` at ``bm``,
-    ``num_warps`` and ``maxnreg``.
+    ``FP4_WS_IDLE_DECODE`` / ``FP4_WS_DECODERS`` (with ``FP4_WS_REGS_TWO_DECODERS``) at ``bm``, ``num_warps`` and
+    ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
     ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`). ``idle``: ``IDLE_DECODE`` (``FusedConfig.idle_decode``;
     None: FP4_WS_IDLE_DECODE at ``bm``, as an offline compile asks), where the tile can run it."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
-    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
+    two = bm == 128 and FP4_WS_DECODERS[bm] == 2 and FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm] and not predecode
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS_TWO_DECODERS if two else FP4_WS_REGS[bm]
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
@@ -1201,7 +1212,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         # (the idle warpgroup decodes a half of the two-halves stage; predecoded calls decode nothing)
         IDLE_DECODE=bool((FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and FP4_WS_DECODE_HALVES[bm]
                          and FP4_WS_SF_TMA[bm] and not predecode
-                         and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics))),
+                         and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)) and not two),
+        DECODERS=2 if two else 1,
         **_pdl_keywords())
 
 

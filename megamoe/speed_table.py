@@ -58,7 +58,8 @@ def _tile(row: dict | None) -> str:
     if row is None:
         return "–"
     return (f"{row['tile_kind']} {row['tile_block_m']}" + (", predecoded" if row.get("tile_predecode") else "")
-            + (f", register A (chunk {row['tile_rs_block_n']})" if row.get("tile_rs_block_n") else ""))
+            + (f", register A (chunk {row['tile_rs_block_n']})" if row.get("tile_rs_block_n") else "")
+            + (", idle decode" if row.get("tile_idle_decode") else ""))
 
 
 def speed_table(result: dict, routing: str = "uniform") -> str:

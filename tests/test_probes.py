@@ -181,6 +181,36 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
         assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
 
 
+def test_fp8_ws_probe_decoders_dry_run(monkeypatch, capsys):
+    """The probe's ``decoders`` mode on a CPU rank at a small shape (as above): one and two decode partitions
+    alternating twice, then the register-operand tile twice (T <= 512); each row within the bench's tolerance, the
+    overridden constants put back."""
+    import json
+
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
+                                             block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [16])
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    saved = (dict(mf.FP4_WS_DECODERS), mf.FP4_RS_MAX_EXPECTED, mf.FP4_PREDECODE_MIN_EXPECTED)
+    probe.probe_decoders()
+    assert (mf.FP4_WS_DECODERS, mf.FP4_RS_MAX_EXPECTED, mf.FP4_PREDECODE_MIN_EXPECTED) == saved
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["choice"] for r in rows] == ["decoders 1", "decoders 2"] * 2 + ["rs 64"] * 2
+    for r in rows:
+        assert r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r
+        assert bool(r["rs_block_n"]) == (r["choice"] == "rs 64") and not r["predecode"], r
+
+
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

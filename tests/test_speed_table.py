@@ -28,12 +28,12 @@ def test_table_and_ratios_from_rows():
     tiles = dict(tile_kind="fp8_ws", tile_block_m=64, tile_predecode=False)
     result = {"kind": "layer_fp8", "rows": [
         _row(8, "fused", 90.4, "exact", **tiles), _row(8, "staged", 180.0, "exact"), _row(8, "deepgemm_sm90", 100.0),
-        _row(32, "fused", 200.0, "exact", **dict(tiles, tile_block_m=128, tile_predecode=True)),
+        _row(32, "fused", 200.0, "exact", **dict(tiles, tile_block_m=128, tile_predecode=True, tile_idle_decode=True)),
         _row(32, "staged", 300.0, "exact"), dict(_row(8, "fused", 1.0, "exact"), routing="skewed")]}
     lines = speed_table(result).splitlines()
     assert lines[0] == "| tokens/rank | 8 | 32 |"
     assert lines[2] == "| fused (default) | 90 | 200 |"
-    assert lines[3] == "| (its tiles: kind, pool block) | fp8_ws 64 | fp8_ws 128, predecoded |"
+    assert lines[3] == "| (its tiles: kind, pool block) | fp8_ws 64 | fp8_ws 128, predecoded, idle decode |"
     assert "| DeepGEMM SM90 `fp8_mega_moe` (whole layer) | 100 | – |" in lines
     r = ratios(result)
     assert r[8] == pytest.approx({"vs_deepgemm": 0.904, "vs_staged": 180 / 90.4})

@@ -26,6 +26,9 @@
 #                  (-> $OUT/rs_wide.jsonl)
 #   idle           FP4_WS_IDLE_DECODE: its GPU tests, fp8_ws_probe.py idle_decode at T = $IDLE_TOKENS (512,1024,2048),
 #                  the layer bench at T = 512 on the decode-partition tile with it on (not timed)
+#   decoders       FP4_WS_DECODERS (two decode partitions at block 128): its GPU tests (same bits as one partition on
+#                  three small cases in both Hopper numerics, one EP8 rank at T = 512 / 2048), then fp8_ws_probe.py
+#                  decoders at T = $DEC_TOKENS (512,1024,2048,8192; -> $OUT/decoders.jsonl) (not timed)
 #   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
 #                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
@@ -111,7 +114,7 @@
 # this variable first.
 # Carry: [".peers", ".whl"] -- .peers/deepgemm_sm90 a copy of ../shared/peers/deepgemm_sm90 (the kit), .whl the
 # papermill wheels (`notebooks`). Both are ignored by git (.gitignore); copy them in before the call.
-set -u
+set -u -o pipefail  # (a step's "pytest ... | tail || return 1" fails with pytest)
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MEGAMOE_GIT_COMMIT="${MEGAMOE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 OUT="${OUT:-/tmp/megamoe-out}"
@@ -373,6 +376,17 @@ step_idle() {  # FP4_WS_IDLE_DECODE: its GPU tests (same bits on and off, severa
     timeout 150 $PY -c "import sys, megamoe.fused as mf, megamoe.bench as b; mf.FP4_RS_MAX_EXPECTED = 32; \
 mf.FP4_WS_IDLE_DECODE = {128: True, 64: False}; \
 b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t512_idle" | tail -6
+    return $rc
+}
+
+step_decoders() {  # FP4_WS_DECODERS: its GPU tests, then one / two / one / two decode partitions at T = $DEC_TOKENS
+    timeout 240 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "DECODERS and fp8_fp4" \
+        | tail -15 || return 1
+    timeout 200 $PY -m pytest -q -x -rfE tests/gpu/test_fp4_ws_gpu.py -k two_decoders | tail -8 || return 1
+    timeout 300 $PY results/probes/fp8_ws_probe.py decoders "${DEC_TOKENS:-512,1024,2048,8192}" \
+        >>"$OUT/decoders.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/decoders.jsonl"
     return $rc
 }
 

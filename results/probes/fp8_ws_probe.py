@@ -462,6 +462,26 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
+def probe_decoders(tokens=(512, 1024, 2048, 8192)):
+    """Two decode partitions at block 128 (``FP4_WS_DECODERS``: each a 128-row half of every stage's weights and 64
+    of its L2 A rows, the math warpgroups in four 64-row wgmma chains a stage) against one (with ``IDLE_DECODE``
+    where the host runs it), off / on / off / on, whole call at each T with its error (``FP8 x FP4``, "hopper"; the
+    decode-partition tile forced, ``FP4_RS_MAX_EXPECTED = -1``, decoding per pool block at every T,
+    ``FP4_PREDECODE_MIN_EXPECTED`` lifted). From T = 2048 also the host's call (predecoded at 8192) twice, and up to
+    T = 512 the register-operand tile twice. The bits off and on are compared in
+    ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    for T in _tokens(tokens):
+        for on in (False, True, False, True):
+            _choice_row("decoders", T, f"decoders {2 if on else 1}", "fp8_fp4",
+                        {"FP4_WS_DECODERS": {128: 2 if on else 1, 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
+                         "FP4_PREDECODE_MIN_EXPECTED": float("inf")})
+        for _ in range(2):
+            if T >= 2048:
+                _choice_row("decoders", T, "host", "fp8_fp4", {})
+            elif T <= 512:
+                _choice_row("decoders", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
+
+
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
 #: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
 L2PB_FORCED_T = 512
@@ -589,5 +609,5 @@ if __name__ == "__main__":
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
-         "idle_decode": probe_idle_decode,
+         "idle_decode": probe_idle_decode, "decoders": probe_decoders,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()

@@ -187,6 +187,9 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
 CONFIGS["ws128"]["FP4_WS_IDLE_DECODE"] = {128: False, 64: False}  # (as it was measured before the option)
 CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False},
                              FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
+#: ``ws128_dec2``: ws128 with two decode partitions (``FP4_WS_DECODERS``; both store the ``dec_*`` slots of their
+#: CTA, so a row's decode counters are one partition's, whichever stored last)
+CONFIGS["ws128_dec2"] = dict(CONFIGS["ws128"], FP4_WS_DECODERS={128: 2, 64: 2})
 #: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
 #: times nothing); every other config in "hopper".
 CONFIGS.update({f"{name}_pb": dict(settings) for name, settings in list(CONFIGS.items())})
