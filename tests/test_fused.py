@@ -641,8 +641,8 @@ def test_fp4_ws_two_decoders_keywords_and_config(monkeypatch):
     """``FP4_WS_DECODERS`` 2 at block 128 (host code, no GPU): the launch gets ``DECODERS`` 2, the register split of
     ``FP4_WS_REGS_TWO_DECODERS`` and its ``maxnreg``, and no ``IDLE_DECODE`` (the second decode partition takes that
     warpgroup's place), also where a config asks for the idle decode; the host's config says so (``idle_decode``
-    False at 64 expected tokens). Predecoded weights (nothing to decode) and block 64 (two partitions already) keep their keywords; the
-    keyword cache sees the setting."""
+    False at 64 expected tokens). Predecoded weights (nothing to decode) and block 64 (two partitions already) keep
+    their keywords; the keyword cache sees the setting."""
     import megamoe.fused as mf
 
     L = Layout(1, 48, 512, 6, 7168, 3072, 128)
