@@ -621,7 +621,9 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     A fold, no pool-row maxima and no wait for the arrival mask either (the partition then reads nothing the L1
     epilogues wrote): an L2 stage is its W decode alone. ``IDLE_DECODE`` (``HALVES``): in a tile whose pool block has
     no row past the first 64 (``valid <= 64``) only the low half of each stage's weights (math warpgroup 1, idle
-    there, decodes the high half: ``_idle_decode_tile``)."""
+    there, decodes the high half: ``_idle_decode_tile``). ``HALVES`` with ``NR`` 128 (``DECODERS`` 2 at BM 128): this
+    partition's half of the stage as two 64-row quarters into ``wd_bufs`` / ``wd2_bufs`` (``_decode_half``), and
+    for L2 its 64 A rows, none where the block has no row past ``A0``."""
     gl.static_assert((not IDLE_DECODE) or (HALVES and not FOLD_ONCE), "IDLE_DECODE: DECODE_HALVES, no FOLD_ONCE")
     gl.static_assert((not HALVES) or (SF_TMA and (NR == TILE_N or NR == HN) and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage or one half of it, its scale words TMA'd with it")
@@ -751,7 +753,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     valid row, so it stores nothing (the scales it multiplies by may be read before the decode partition wrote the
     slot: zero times anything, in rows no store takes), releases the maxima slot and, for L1, publishes its rows'
     arrival bit. Warpgroup 0 then waits on ``decoded2[s]`` after ``decoded[s]``, its phase per ring slot in a bit
-    mask (``ph2``: the slot's idle stages so far, mod 2)."""
+    mask (``ph2``: the slot's idle stages so far, mod 2). ``QUARTERS`` (``DECODERS`` 2 at BM 128): the stage's weights
+    are four ``[64, 128]`` buffers (``wd_bufs``, ``wd2_bufs``, ``wd3_bufs``, ``wd4_bufs``), multiplied as four chains
+    into a fresh ``[64, 64]`` tile each (``_mma_quarter``), four quarter accumulators relabelled into the halves for
+    the epilogue; warpgroup 1 in a tile without rows of its own only releases the decoded stages (``_skip_tile``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -821,9 +826,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
                 sk = gl.where(is_l2, asf_bufs.index(s).slice(wg * WM, WM).load(rows_l) & 0xFF, 127)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
-            if QUARTERS:  # (four [64, 128] buffers a stage, read below)
-                pass
-            elif TWO_WD:
+            if TWO_WD:  # (QUARTERS: four [64, 128] buffers a stage, read below)
                 w_lo = wd_bufs.index(s)
                 w_hi = wd2_bufs.index(s)
             else:
