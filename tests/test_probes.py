@@ -181,34 +181,25 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
         assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
 
 
-def test_fp8_ws_probe_decoders_dry_run(monkeypatch, capsys):
-    """The probe's ``decoders`` mode on a CPU rank at a small shape (as above): one and two decode partitions
-    alternating twice, then the register-operand tile twice (T <= 512); each row within the bench's tolerance, the
-    overridden constants put back."""
-    import json
-
-    import torch
-
-    import megamoe.bench as bench
-    import megamoe.fused as mf
-
+def test_fp8_ws_probe_decoders_rows():
+    """The probe's ``decoders`` mode asks for the rows it says (its rows are ``_choice_row``'s, whose CPU dry run is
+    the ``l2_per_block`` test above): at each T one / two decode partitions alternating twice on the decode-partition
+    tile decoding per block, also in ``hopper_l2_per_block`` at ``DEC_L2PB_T``; then the register-operand tile up to
+    T = 512, the host's call from 2048."""
     probe = _load("fp8_ws_probe")
-    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
-                                             block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [16])
-    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
-    saved = (dict(mf.FP4_WS_DECODERS), mf.FP4_RS_MAX_EXPECTED, mf.FP4_PREDECODE_MIN_EXPECTED)
+    calls = []
+    probe._choice_row = lambda p, T, label, fmt, overrides, numerics="hopper": calls.append(
+        (T, label, numerics, overrides))
+    probe._tokens = lambda default: [512, 8192]
     probe.probe_decoders()
-    assert (mf.FP4_WS_DECODERS, mf.FP4_RS_MAX_EXPECTED, mf.FP4_PREDECODE_MIN_EXPECTED) == saved
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["choice"] for r in rows] == ["decoders 1", "decoders 2"] * 2 + ["rs 64"] * 2
-    for r in rows:
-        assert r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r
-        assert bool(r["rs_block_n"]) == (r["choice"] == "rs 64") and not r["predecode"], r
+    assert [(T, label, numerics) for T, label, numerics, _ in calls] == (
+        [(512, f"decoders {n}", "hopper") for n in (1, 2, 1, 2)]
+        + [(512, f"decoders {n}", "hopper_l2_per_block") for n in (1, 2, 1, 2)] + [(512, "rs 64", "hopper")] * 2
+        + [(8192, f"decoders {n}", "hopper") for n in (1, 2, 1, 2)] + [(8192, "host", "hopper")] * 2)
+    for T, label, _, overrides in calls:
+        if label.startswith("decoders"):
+            assert overrides == {"FP4_WS_DECODERS": {128: int(label[-1]), 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
+                                 "FP4_PREDECODE_MIN_EXPECTED": float("inf")}
 
 
 def test_device_run_script_parses_and_defines_every_step_it_lists():

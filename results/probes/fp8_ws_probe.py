@@ -462,19 +462,25 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
+#: ``decoders``: the T at which both decode-partition counts are also timed in ``hopper_l2_per_block``.
+DEC_L2PB_T = (512, 2048)
+
+
 def probe_decoders(tokens=(512, 1024, 2048, 8192)):
     """Two decode partitions at block 128 (``FP4_WS_DECODERS``: each a 128-row half of every stage's weights and 64
     of its L2 A rows, the math warpgroups in four 64-row wgmma chains a stage) against one (with ``IDLE_DECODE``
     where the host runs it), off / on / off / on, whole call at each T with its error (``FP8 x FP4``, "hopper"; the
     decode-partition tile forced, ``FP4_RS_MAX_EXPECTED = -1``, decoding per pool block at every T,
     ``FP4_PREDECODE_MIN_EXPECTED`` lifted). From T = 2048 also the host's call (predecoded at 8192) twice, and up to
-    T = 512 the register-operand tile twice. The bits off and on are compared in
+    T = 512 the register-operand tile twice. At ``DEC_L2PB_T`` also both in ``numerics="hopper_l2_per_block"`` (no
+    L2 A fold: a decode partition's stage is its W decode alone). The bits off and on are compared in
     ``tests/gpu/test_ws_launch_options_gpu.py``."""
     for T in _tokens(tokens):
-        for on in (False, True, False, True):
-            _choice_row("decoders", T, f"decoders {2 if on else 1}", "fp8_fp4",
-                        {"FP4_WS_DECODERS": {128: 2 if on else 1, 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
-                         "FP4_PREDECODE_MIN_EXPECTED": float("inf")})
+        for numerics in ("hopper", "hopper_l2_per_block") if T in DEC_L2PB_T else ("hopper", ):
+            for on in (False, True, False, True):
+                _choice_row("decoders", T, f"decoders {2 if on else 1}", "fp8_fp4",
+                            {"FP4_WS_DECODERS": {128: 2 if on else 1, 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
+                             "FP4_PREDECODE_MIN_EXPECTED": float("inf")}, numerics=numerics)
         for _ in range(2):
             if T >= 2048:
                 _choice_row("decoders", T, "host", "fp8_fp4", {})
