@@ -517,13 +517,15 @@ def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, HI: gl.constexpr = Tr
 
 
 @gluon.jit
-def _decode_half(wp, wd_a, wd_b, rmax, wsf, lut, R0: gl.constexpr):
+def _decode_half(wp, wd_a, wd_b, rm_a, rm_b, wsf, lut, R0: gl.constexpr):
     """One 128-row half of a stage (rows ``[R0, R0 + 128)`` of packed ``wp``) as two 64-row quarters into their
     own ``[64, 128]`` buffers ``wd_a`` / ``wd_b``, one store each (``DECODERS`` 2 at BM 128: each decode partition
     one half, one row a thread, so half the registers of ``_decode_stage_halves``' two rows; two allocations, so no
-    barrier between the stores)."""
-    wd_a.store(_decode_values(wp, rmax, wsf.slice(R0, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0, QN))
-    wd_b.store(_decode_values(wp, rmax, wsf.slice(R0 + QN, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0 + QN, QN))
+    barrier between the stores). ``rm_a`` / ``rm_b``: the quarters' rows' largest exponents (int32 ``[64]``,
+    ``SliceLayout(1, D_LAYOUT)``, read once a tile)."""
+    wd_a.store(_decode_values_rm(wp, rm_a, wsf.slice(R0, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0, QN))
+    wd_b.store(_decode_values_rm(wp, rm_b, wsf.slice(R0 + QN, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0 + QN,
+                                 QN))
 
 
 @gluon.jit
@@ -668,6 +670,10 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
             word = gl.load(w_sf + w_rows)
             a_word = _a_scales(l2_sf + b * BM, valid, A0, NA, is_l2 & FOLD_A)
         gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
+        if HALVES:
+            if NR == HN:  # (DECODERS 2) this partition's rows' maxima, once a tile, in registers
+                rm_a = rmax_s.index(slot).slice(R0, QN).load(gl.SliceLayout(1, D_LAYOUT))
+                rm_b = rmax_s.index(slot).slice(R0 + QN, QN).load(gl.SliceLayout(1, D_LAYOUT))
         for kb in range(KB):
             s = it % STAGES
             ph = (it // STAGES) & 1
@@ -693,7 +699,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if HALVES:
                         if NR == HN:  # (DECODERS 2 at BM 128) this partition's half: its two quarters
-                            _decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rmax_s.index(slot),
+                            _decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rm_a, rm_b,
                                          wsf_bufs.index(s), lut, R0)
                         else:
                             _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),

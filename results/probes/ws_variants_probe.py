@@ -87,7 +87,7 @@ DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), s
                 " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
                 "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
                 " lut, R0,\n" + " " * 38 + "NR)\n")
-_HALF_CALL = ("_decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rmax_s.index(slot),\n"
+_HALF_CALL = ("_decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rm_a, rm_b,\n"
               + " " * 41 + "wsf_bufs.index(s), lut, R0)\n")
 DECODE_AS_IS += ("\n" + " " * 28 + _HALF_CALL,)
 DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n", "\n" + " " * 24 + "s = s + 0\n",
