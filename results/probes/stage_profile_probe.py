@@ -8,7 +8,8 @@ each; the outputs are not checked). Counters per CTA (``SLOTS``):
 
 * decode partition: total, ``mbarrier.wait(ready)`` (the TMA stage not landed yet), the per-tile preamble (the
   ``rfree`` wait, row maxima, L2's arrival-mask wait), the L2 A fold, the W decode, the fence + partition barrier +
-  arrive, stages, tiles;
+  arrive, stages, tiles (the partition of weight rows from 0; with a second one, at block 64 or with
+  ``FP4_WS_DECODERS`` 2, that one's as ``dec2_*``);
 * each math warpgroup: total, ``ready`` + ``decoded`` waits, the two wgmma chains and adds, the epilogue, stages;
 * loader: total, ``empty`` waits (the math has not released the slot: the ring is full), L2 arrival-mask waits;
 * math warpgroup 1's stages of idle tiles (``FP4_WS_IDLE_DECODE``: its rows of the pool block empty, it decodes the
@@ -40,8 +41,10 @@ SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_deco
          "math0_total": 8, "math0_wait": 9, "math0_mma": 10, "math0_epi": 11, "math0_stages": 12,
          "math1_total": 16, "math1_wait": 17, "math1_mma": 18, "math1_epi": 19, "math1_stages": 20,
          "load_total": 24, "load_empty": 25, "load_mask": 26, "load_stages": 27,
-         "idle_ready": 13, "idle_decode": 14, "idle_stages": 15}
-PER_CTA = 32
+         "idle_ready": 13, "idle_decode": 14, "idle_stages": 15,
+         "dec2_total": 32, "dec2_ready": 33, "dec2_tile": 34, "dec2_fold": 35, "dec2_decode": 36, "dec2_sync": 37,
+         "dec2_stages": 38, "dec2_tiles": 39}
+PER_CTA = 40
 ADDR = "__PROF_ADDR__"
 
 _CLK = '''
@@ -56,13 +59,13 @@ def _clk():
 def _prof(k: gl.constexpr, v):
     """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
     p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
-    gl.store(p + gl.program_id(0) * 32 + k, v)
+    gl.store(p + gl.program_id(0) * 40 + k, v)
 
 
 @gluon.jit
 def _prof_add(k: gl.constexpr, v):
     """Add ``v`` to counter ``k`` of this CTA (probe; one partition's threads load and store the same values)."""
-    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 32 + k
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 40 + k
     gl.store(p, gl.load(p) + v)
 
 
@@ -108,8 +111,10 @@ PATCHES = [
     (_DEC_LOOP_END,
      "            t3 = _clk()\n            c_dec += t3 - t2\n" + _DEC_LOOP_END.replace(
          "            it += 1\n", "            c_sync += _clk() - t3\n            n_st += 1\n            it += 1\n")
-     + "    _prof(0, _clk() - c0)\n    _prof(1, c_ready)\n    _prof(2, c_tile)\n    _prof(3, c_fold)\n"
-       "    _prof(4, c_dec)\n    _prof(5, c_sync)\n    _prof(6, n_st.to(gl.int64))\n    _prof(7, n_t.to(gl.int64))\n"),
+     + "    DB: gl.constexpr = 32 * (R0 > 0)  # (the second decode partition's own slots)\n"
+       "    _prof(DB + 0, _clk() - c0)\n    _prof(DB + 1, c_ready)\n    _prof(DB + 2, c_tile)\n"
+       "    _prof(DB + 3, c_fold)\n    _prof(DB + 4, c_dec)\n    _prof(DB + 5, c_sync)\n"
+       "    _prof(DB + 6, n_st.to(gl.int64))\n    _prof(DB + 7, n_t.to(gl.int64))\n"),
     # math warpgroups
     ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = ",
      f"    c0 = _clk()\n    c_wait = {_ZERO}\n    c_mma = {_ZERO}\n    c_epi = {_ZERO}\n    n_st = 0\n"
@@ -187,8 +192,7 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
 CONFIGS["ws128"]["FP4_WS_IDLE_DECODE"] = {128: False, 64: False}  # (as it was measured before the option)
 CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False},
                              FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: ``ws128_dec2``: ws128 with two decode partitions (``FP4_WS_DECODERS``; both store the ``dec_*`` slots of their
-#: CTA, so a row's decode counters are one partition's, whichever stored last)
+#: ``ws128_dec2``: ws128 with two decode partitions (``FP4_WS_DECODERS``; the second's counters are ``dec2_*``)
 CONFIGS["ws128_dec2"] = dict(CONFIGS["ws128"], FP4_WS_DECODERS={128: 2, 64: 2})
 #: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
 #: times nothing); every other config in "hopper".
@@ -241,17 +245,23 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
 
 
 def compile_offline():
-    """Offline sm_90a compile of the patched copy at BM 128 and 64, and at BM 128 in "hopper_l2_per_block" (a CPU
-    machine: ``TRITON_INTERPRET=0``)."""
+    """Offline sm_90a compile of the patched copy at BM 128 and 64, at BM 128 in "hopper_l2_per_block" and at BM 128
+    with two decode partitions (``ws128_dec2``) (a CPU machine: ``TRITON_INTERPRET=0``)."""
+    import megamoe.fused as mf
     from megamoe.hopper_compile import _compile_here
     from megamoe.layout import Layout
     mod = kernel_module(1 << 40)
     sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    for bm, numerics in ((128, "hopper"), (64, "hopper"), (128, "hopper_l2_per_block")):
-        r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16, numerics)
-        print(json.dumps(dict(block_m=bm, numerics=numerics, shared=r.shared, registers=r.registers,
-                              spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
+    for bm, numerics, decoders in ((128, "hopper", 1), (64, "hopper", 2), (128, "hopper_l2_per_block", 1),
+                                   (128, "hopper", 2)):
+        saved, mf.FP4_WS_DECODERS = mf.FP4_WS_DECODERS, {128: decoders, 64: 2}
+        try:
+            r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16, numerics)
+        finally:
+            mf.FP4_WS_DECODERS = saved
+        print(json.dumps(dict(block_m=bm, numerics=numerics, decoders=decoders, shared=r.shared,
+                              registers=r.registers, spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
 
 
 if __name__ == "__main__":
