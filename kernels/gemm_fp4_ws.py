@@ -105,7 +105,7 @@ fit: 5 or 6 warpgroups cap the launch at ``maxnreg`` 96 / 80, and ptxas needs at
 math; 256 weight rows do not split in three evenly either.) BM 128 with ``DECODERS`` 2: 5 warpgroups at ``maxnreg``
 96 (480 a thread of a warpgroup in all), math 176 (the default partition: what the workers leave) + 168, loader 24,
 decode 56 + 56 (``megamoe.fused.FP4_WS_REGS_TWO_DECODERS``); offline sm_90a (Triton 3.6): no spill in any K loop, 52
-B outside them, each math loop 16 QGMMA, each decode partition's stage loop 347 SASS instructions (the one
+B outside them, each math loop 16 QGMMA, each decode partition's stage loop 345 SASS instructions (the one
 partition's: 968, both halves and the idle form).
 
 Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3

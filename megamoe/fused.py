@@ -282,10 +282,16 @@ FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: partitions one 128-row half of every stage's weights and 64 of its L2 A rows (a second decode warp on each
 #: scheduler in every tile, what FP4_WS_IDLE_DECODE gives only the tiles with <= 64 rows), the math warpgroups then
 #: multiplying in four 64-row wgmma chains a stage (a fresh [64, 64] register tile, not [64, 128]) so that the
-#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE.
+#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE. Built in session 34 without a device (offline
+#: sm_90a compiles only, ``tests/test_hopper_compile.py``): off until ``results/probes/device_run.sh decoders`` (its GPU
+#: tests, then one / two partitions alternating at T = 512 ... 8192) has measured it. What the stage profiles say it
+#: can gain: a full tile's stage is ~2650 cycles of which the one decode partition's W decode is ~1630 and the
+#: math warpgroups wait ~950 (``results/probes/stage_profile_probe_h200.jsonl``); what may cap it: the math's own
+#: ~1350 cycles of MMA a stage (more with four chains) and shared-memory bandwidth (four chains read A twice as often).
 FP4_WS_DECODERS = {128: 1, 64: 2}
-#: (math, loader, decode, maxnreg) registers of block 128 with two decode partitions: 5 warpgroups,
-#: 2 x math + 24 + 2 x decode <= 512.
+#: (math, loader, decode, maxnreg) registers of block 128 with two decode partitions: 5 warpgroups of 128 threads at
+#: ``maxnreg`` 96 (65536 / 640 rounded down to 8), so 480 a thread in all: math warpgroup 1 168, the loader 24, each
+#: decode partition 56 (offline they need 48) and math warpgroup 0 (the default partition) what is left, 176.
 FP4_WS_REGS_TWO_DECODERS = (168, 24, 56, 96)
 #: Whether the decode partitions load each K block's scale words one K block ahead (``PREFETCH`` of
 #: ``megamoe.kernels.gemm_fp4_ws``: in flight during the previous block's decode instead of first on each stage's
