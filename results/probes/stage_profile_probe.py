@@ -11,6 +11,8 @@ each; the outputs are not checked). Counters per CTA (``SLOTS``):
   arrive, stages, tiles (the partition of weight rows from 0; with a second one, at block 64 or with
   ``FP4_WS_DECODERS`` 2, that one's as ``dec2_*``);
 * each math warpgroup: total, ``ready`` + ``decoded`` waits, the two wgmma chains and adds, the epilogue, stages;
+  and the epilogue's stores and arrival bits alone per L1 tile and per L2 tile (``math*_epil1`` / ``_epil2``,
+  summarized per tile: how long the tile's decoders can run ahead of it matters against that);
 * loader: total, ``empty`` waits (the math has not released the slot: the ring is full), L2 arrival-mask waits;
 * math warpgroup 1's stages of idle tiles (``FP4_WS_IDLE_DECODE``: its rows of the pool block empty, it decodes the
   high half): ``ready`` waits, the decode + fence + barrier + arrives, stages (its ``math1_*`` counters then count
@@ -43,8 +45,12 @@ SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_deco
          "load_total": 24, "load_empty": 25, "load_mask": 26, "load_stages": 27,
          "idle_ready": 13, "idle_decode": 14, "idle_stages": 15,
          "dec2_total": 32, "dec2_ready": 33, "dec2_tile": 34, "dec2_fold": 35, "dec2_decode": 36, "dec2_sync": 37,
-         "dec2_stages": 38, "dec2_tiles": 39}
-PER_CTA = 40
+         "dec2_stages": 38, "dec2_tiles": 39,
+         "math0_epil1": 40, "math0_epil2": 41, "math0_l1tiles": 42, "math0_l2tiles": 43,
+         "math1_epil1": 44, "math1_epil2": 45, "math1_l1tiles": 46, "math1_l2tiles": 47}
+PER_CTA = 48
+#: Counters summarized per tile (of their role's L1 or L2 tiles), not per stage.
+PER_TILE = {"epil1": "l1tiles", "epil2": "l2tiles"}
 ADDR = "__PROF_ADDR__"
 
 _CLK = '''
@@ -59,13 +65,13 @@ def _clk():
 def _prof(k: gl.constexpr, v):
     """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
     p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
-    gl.store(p + gl.program_id(0) * 40 + k, v)
+    gl.store(p + gl.program_id(0) * 48 + k, v)
 
 
 @gluon.jit
 def _prof_add(k: gl.constexpr, v):
     """Add ``v`` to counter ``k`` of this CTA (probe; one partition's threads load and store the same values)."""
-    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 40 + k
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 48 + k
     gl.store(p, gl.load(p) + v)
 
 
@@ -79,6 +85,8 @@ _DEC_LOOP_END = ("            fence_async_shared()  # generic-proxy stores to sh
                  " them\n            gl.thread_barrier()  # every warp has stored and fenced before the one arrive\n"
                  "            mbarrier.arrive(decoded.index(s), count=1)\n            it += 1\n        j += 1\n")
 _MATH_EPI = "        slot = j % 2\n        if is_l2:\n            if L2_FOLDED:\n"
+#: the epilogues' stores and arrival bits (after the scales and the slot's release): timed apart, per L1 / L2 tile
+_MATH_STORES = "        if is_l2:\n            row0 = b * BM + wg * WM\n"
 _MATH_END = ("                _l1_fold_once(old, buf, arrival, b, nt, valid, wg, NWG, BM, OFF_L2, OFF_L2_SF, I, SP)\n"
              "        j += 1\n")
 _LOAD_START = ("    full = _full_mask(I // 128)\n    it = 0\n    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):\n"
@@ -118,6 +126,7 @@ PATCHES = [
     # math warpgroups
     ("    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = ",
      f"    c0 = _clk()\n    c_wait = {_ZERO}\n    c_mma = {_ZERO}\n    c_epi = {_ZERO}\n    n_st = 0\n"
+     f"    c_e1 = {_ZERO}\n    c_e2 = {_ZERO}\n    n_l1 = 0\n    n_l2 = 0\n"
      "    l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))\n    l2_sf = "),
     ("            mbarrier.wait(ready.index(s), ph)\n            mbarrier.wait(decoded.index(s), ph)\n",
      "            t0 = _clk()\n            mbarrier.wait(ready.index(s), ph)\n"
@@ -125,9 +134,15 @@ PATCHES = [
     ("            spare = d_hi\n            it += 1\n",
      "            spare = d_hi\n            c_mma += _clk() - t1\n            n_st += 1\n            it += 1\n"),
     (_MATH_EPI, "        t4 = _clk()\n" + _MATH_EPI),
-    (_MATH_END, _MATH_END.replace("        j += 1\n", "        c_epi += _clk() - t4\n        j += 1\n")
+    (_MATH_STORES, "        t5 = _clk()\n" + _MATH_STORES),
+    (_MATH_END, _MATH_END.replace("        j += 1\n", "        c_epi += _clk() - t4\n"
+                                  "        if is_l2:\n            c_e2 += _clk() - t5\n            n_l2 += 1\n"
+                                  "        else:\n            c_e1 += _clk() - t5\n            n_l1 += 1\n"
+                                  "        j += 1\n")
      + "    _prof(8 + 8 * wg, _clk() - c0)\n    _prof(9 + 8 * wg, c_wait)\n    _prof(10 + 8 * wg, c_mma)\n"
-       "    _prof(11 + 8 * wg, c_epi)\n    _prof(12 + 8 * wg, n_st.to(gl.int64))\n"),
+       "    _prof(11 + 8 * wg, c_epi)\n    _prof(12 + 8 * wg, n_st.to(gl.int64))\n"
+       "    _prof(40 + 4 * wg, c_e1)\n    _prof(41 + 4 * wg, c_e2)\n    _prof(42 + 4 * wg, n_l1.to(gl.int64))\n"
+       "    _prof(43 + 4 * wg, n_l2.to(gl.int64))\n"),
     # math warpgroup 1's idle-tile decode (its sums added to the CTA's slots: every thread loads and stores the same)
     (_IDLE_WAIT, f"        t0 = _clk()\n{_IDLE_WAIT}        t1 = _clk()\n        c_iw += t1 - t0\n"),
     ("    HR: gl.constexpr = TILE_N // 2\n    for kb in range(KB):\n",
@@ -170,10 +185,15 @@ def summarize(prof, grid: int) -> dict:
     p = prof.view(-1, PER_CTA)[:grid].double()
     out = {}
     for name, k in SLOTS.items():
-        role = name.split("_")[0]
+        role, what = name.split("_", 1)
+        if what in PER_TILE:  # (cycles of one L1 / L2 tile's epilogue stores, over the CTAs that ran one)
+            tiles = p[:, SLOTS[f"{role}_{PER_TILE[what]}"]]
+            live = tiles > 0
+            out[name + "_per_tile"] = float((p[live, k] / tiles[live]).mean()) if live.any() else 0.0
+            continue
         stages = p[:, SLOTS[f"{role}_stages"]]
         live = stages > 0
-        if name.endswith("_stages") or name.endswith("_tiles"):
+        if name.endswith("_stages") or name.endswith("_tiles") or what in PER_TILE.values():
             out[name] = float(p[live, k].mean()) if live.any() else 0.0
         else:
             out[name + "_per_stage"] = float((p[live, k] / stages[live]).mean()) if live.any() else 0.0
