@@ -102,7 +102,8 @@
 #                  512, 2048, 8192, the host's tile, and at T = 512 the decode-partition tile too
 #                  (-> $OUT/l2_per_block.jsonl; est. 2-3 min)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
-#                  forced) at T = $STAGE_TOKENS (512,2048,8192) (-> $OUT/stage_profile.jsonl; not yet timed)
+#                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
+#                  ws128_dec2, *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
