@@ -1203,7 +1203,14 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     None: FP4_WS_IDLE_DECODE at ``bm``, as an offline compile asks), where the tile can run it."""
     offs = _offsets(L)
     H, I = L.hidden, L.intermediate_hidden
-    two = bm == 128 and FP4_WS_DECODERS[bm] == 2 and FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm] and not predecode
+    # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
+    halves = FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm]
+    # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
+    fold_once = FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)
+    # (a second decode partition and the idle warpgroup's decode each take a half of the two-halves stage;
+    # predecoded calls decode nothing)
+    two = bm == 128 and FP4_WS_DECODERS[bm] == 2 and halves and not predecode
+    idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and halves and not predecode and not fold_once
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS_TWO_DECODERS if two else FP4_WS_REGS[bm]
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
@@ -1211,14 +1218,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         LOAD_REGS=load_regs, DECODE_REGS=decode_regs, KW2_PAD=triton.next_power_of_2(I // 128),
         PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
-        # (the halves decode from the stage's TMA'd scale words: with SF_TMA off, e.g. in a probe, the chunked decode)
-        DECODE_HALVES=FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm],
-        # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
-        FOLD_ONCE=FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics), L2_FOLDED=l2_folded(numerics),
-        # (the idle warpgroup decodes a half of the two-halves stage; predecoded calls decode nothing)
-        IDLE_DECODE=bool((FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and FP4_WS_DECODE_HALVES[bm]
-                         and FP4_WS_SF_TMA[bm] and not predecode
-                         and not (FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)) and not two),
+        DECODE_HALVES=halves, FOLD_ONCE=fold_once, L2_FOLDED=l2_folded(numerics),
+        IDLE_DECODE=bool(idle and not two),
         DECODERS=2 if two else 1,
         **_pdl_keywords())
 
