@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe.speed_table import ratios, speed_table
+from megamoe.speed_table import ratios, speed_table, target_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,6 +16,15 @@ def test_readme_tables_are_the_results_files(name):
     table = speed_table(json.loads((ROOT / "results" / name).read_text()))
     assert table in (ROOT / "README.md").read_text(), (
         f"README.md lacks the table of results/{name}; paste `python -m megamoe.speed_table results/{name}`:\n{table}")
+
+
+@pytest.mark.parametrize("name", ["layer_h200.json", "layer_fp8_h200.json"])
+def test_readme_target_tables_are_the_results_files(name):
+    """The README's table of the issue targets (met / missed per T) is the committed file's, verbatim."""
+    table = target_table(json.loads((ROOT / "results" / name).read_text()))
+    assert table in (ROOT / "README.md").read_text(), (
+        f"README.md lacks the targets of results/{name}; paste from `python -m megamoe.speed_table results/{name}`:"
+        f"\n{table}")
 
 
 def _row(T, impl, us, numerics=None, **kw):
@@ -44,3 +53,25 @@ def test_ambiguous_rows_are_refused():
     result = {"kind": "layer", "rows": [_row(8, "fused", 1.0, "hopper"), _row(8, "fused", 2.0, "hopper")]}
     with pytest.raises(ValueError, match="ambiguous"):
         speed_table(result)
+
+
+def test_target_table_cells():
+    """Each FP8 target's cell: the value and met / missed where the target applies, blank where it does not, a dash
+    where the file lacks the value -- the limits are the issue's, compared at the boundary both ways."""
+    def fused(T, us, tflops, gbps):
+        return _row(T, "fused", us, None, tflops=tflops, weight_gb_per_s=gbps)
+
+    result = {"kind": "layer_fp8", "rows": [
+        fused(8, 100.0, 5.0, 3800.0), _row(8, "deepgemm_sm90", 100.0), _row(8, "staged", 300.0),
+        fused(128, 101.0, 50.0, 3799.0), _row(128, "deepgemm_sm90", 100.0),
+        fused(8192, 90.0, 1000.0, None), _row(8192, "deepgemm_sm90", 100.0)]}
+    lines = target_table(result).splitlines()
+    assert lines[0] == "| target | 8 | 128 | 8192 |"
+    assert lines[2] == "| #8: at most 1.0× DeepGEMM's time | 1.00× met | 1.01× **missed** | 0.90× met |"
+    assert lines[3] == "| #8: FP8 weights streamed at ≥ 3.8 TB/s (T ≤ 128) | 3.80 TB/s met | 3.80 TB/s **missed** |  |"
+    assert lines[4] == "| #8: ≥ 1000 TFLOP/s (T = 8192) |  |  | 1000 TFLOP/s met |"
+    fp4 = {"kind": "layer", "rows": [_row(512, "fused", 80.0, "hopper"), _row(2048, "fused", 10.0, "hopper"),
+                                     _row(2048, "staged", 29.0)]}
+    lines = target_table(fp4).splitlines()
+    assert lines[2] == "| #7: at most 0.8× DeepGEMM's time (T ≤ 512) | – |  |"
+    assert lines[4] == "| #7: at least 3× faster than staged | – | 2.90× **missed** |"
