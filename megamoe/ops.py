@@ -114,6 +114,11 @@ class _RankCall:
 
 
 IMPLS = ("auto", "fused", "staged")
+#: What ``numerics=`` accepts: ``"auto"`` (the default, :func:`resolve_numerics`) or one of ``megamoe.reference``'s.
+NUMERICS_ARGS = ("auto", *NUMERICS)
+#: ``numerics="auto"``'s choice where the fused kernel runs on a GPU: the fast Hopper numerics (issue #7's targets
+#: are measured in it, ``results/layer_h200.json``); ``"hopper_l2_per_block"`` is as fast within a few per cent.
+AUTO_GPU_NUMERICS = "hopper"
 
 
 def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None,
@@ -128,6 +133,24 @@ def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | 
     if numerics in HOPPER_NUMERICS and chosen != "fused":
         raise ValueError(f"numerics={numerics!r} is the fused kernel's; impl={impl!r} resolves to {chosen!r} here")
     return chosen
+
+
+def check_numerics(numerics) -> None:
+    """ValueError naming ``numerics`` unless it is one of :data:`NUMERICS_ARGS`."""
+    if not isinstance(numerics, str) or numerics not in NUMERICS_ARGS:
+        raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS_ARGS}")
+
+
+def resolve_numerics(numerics: str, impl: str, device: torch.device) -> str:
+    """The numerics a call runs, given the path ``impl`` resolved to (:func:`resolve_impl`) on ``device``:
+    ``"auto"`` is :data:`AUTO_GPU_NUMERICS` where the fused kernel runs on a GPU (Hopper), else ``"exact"`` (the
+    staged path, and the fused kernel on CPU ranks under the interpreter: bit-exact against ``megamoe.reference``'s
+    default); any other value is returned as given (:func:`resolve_impl` refuses a Hopper numerics on the staged
+    path). Compare a call's output with ``megamoe.reference`` at the numerics this returns."""
+    check_numerics(numerics)
+    if numerics != "auto":
+        return numerics
+    return AUTO_GPU_NUMERICS if impl == "fused" and torch.device(device).type == "cuda" else "exact"
 
 
 def _resolve_path(impl: str, sym_buffers: list, dispatch: str) -> str:
@@ -150,7 +173,7 @@ def _resolve_path(impl: str, sym_buffers: list, dispatch: str) -> str:
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str = "swiglu",
                      activation_clamp: float | None = None, cumulative_local_expert_recv_stats=None,
                      dispatch: str = "pull", check: bool = True, impl: str = "auto",
-                     numerics: str = "exact") -> None:
+                     numerics: str = "auto") -> None:
     """Run one Mega MoE layer forward.
 
     Before the call each rank copies its inputs into its buffer: ``sym_buffer.x[:n]`` (FP8 e4m3 [n, H]),
@@ -187,10 +210,12 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         impl: ``"staged"`` (the portable pipeline: one launch per step), ``"fused"`` (one persistent launch per call
             on a Hopper GPU, ``megamoe.fused``) or ``"auto"`` (the one measured faster for this call's size, see
             :func:`resolve_impl`).
-        numerics: ``"exact"`` (both paths; the seeds' per-32 scales, ``megamoe.reference``'s default) or
-            ``"hopper"`` (fused path only: per-32 scales folded into the 8-bit operands, no scale multiply inside the
-            K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it) or ``"hopper_l2_per_block"`` (the
-            same, but the L2 input's per-128 scales applied per K block instead of folded).
+        numerics: ``"auto"`` (default: ``"hopper"`` where the fused kernel runs on a GPU, else ``"exact"``;
+            :func:`resolve_numerics`), ``"exact"`` (both paths; the seeds' per-32 scales, ``megamoe.reference``'s
+            default) or ``"hopper"`` (fused path only: per-32 scales folded into the 8-bit operands, no scale
+            multiply inside the K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it) or
+            ``"hopper_l2_per_block"`` (the same, but the L2 input's per-128 scales applied per K block instead of
+            folded).
 
     Interruption: a call either completes or leaves the buffer marked (``SymmBuffer.fault`` host side, and
     ``call_state`` in the workspace). With the ``local`` backend every rank is in this process, so the workspace of
@@ -198,11 +223,11 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
     correct. With one process per rank the next call raises :class:`WorkspaceStateError` until
     ``sym_buffer.reset()`` has been called on every rank.
     """
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
+    check_numerics(numerics)
     calls = bind_calls(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
                        activation_clamp, dispatch, check)
     chosen = resolve_impl(impl, [c.sb for c in calls], dispatch, calls[0].n, numerics)
+    numerics = resolve_numerics(numerics, chosen, calls[0].sb.buffer.device)
     if chosen == "staged":
         run_steps(calls, pipeline_steps(dispatch), check)
         return
@@ -459,26 +484,29 @@ class MegaMoE:
         l2_weights: untransformed FP4 ``(w int8 [El, H, I/2], sf int32 [El, H, I/128])``.
         activation_clamp: see :func:`fp8_fp4_mega_moe`.
         dispatch: ``"pull"`` or ``"push"``.
-        impl, numerics, check: as :func:`fp8_fp4_mega_moe`'s, for every call of this layer (on an H200
-            ``numerics="hopper"`` is the fast one; ``check=False`` skips the call's one host sync reading the inputs).
+        impl, numerics, check: as :func:`fp8_fp4_mega_moe`'s, for every call of this layer (on an H200 the default
+            ``numerics="auto"`` runs the fast ``"hopper"``; ``check=False`` skips the call's one host sync reading
+            the inputs).
             Checked here: a Hopper ``numerics`` where ``impl`` does not resolve to the fused kernel is refused now,
             not at the first call.
     """
 
     def __init__(self, sym_buffer: SymmBuffer, l1_weights: WeightPair, l2_weights: WeightPair, *,
                  activation_clamp: float | None = None, dispatch: str = "pull", impl: str = "auto",
-                 numerics: str = "exact", check: bool = True):
+                 numerics: str = "auto", check: bool = True):
         check_buffers(sym_buffer, FP8_FP4)
         if isinstance(sym_buffer, (list, tuple)):
             raise TypeError("MegaMoE takes one rank's SymmBuffer (one process per rank); for the local backend call "
                             "fp8_fp4_mega_moe with lists")
         check_options("swiglu", dispatch, check)
-        if numerics not in NUMERICS:
-            raise ValueError(f"numerics={numerics!r} must be one of {NUMERICS}")
-        resolve_impl(impl, [sym_buffer], dispatch, numerics=numerics)
+        check_numerics(numerics)
+        chosen = resolve_impl(impl, [sym_buffer], dispatch, numerics=numerics)
         self.impl, self.numerics, self.check = impl, numerics, check
         self.sym_buffer = sym_buffer
         dev = sym_buffer.buffer.device
+        #: the numerics each call runs (``numerics`` resolved, :func:`resolve_numerics`): what to compare with
+        #: ``megamoe.reference(..., numerics=...)``
+        self.resolved_numerics = resolve_numerics(numerics, chosen, dev)
         for name, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
             if isinstance(pair, TransformedWeights):
                 raise TypeError(f"MegaMoE({name}=...) got already transformed weights (the output of "
@@ -536,5 +564,6 @@ def load_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, x_sf: torch.Tensor, top
 
 
 __all__: Sequence[str] = ["fp8_fp4_mega_moe", "MegaMoE", "load_inputs", "bind_calls", "pipeline_steps", "run_steps",
-                          "guarded_call", "resolve_impl", "IMPLS", "NUMERICS", "WorkspaceStateError",
+                          "guarded_call", "resolve_impl", "resolve_numerics", "IMPLS", "NUMERICS", "NUMERICS_ARGS",
+                          "WorkspaceStateError",
                           "TAG_AFTER_DISPATCH_PUSH", "GEMM_CONFIG"]

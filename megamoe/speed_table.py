@@ -24,8 +24,8 @@ from pathlib import Path
 from megamoe.walkthrough import markdown_table
 
 #: Row label, then the row's filter: ``impl`` and, where several rows share it, ``numerics``.
-FP8_FP4_ROWS = (("fused, exact (default)", "fused", "exact"),
-                ("fused, hopper numerics", "fused", "hopper"),
+FP8_FP4_ROWS = (("fused, exact numerics", "fused", "exact"),
+                ("fused, hopper numerics (the default on a GPU)", "fused", "hopper"),
                 ("fused, hopper_l2_per_block numerics", "fused", "hopper_l2_per_block"),
                 ("staged", "staged", None),
                 ("torch `_scaled_grouped_mm` FP8, L1+L2 GEMMs only (yardstick)", "torch_grouped_mm", None),

@@ -603,7 +603,7 @@ def test_weights_from_the_wrong_transform_are_rejected():
                 layer(*bad)
         with pytest.raises(TypeError, match=r"activation_clamp must be a number"):
             ops.MegaMoE(sb, l1, l2, activation_clamp="1")
-        for kw, exc, pattern in (({"numerics": "fast"}, ValueError, r"numerics='fast' must be one of \('exact'"),
+        for kw, exc, pattern in (({"numerics": "fast"}, ValueError, r"numerics='fast' must be one of \('auto', 'exact'"),
                                  ({"numerics": "hopper", "impl": "staged"}, ValueError,
                                   r"numerics='hopper' is the fused kernel's; impl='staged' resolves to 'staged'"),
                                  ({"impl": "fastest"}, ValueError, r"impl='fastest' must be one of"),
@@ -613,5 +613,5 @@ def test_weights_from_the_wrong_transform_are_rejected():
         y = layer(x, idx, w)
         assert torch.equal(y.view(torch.int16), problem.reference()[0].view(torch.int16))
         unchecked = ops.MegaMoE(sb, l1, l2, impl="staged", check=False)  # (no host read of the inputs)
-        assert (unchecked.impl, unchecked.numerics, unchecked.check) == ("staged", "exact", False)
+        assert (unchecked.impl, unchecked.numerics, unchecked.check) == ("staged", "auto", False)  # (-> exact)
         assert torch.equal(unchecked(x, idx, w).view(torch.int16), y.view(torch.int16))

@@ -30,7 +30,8 @@ def correctness_grid(cases: Sequence[MoECase], device=None) -> list[dict]:
 
 def megamoe_layer_rank(rank: int, world_size: int, case: MoECase, num_calls: int = 2) -> dict:
     """One process per rank: build ``MegaMoE`` from untransformed FP4 weights, call it on bf16 activations
-    ``num_calls`` times and compare every output with the reference (the module quantises x itself)."""
+    ``num_calls`` times and compare every output with the reference in the numerics it runs (the module quantises x
+    itself; on a GPU the default numerics is "hopper", on CPU ranks "exact")."""
     from megamoe.ops import MegaMoE
 
     sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
@@ -41,7 +42,10 @@ def megamoe_layer_rank(rank: int, world_size: int, case: MoECase, num_calls: int
         l1, l2 = problem.weights_for_rank(rank)
         layer = MegaMoE(sb, l1, l2, activation_clamp=case.activation_clamp)
         stats = torch.zeros(problem.num_local_experts, dtype=torch.int32, device=dev)
-        ref = problem.reference(activation_clamp=case.activation_clamp)[rank].cpu()
+        # the default numerics="auto" runs "hopper" on a GPU's fused path, "exact" on CPU ranks: compare with the
+        # reference in the numerics the layer runs
+        ref = problem.reference(activation_clamp=case.activation_clamp,
+                                numerics=layer.resolved_numerics)[rank].cpu()
         bitwise, errors, failures = [], [], []
         for _ in range(num_calls):
             y = layer(problem.x_bf16[rank], problem.topk_idx[rank], problem.topk_weights[rank], stats)

@@ -51,10 +51,11 @@ def test_real_size_one_process_per_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Hopper numerics are sm_90 only")
-@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
+@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block", "auto"])
 def test_layer_wrapper_with_hopper_numerics(numerics):
     """``MegaMoE(..., numerics=..., check=False)``: the wrapper's calls run the fused kernel in that numerics (one EP8
-    rank's share of V4-Pro at T = 128, twice), within the FP8-MMA tolerance of its reference model."""
+    rank's share of V4-Pro at T = 128, twice), within the FP8-MMA tolerance of its reference model; the default
+    ``"auto"`` resolves to the Hopper numerics here."""
     from megamoe.ops import MegaMoE
     from megamoe.symm import SymmBuffer
     from megamoe.testing import assert_moe_close
@@ -65,7 +66,8 @@ def test_layer_wrapper_with_hopper_numerics(numerics):
     sb = SymmBuffer.local(1, 48, 128, 6, 7168, 3072, block_m=128, device="cuda")[0]
     try:
         layer = MegaMoE(sb, *problem.weights_for_rank(0), numerics=numerics, check=False)
-        ref = problem.reference(numerics=numerics)[0]
+        assert layer.resolved_numerics == ("hopper" if numerics == "auto" else numerics)
+        ref = problem.reference(numerics=layer.resolved_numerics)[0]
         for _ in range(2):
             y = layer(problem.x_bf16[0], problem.topk_idx[0], problem.topk_weights[0])
             torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Issue #12's interrupt guarantee on the GPU: local ranks on one device, staged (a KeyboardInterrupt after every
-step) and fused (after its one launch). The repaired buffer must give the same ``y`` as an uninterrupted call,
+step) and fused (after its launches, in both numerics). The repaired buffer must give the same ``y`` as an uninterrupted call,
 bit for bit (the kernels are deterministic), and a zero workspace after the repair."""
 import pytest
 import torch
@@ -22,10 +22,10 @@ def _ranks():
     return sbs, ys, l1s, l2s
 
 
-def _call(sbs, ys, l1s, l2s, impl):
+def _call(sbs, ys, l1s, l2s, impl, numerics="auto"):
     for y in ys:
         y.fill_(float("nan"))
-    ops.fp8_fp4_mega_moe(ys, l1s, l2s, sbs, impl=impl)
+    ops.fp8_fp4_mega_moe(ys, l1s, l2s, sbs, impl=impl, numerics=numerics)
     return [y.clone() for y in ys]
 
 
@@ -56,9 +56,10 @@ def test_staged_interrupt_at_every_step_boundary_is_repaired(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
-def test_fused_interrupt_after_the_launch_is_repaired(monkeypatch):
+@pytest.mark.parametrize("numerics", ["exact", "auto"])  # (auto: "hopper", the default's launches)
+def test_fused_interrupt_after_the_launch_is_repaired(monkeypatch, numerics):
     sbs, ys, l1s, l2s = _ranks()
-    good = _call(sbs, ys, l1s, l2s, "fused")
+    good = _call(sbs, ys, l1s, l2s, "fused", numerics)
     real = mfused.run_fused
 
     def interrupted(calls, **kw):
@@ -66,9 +67,9 @@ def test_fused_interrupt_after_the_launch_is_repaired(monkeypatch):
         raise KeyboardInterrupt("injected after the fused launch")
     monkeypatch.setattr(mfused, "run_fused", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _call(sbs, ys, l1s, l2s, "fused")
+        _call(sbs, ys, l1s, l2s, "fused", numerics)
     monkeypatch.setattr(mfused, "run_fused", real)
     assert [sb.fault for sb in sbs] == [None, None] and _zero(sbs)
-    assert all(torch.equal(a, b) for a, b in zip(_call(sbs, ys, l1s, l2s, "fused"), good))
+    assert all(torch.equal(a, b) for a, b in zip(_call(sbs, ys, l1s, l2s, "fused", numerics), good))
     for sb in sbs:
         sb.destroy()
