@@ -603,7 +603,8 @@ def test_weights_from_the_wrong_transform_are_rejected():
                 layer(*bad)
         with pytest.raises(TypeError, match=r"activation_clamp must be a number"):
             ops.MegaMoE(sb, l1, l2, activation_clamp="1")
-        for kw, exc, pattern in (({"numerics": "fast"}, ValueError, r"numerics='fast' must be one of \('auto', 'exact'"),
+        for kw, exc, pattern in (({"numerics": "fast"}, ValueError,
+                                  r"numerics='fast' must be one of \('auto', 'exact'"),
                                  ({"numerics": "hopper", "impl": "staged"}, ValueError,
                                   r"numerics='hopper' is the fused kernel's; impl='staged' resolves to 'staged'"),
                                  ({"impl": "fastest"}, ValueError, r"impl='fastest' must be one of"),

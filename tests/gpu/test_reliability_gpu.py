@@ -1,6 +1,6 @@
 """Issue #12's interrupt guarantee on the GPU: local ranks on one device, staged (a KeyboardInterrupt after every
-step) and fused (after its launches, in both numerics). The repaired buffer must give the same ``y`` as an uninterrupted call,
-bit for bit (the kernels are deterministic), and a zero workspace after the repair."""
+step) and fused (after its launches, in both numerics). The repaired buffer must give the same ``y`` as an
+uninterrupted call, bit for bit (the kernels are deterministic), and a zero workspace after the repair."""
 import pytest
 import torch
 
