@@ -29,6 +29,9 @@
 #   decoders       FP4_WS_DECODERS (two decode partitions at block 128): its GPU tests (same bits as one partition on
 #                  three small cases in both Hopper numerics, one EP8 rank at T = 512 / 2048), then fp8_ws_probe.py
 #                  decoders at T = $DEC_TOKENS (512,1024,2048,8192; -> $OUT/decoders.jsonl) (not timed)
+#   defaults       the GPU tests of numerics="auto" (the default since session 35: "hopper" on the fused path):
+#                  MegaMoE at T = 128 in every numerics, the fused interrupt repair in both, the slow-but-live rank
+#                  in "exact" (not timed; est. 1-2 min)
 #   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
 #                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
@@ -389,6 +392,12 @@ step_decoders() {  # FP4_WS_DECODERS: its GPU tests, then one / two / one / two 
     local rc=$?
     cut -c1-330 "$OUT/decoders.jsonl"
     return $rc
+}
+
+step_defaults() {  # numerics="auto": its GPU tests (the layer wrapper, the interrupt repair, the live-rank wait)
+    timeout 200 $PY -m pytest -q -rfE tests/gpu/test_mega_moe_gpu.py -k layer_wrapper | tail -6 || return 1
+    timeout 200 $PY -m pytest -q -rfE tests/gpu/test_reliability_gpu.py \
+        tests/gpu/test_fused_gpu.py::test_fused_slow_but_live_rank_is_not_named | tail -8
 }
 
 step_ws_tests() {  # the decode-partition tile's GPU tests at block 128 (small cases, the host's tile at T = 512 / 384
