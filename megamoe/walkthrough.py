@@ -34,7 +34,12 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None, f
 
 def show_table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: str = ".4g") -> None:
     """Display :func:`markdown_table` as rendered markdown in a notebook (printed elsewhere)."""
-    text = markdown_table(rows, columns, floatfmt)
+    show_markdown(markdown_table(rows, columns, floatfmt))
+
+
+def show_markdown(text: str) -> None:
+    """Display markdown ``text`` (e.g. a table of ``megamoe.speed_table``) rendered in a notebook, printed
+    elsewhere."""
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display
