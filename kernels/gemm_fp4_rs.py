@@ -119,13 +119,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX
 from megamoe.kernels.fused import _pow2_f32
-from megamoe.kernels.gemm import swiglu
 from megamoe.kernels.gemm_fp4_ws import _decode_prmt, _fold_table, _full_mask, _wait_mask
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
     _combine_rows,
     _fence_proxy_async_global,
     _round_bf16,
+    _silu_mul,
     _tile,
     _to_bf16_bits,
     _to_e4m3,
@@ -337,7 +337,7 @@ def _l1_chain_epilogue(acc, stash, q: gl.constexpr, topk_w, clamp, HAS_CLAMP: gl
     if HAS_CLAMP:
         gate = gl.minimum(gate, clamp)
         up = gl.minimum(gl.maximum(up, -clamp), clamp)
-    act = swiglu(gate, up, False)
+    act = _silu_mul(gate, up)
     L: gl.constexpr = act.type.layout
     act = act * gl.expand_dims(gl.convert_layout(topk_w, gl.SliceLayout(0, L)), 0)
     stash.slice(ROWS // 2 * q, ROWS // 2).store(act)

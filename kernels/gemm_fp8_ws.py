@@ -80,8 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_GROUP_SIZES, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
-from megamoe.kernels.gemm import swiglu
-from megamoe.kernels.numerics import ceil_ue8m0
+from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0
 from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
 
 BK = gl.constexpr(128)  #: K block = scale block along K
@@ -124,8 +123,31 @@ def _to_bf16_bits(x):
 
 @gluon.jit
 def _round_bf16(x):
-    """float32 -> nearest bf16 value as float32 (:func:`megamoe.kernels.numerics.round_to_bf16`'s bits)."""
-    return x.to(gl.bfloat16).to(gl.float32)
+    """float32 -> nearest bf16 value as float32 (:func:`megamoe.kernels.numerics.round_to_bf16`'s bits), two values
+    an instruction (``megamoe.kernels.numerics.BF16X2_ROUND_ASM``: 3 instructions per 2 values, where
+    ``x.to(bfloat16).to(float32)`` compiles to one ``F2F.BF16.F32`` and a shift per value)."""
+    return gl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+
+
+#: float32 log2(e) as Triton's ``exp`` multiplies by it (``ex2(x * LOG2E)``).
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _silu_mul(gate, up):
+    """SwiGLU ``gate / (1 + exp(-gate)) * up`` in float32, bit for bit what :func:`megamoe.kernels.gemm.swiglu`
+    (``F64_EXP`` off) compiles to on sm_90 -- ``ex2.approx`` of ``-gate * log2(e)`` and ``div.full`` (the numerator
+    times ``rcp.approx`` of the denominator) -- without the guards ptxas puts around both for subnormal operands
+    (an ``FSETP`` and two predicated ``FMUL`` each, 384 of the L1 epilogue's instructions a thread a tile at block
+    128): here ``ex2.approx.ftz`` and ``rcp.approx.ftz``. The same bits wherever the guards would act: ``exp(-gate)``
+    below 2^-126 (gate > 87) adds nothing to 1 in float32 either way; a denominator above 2^126 (gate < -87) gives a
+    quotient of magnitude < 2^-120 with the guard and a signed zero here, which the requant to e4m3 (a scale of
+    at least 1e-4 / 448, ``AMAX_FLOOR``) turns into the same signed zero, and which the row maximum never is."""
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [(-gate) * LOG2E], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=gl.float32, is_pure=True,
+                                  pack=1)
+    return gate * r * up
 
 
 #: Epilogue store layouts: 16 contiguous bytes a thread (one ``st.global.v4``), a warp's row covering whole 32-byte
@@ -350,7 +372,7 @@ def _l1_half(acc, clamp, HAS_CLAMP: gl.constexpr):
     if HAS_CLAMP:
         gate = gl.minimum(gate, clamp)
         up = gl.minimum(gl.maximum(up, -clamp), clamp)
-    return swiglu(gate, up, False)
+    return _silu_mul(gate, up)
 
 
 @gluon.jit

@@ -150,6 +150,14 @@ _PRMT_LUT_ASM = tl.constexpr(
     "{\n.reg .b32 m, t;\n" + _PRMT_DECODE.format(lo0="$3", lo1="$7", hi0="$11", hi1="$15") + "}")
 
 
+#: float32 -> nearest bf16 value as float32, two values an instruction (the Gluon epilogues' ``_round_bf16``,
+#: ``pack=2``: $2 / $3 the two inputs, $0 / $1 their results): ``cvt.rn.bf16x2.f32`` packs its first source's bf16
+#: into the upper half, its second's into the lower; each half then goes back to the top of a float32. The bits of
+#: :func:`round_to_bf16` (``tests/test_inline_asm.py`` runs it on CPU by ``megamoe.inline_asm``).
+BF16X2_ROUND_ASM = tl.constexpr(
+    "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }")
+
+
 @triton.jit
 def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
     """GPU: uint8 ``packed`` (as :func:`e2m1x2_to_e4m3_prmt`) through per-lane byte tables (low values: ``la0`` /

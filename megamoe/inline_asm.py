@@ -1,6 +1,8 @@
-"""The kernels' inline PTX run on CPU: a bit-level emulator of the few 32-bit integer instructions their
+"""The kernels' inline PTX run on CPU: a bit-level emulator of the few 32-bit instructions their
 ``inline_asm_elementwise`` strings use (``mov``, ``and``, ``or``, ``xor``, ``not``, ``shl``, ``shr``, ``prmt``;
-``.b32`` / ``.u32``), so that a CPU test can check an asm string's *semantics* against the torch model.
+``.b32`` / ``.u32``; and ``cvt.rn.bf16x2.f32``, two float32 rounded to bf16 and packed), so that a CPU test can
+check an asm string's *semantics* against the torch model. (The ``.approx`` instructions of the Gluon epilogue's
+SwiGLU, ``ex2`` / ``rcp``, are the hardware's own approximations and are not emulated.)
 
 The interpreter never runs these strings (it takes each kernel's pure-``tl`` twin), and a GPU only shows that a
 whole tile is wrong. With this emulator the FP4 decode strings of :mod:`megamoe.kernels.numerics` are checked on
@@ -40,7 +42,17 @@ _OPS = {
     "shl": lambda x, y: ((x.astype(np.uint64) << np.minimum(y, 32).astype(np.uint64)) & _MASK).astype(np.uint32),
     "shr": lambda x, y: np.where(y >= 32, np.uint32(0), x >> np.minimum(y, 31)).astype(np.uint32),
 }
-_INSTR = re.compile(r"^(\w+)(?:\.\w+)*\s+(.*)$")
+_INSTR = re.compile(r"^(\w+)((?:\.\w+)*)\s+(.*)$")
+
+
+def _bf16_rn(x: np.ndarray) -> np.ndarray:
+    """float32 bits -> bf16 bits (uint32, low 16 bits), round to nearest even; NaN -> 0x7FFF (the canonical NaN
+    the hardware's conversions write)."""
+    x = x.astype(np.uint64)
+    nan = ((x >> np.uint64(23)) & np.uint64(0xFF)) == np.uint64(0xFF)
+    nan &= (x & np.uint64(0x7FFFFF)) != np.uint64(0)
+    r = (x + np.uint64(0x7FFF) + ((x >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+    return np.where(nan, np.uint64(0x7FFF), r & np.uint64(0xFFFF)).astype(np.uint32)
 
 
 def run(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -64,9 +76,14 @@ def run(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         m = _INSTR.match(stmt)
         if m is None:
             raise ValueError(f"inline asm: cannot parse {stmt!r}")
-        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        op, mods, args = m.group(1), m.group(2), [a.strip() for a in m.group(3).split(",")]
         dst, src = args[0], args[1:]
-        if op == "mov":
+        if op == "cvt":
+            if mods != ".rn.bf16x2.f32":
+                raise ValueError(f"inline asm: only cvt.rn.bf16x2.f32 is emulated ({stmt!r})")
+            # PTX: a's value into the upper half of d, b's into the lower
+            res = (_bf16_rn(value(src[0])) << np.uint32(16)) | _bf16_rn(value(src[1]))
+        elif op == "mov":
             res = value(src[0]).copy()
         elif op == "not":
             res = ~value(src[0])

@@ -89,3 +89,26 @@ def test_register_order_matches_the_transform():
     row = np.concatenate([lo.reshape(-1), hi.reshape(-1)])  # K order: elements 0..31 low, 32..63 high
     got = _repack_nibbles(pack_nibbles(torch.from_numpy(row)[None])).view(torch.uint8)[0].numpy()
     np.testing.assert_array_equal(got, _pack_register_order(lo, hi))
+
+
+def test_bf16x2_round_string_is_round_to_bf16():
+    """``BF16X2_ROUND_ASM`` (the Gluon epilogues' ``_round_bf16``, two values a ``cvt.rn.bf16x2.f32``): each output
+    is its own input rounded to the nearest bf16, ties to even, as float32 bits -- on ties, values one ulp either
+    side of a tie, signed zeros, subnormals, the largest finite values (rounding up to infinity) and infinities;
+    swapping the two sources of the ``cvt`` (the PTX puts the first in the upper half) fails here."""
+    rng = np.random.default_rng(7)
+    hi = rng.integers(0, 1 << 16, 4096, dtype=np.uint32) << 16
+    ties = np.concatenate([hi | 0x8000, hi | 0x7FFF, hi | 0x8001, hi, hi | 0xFFFF])
+    special = np.array([0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x3F808000,
+                        0x3F818000], np.uint32)
+    x = np.concatenate([ties, special, rng.integers(0, 1 << 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    x = x[(((x >> 23) & 0xFF) != 0xFF) | ((x & 0x7FFFFF) == 0)]  # finite and infinite values; NaN payloads aside
+    assert len(x) > 24000
+    if len(x) % 2:
+        x = x[:-1]
+    a, b = x[0::2], x[1::2]
+    out = run(kn.BF16X2_ROUND_ASM.value, {2: a, 3: b})
+    want = torch.from_numpy(x.view(np.float32).copy()).to(torch.bfloat16).to(torch.float32).numpy().view(np.uint32)
+    assert np.array_equal(out[0], want[0::2]) and np.array_equal(out[1], want[1::2])
+    swapped = run(kn.BF16X2_ROUND_ASM.value.replace("t, $3, $2", "t, $2, $3"), {2: a, 3: b})
+    assert not np.array_equal(swapped[0], want[0::2])

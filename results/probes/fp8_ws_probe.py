@@ -120,12 +120,14 @@ A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
 W_LOADS = tuple(_tma(d, c, b) for d in ("w2_desc", "w1_desc")  # two blocked boxes a stage
                 for c, b in (("[w_lo, 0]", "w_bufs.index(s).slice(0, HN)"),
                              ("[w_hi, 0]", "w_bufs.index(s).slice(HN, HN)")))
-SWCVT = [("from megamoe.kernels.numerics import ceil_ue8m0\n",
-          "from megamoe.kernels.numerics import ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, round_to_bf16\n"),
+SWCVT = [("from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0\n",
+          "from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, "
+          "round_to_bf16\n"),
          ("    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)\n",
           "    return f32_to_e4m3_bits(x).to(gl.uint8)\n"),
          ("    return x.to(gl.bfloat16).to(gl.int16, bitcast=True)\n", "    return f32_to_bf16_bits(x).to(gl.int16)\n"),
-         ("    return x.to(gl.bfloat16).to(gl.float32)\n", "    return round_to_bf16(x)\n")]
+         ('    return gl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, '
+          'pack=2)\n', "    return round_to_bf16(x)\n")]
 UNCOALESCED = [("HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
                 "                 COALESCED: gl.constexpr = True, ACQ: gl.constexpr = False):",
                 "HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, UE8M0: gl.constexpr,\n"
