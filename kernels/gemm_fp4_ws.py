@@ -893,9 +893,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
         mbarrier.arrive(rfree.index(slot), count=1)
         if is_l2:
             row0 = b * BM + wg * WM
-            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T, H,
-                         mma, COALESCED)
-            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
+            _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
                          OFF_COMBINE, T, H, mma, COALESCED)
         else:
             old = _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I,

@@ -465,23 +465,54 @@ def _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg: gl.const
 
 
 @gluon.jit
-def _l2_epilogue(acc, buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr,
-                 T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr, COALESCED: gl.constexpr = True):
-    """A warpgroup's 64 pool rows ``[row0, row0 + 64)`` (the first ``valid`` real) x 128 hidden columns ``[n0, n0 +
-    128)`` of an L2 tile as bf16 into ``combine[slot][token]`` of each row's source rank; ``COALESCED``: stored
-    from :data:`STORE_BF16` (16 bytes a thread) instead of the wgmma layout ``mma``."""
-    v = _to_bf16_bits(acc)
+def _l2_rows(buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
+             mma: gl.constexpr, COALESCED: gl.constexpr = True):
+    """Where a warpgroup's 64 pool rows ``[row0, row0 + 64)`` of an L2 tile go (the first ``valid`` real): per row
+    the int16 offset of hidden column ``n0`` of its ``combine[slot][token]`` (:func:`_combine_rows`) and whether it
+    is real, both in the row slice of the store layout (:data:`STORE_BF16` where ``COALESCED``, else the wgmma
+    layout ``mma``). Made once a tile and used by each of its 128-column halves (:func:`_l2_store`): one round of
+    metadata loads, not two."""
     if COALESCED:
-        v = gl.convert_layout(v, STORE_BF16)
         S: gl.constexpr = STORE_BF16
     else:
         S: gl.constexpr = mma
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, S))
-    c = gl.arange(0, HN, layout=gl.SliceLayout(0, S))
     ok = r < valid
-    dst_row = _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H)
+    return _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H), ok
+
+
+@gluon.jit
+def _l2_values(acc, COALESCED: gl.constexpr = True):
+    """A warpgroup's 64 rows x 128 hidden columns of an L2 tile (``acc`` float32 in the wgmma layout) as bf16 bits
+    (int16), in :data:`STORE_BF16` where ``COALESCED`` (16 bytes a thread), else in the wgmma layout."""
+    v = _to_bf16_bits(acc)
+    if COALESCED:
+        v = gl.convert_layout(v, STORE_BF16)
+    return v
+
+
+@gluon.jit
+def _l2_store(v, buf, dst_row, ok, OFF_COMBINE: gl.constexpr):
+    """Store ``v`` (:func:`_l2_values`: 64 rows x 128 columns of bf16 bits) into the source ranks' ``combine`` rows
+    at ``dst_row`` (:func:`_l2_rows`, plus the half's column offset), the real rows ``ok``."""
+    c = gl.arange(0, HN, layout=gl.SliceLayout(0, v.type.layout))
     dst = (buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1) + gl.expand_dims(c, 0)
     gl.store(dst, v, mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, n0, valid, OFF_META: gl.constexpr,
+                 OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, mma: gl.constexpr,
+                 COALESCED: gl.constexpr = True):
+    """A warpgroup's 64 pool rows ``[row0, row0 + 64)`` (the first ``valid`` real) x 256 hidden columns ``[n0, n0 +
+    256)`` of an L2 tile (``acc_lo`` / ``acc_hi``: the two 128-column halves, float32 in the wgmma layout ``mma``)
+    as bf16 into ``combine[slot][token]`` of each row's source rank: both halves converted first (their float32
+    registers free), then the rows' destinations made once (:func:`_l2_rows`) and both stored (:func:`_l2_store`)."""
+    v_lo = _l2_values(acc_lo, COALESCED)
+    v_hi = _l2_values(acc_hi, COALESCED)
+    dst_row, ok = _l2_rows(buf, buffer_ptrs, me, row0, n0, valid, OFF_META, T, H, mma, COALESCED)
+    _l2_store(v_lo, buf, dst_row, ok, OFF_COMBINE)
+    _l2_store(v_hi, buf, dst_row + HN, ok, OFF_COMBINE)
 
 
 @gluon.jit
@@ -572,8 +603,9 @@ def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_buf
             acc, spare = _retire(dot, empty, s, acc, sa, x, y, gate_col)
             it += 1
         if is_l2:
-            _l2_epilogue(acc, buf, buffer_ptrs, me, b * WM, nt * TILE_N + wg * HN, valid, OFF_META, OFF_COMBINE, T, H,
-                         mma)
+            v = _l2_values(acc)
+            dst_row, ok = _l2_rows(buf, buffer_ptrs, me, b * WM, nt * TILE_N + wg * HN, valid, OFF_META, T, H, mma)
+            _l2_store(v, buf, dst_row, ok, OFF_COMBINE)
         else:
             _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg, OFF_L1_W, OFF_L2, OFF_L2_SF,
                              I, SP, HAS_CLAMP)
@@ -654,9 +686,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             _lead_step(lead, it, wg, LEAD)
         if is_l2:
             row0 = b * TILE_M + wg * WM
-            _l2_epilogue(acc_lo, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META, OFF_COMBINE, T,
-                         H, mma)
-            _l2_epilogue(acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N + HN, valid - wg * WM, OFF_META,
+            _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
                          OFF_COMBINE, T, H, mma)
         else:
             _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,

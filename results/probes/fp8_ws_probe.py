@@ -99,12 +99,12 @@ NOEPI128 = ("""        if nt < 0:
             _l1_publish(l2_mask, b, nt, wg, 1)
 """)
 EPI64 = ("""        if is_l2:
-            _l2_epilogue(acc, buf""", """        else:
+            v = _l2_values(acc)""", """        else:
             _l1_epilogue_m64(acc, buf, clamp, b, nt, valid, l2_mask, xch, xbar, k1, wg, OFF_L1_W, OFF_L2, OFF_L2_SF,
                              I, SP, HAS_CLAMP)
 """)
 NOEPI64 = ("""        if nt < 0:
-            _l2_epilogue(acc, buf""", """        elif not is_l2:
+            v = _l2_values(acc)""", """        elif not is_l2:
             _l1_publish(l2_mask, b, nt, wg, 1)
 """)
 NBYTES = ("nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes + "
