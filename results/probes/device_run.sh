@@ -32,6 +32,10 @@
 #   defaults       the GPU tests of numerics="auto" (the default since session 35: "hopper" on the fused path):
 #                  MegaMoE at T = 128 in every numerics, the fused interrupt repair in both, the slow-but-live rank
 #                  in "exact" (not timed; est. 1-2 min)
+#   epilogue       fp8_ws_probe.py phase at T = $EPI_TOKENS (512,2048,8192): the FP8 Gluon phase as it is against
+#                  session 35's two epilogue changes undone one at a time (guarded SwiGLU / bf16 rounding, the L2
+#                  rows' destinations made per half), alternating twice; bits compared (-> $OUT/epilogue.jsonl;
+#                  not timed: 4 variants x 3 T, each a compile and a timing)
 #   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
 #                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
@@ -398,6 +402,14 @@ step_defaults() {  # numerics="auto": its GPU tests (the layer wrapper, the inte
     timeout 200 $PY -m pytest -q -rfE tests/gpu/test_mega_moe_gpu.py -k layer_wrapper | tail -6 || return 1
     timeout 200 $PY -m pytest -q -rfE tests/gpu/test_reliability_gpu.py \
         tests/gpu/test_fused_gpu.py::test_fused_slow_but_live_rank_is_not_named | tail -8
+}
+
+step_epilogue() {  # session 35's epilogue changes, FP8 phase: as is / guarded / L2 rows twice, alternating twice
+    timeout 500 $PY results/probes/fp8_ws_probe.py phase "${EPI_TOKENS:-512,2048,8192}" \
+        as_is,guarded,l2_rows_twice,as_is,guarded,l2_rows_twice >>"$OUT/epilogue.jsonl"
+    local rc=$?
+    cat "$OUT/epilogue.jsonl"
+    return $rc
 }
 
 step_ws_tests() {  # the decode-partition tile's GPU tests at block 128 (small cases, the host's tile at T = 512 / 384

@@ -134,6 +134,13 @@ UNCOALESCED = [("HAS_CLAMP: gl.constexpr, BM: gl.constexpr, NWG: gl.constexpr, U
                 "                 COALESCED: gl.constexpr = False, ACQ: gl.constexpr = False):"),
                ("mma: gl.constexpr, COALESCED: gl.constexpr = True):",
                 "mma: gl.constexpr, COALESCED: gl.constexpr = False):")]
+# -- session 35's epilogue changes undone, each alone (timing only; the same bits either way)
+GUARDED = [("    return _silu_mul(gate, up)\n", "    return gate / (1.0 + gl.exp(-gate)) * up\n"),
+           ('    return gl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, '
+            'pack=2)\n', "    return x.to(gl.bfloat16).to(gl.float32)\n")]
+L2_ROWS_TWICE = [("    _l2_store(v_hi, buf, dst_row + HN, ok, OFF_COMBINE)\n",
+                  "    dst_hi, ok = _l2_rows(buf, buffer_ptrs, me, row0, n0 + HN, valid, OFF_META, T, H, mma, COALESCED)\n"
+                  "    _l2_store(v_hi, buf, dst_hi, ok, OFF_COMBINE)\n")]
 # -- the second math warpgroup starts its first tile late, so the two run a few ring stages apart and their epilogues
 #    no longer coincide (one issues MMAs while the other is in its epilogue); timing only, same bits
 START = ("    spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes "
@@ -154,6 +161,8 @@ PATCHES = {
     "swcvt": SWCVT,  # the epilogues' conversions by integer rounding (numerics), as before 2026-12-02 (session 11)
     "uncoalesced": UNCOALESCED,  # the epilogues store from the wgmma layout (BM 64's L1 epilogue stays coalesced)
     "old_epilogue": SWCVT + UNCOALESCED,
+    "guarded": GUARDED,  # SwiGLU and the bf16 rounding as before session 35 (ptxas's subnormal guards; same bits)
+    "l2_rows_twice": L2_ROWS_TWICE,  # each L2 half makes its rows' destinations itself, as before session 35
     "noskip": [("kb_mma = gl.where(valid > wg * WM, KB, 0)", "kb_mma = gl.where(valid > -1, KB, 0)")],
     "nomma": [(MMA128, RELEASE), (MMA64, RELEASE)],
     "nopromote": [(MMA128, NOPROMOTE128), (MMA64, NOPROMOTE64)],
@@ -255,7 +264,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
                 continue
             row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
                        stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant)
-            if variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue") or variant.startswith("stagger"):
+            if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice")
+                    or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
             emit(**row, us=_median_ms(call) * 1e3)
