@@ -299,6 +299,17 @@ FP4_WS_REGS_TWO_DECODERS = (168, 24, 56, 96)
 #: rows decoded as one chunk, two rows a thread); block 128's single partition at 72 registers has no room.
 #: Block 64's fastest choice with 4 stages (numbers above; all GPU tests at block 64 run it).
 FP4_WS_PREFETCH = {128: False, 64: True}
+
+#: The packed FP4 weight stage's shared-memory swizzle in bytes (0: none), by pool block. The decode warps read it 16
+#: bytes a thread, two threads a 64-byte row, 16 rows a warp (``D_LAYOUT``): unswizzled, rows two apart share their
+#: banks, so a warp's 512 bytes take 8 shared-memory wavefronts instead of 4 (2-way conflicts; Nsight Compute counted
+#: 23 % excess wavefronts in the block-128 phase at T = 2048, session 24). The 64-byte swizzle (TMA writes it, the
+#: decode's loads follow it: 16-byte chunk ``c`` of row ``r`` at ``c ^ (r >> 1) & 3``) spreads each warp's reads over
+#: all 32 banks. Offline sm_90a (session 35): +3 SASS a decode stage (the swizzle's address terms) and 4 bytes more
+#: spill outside the K loops at block 128, nothing else changed; with ``FP4_WS_DECODERS`` 2 one decode loop spills 2
+#: registers a stage at the decoders' 56 (at 64 the math warpgroups' loops spill). Off until timed on a GPU
+#: (``fp8_ws_probe.py packed_swizzle``; same bits: ``tests/gpu/test_ws_launch_options_gpu.py``).
+FP4_WS_PACKED_SWIZZLE = {128: 0, 64: 0}
 #: Whether each ring stage carries its K block's scale words by TMA (``SF_TMA``: the loader's 1 KB of the tile's 256
 #: weight rows + the pool rows' words, as DeepGEMM's SM90 kernel loads its scales; the decode reads them from shared
 #: memory, no global load left in its K loop), by pool block. Exclusive with FP4_WS_PREFETCH. Shared memory +1.25 KB
@@ -926,7 +937,8 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: in
         if predecode:
             w = ("fp8e4nv", [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv))
         else:
-            w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+            w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=FP4_WS_PACKED_SWIZZLE[bm], element_bitwidth=8,
+                                                       rank=2))
         ws, as_ = ("i32", [bn], words), ("i32", [bm], words)  # SF_TMA's scale words of the weight and pool rows
         return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws, as1_desc=as_, as2_desc=as_)
     # one 128 x 128 block of the blocked weights (megamoe.quant_fp8.block_weights) a box: a ring stage's 256 weight
@@ -1007,7 +1019,8 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
     scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
-    return _weights_cache(c, "_ws_descs", ("fp4", bm, scratch and scratch[0][0].data_ptr()), build)
+    return _weights_cache(c, "_ws_descs", ("fp4", bm, FP4_WS_PACKED_SWIZZLE[bm], scratch and scratch[0][0].data_ptr()),
+                          build)
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",

@@ -110,6 +110,30 @@ def test_fp4_ws_two_decoders_compile_within_their_registers(numerics):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("block_m,decoders", [(128, 1), (64, 2)])
+def test_fp4_ws_packed_swizzle_changes_addresses_only(block_m, decoders):
+    """``megamoe.fused.FP4_WS_PACKED_SWIZZLE`` 64 (the packed weight stage 64-byte swizzled, so the decode warps'
+    16-byte reads hit all 32 banks): each decode loop reads the stage with as many shared-memory loads as unswizzled
+    and within a few instructions of its length (the swizzle's address terms), the same shared memory, no spill in a
+    K loop -- with the one decode partition at block 128, and at block 64. (With two decode partitions at block 128
+    one decode loop spills 2 registers a stage at their 56: the probe times that pair anyway.)"""
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    base = {"FP4_WS_DECODERS": {128: decoders, 64: 2}}
+    plain = compile_gluon_phase("fp4_ws", layout, block_m, settings=base)
+    swz = compile_gluon_phase("fp4_ws", layout, block_m, settings=dict(base, FP4_WS_PACKED_SWIZZLE={128: 64, 64: 64}))
+
+    def decode_loops(r):
+        return [lp for lp in _innermost(r.loops) if lp[3].get("PRMT", 0) >= 32 and not lp[3].get("QGMMA")]
+
+    assert decode_loops(swz) and len(decode_loops(swz)) == len(decode_loops(plain))
+    for a, b in zip(decode_loops(swz), decode_loops(plain)):
+        assert a[3].get("LDS") == b[3].get("LDS") and abs(a[2] - b[2]) <= 16, (a, b)
+    assert swz.shared == plain.shared
+    for first, last, n, ops in _innermost(swz.loops):
+        assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [8, 16, 32, 64, 128])
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's

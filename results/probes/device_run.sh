@@ -36,6 +36,9 @@
 #                  session 35's two epilogue changes undone one at a time (guarded SwiGLU / bf16 rounding, the L2
 #                  rows' destinations made per half), alternating twice; bits compared (-> $OUT/epilogue.jsonl;
 #                  not timed: 4 variants x 3 T, each a compile and a timing)
+#   swizzle        FP4_WS_PACKED_SWIZZLE (the packed weight stage 64-byte swizzled): its GPU tests (same bits as
+#                  unswizzled, one and two decode partitions, three small cases), then fp8_ws_probe.py packed_swizzle
+#                  at T = $SWZ_TOKENS (512,2048; -> $OUT/swizzle.jsonl) (not timed)
 #   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
 #                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
@@ -409,6 +412,15 @@ step_epilogue() {  # session 35's epilogue changes, FP8 phase: as is / guarded /
         as_is,guarded,l2_rows_twice,as_is,guarded,l2_rows_twice >>"$OUT/epilogue.jsonl"
     local rc=$?
     cat "$OUT/epilogue.jsonl"
+    return $rc
+}
+
+step_swizzle() {  # FP4_WS_PACKED_SWIZZLE: its GPU tests, then 0 / 64 x one / two decode partitions, alternating twice
+    timeout 240 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "PACKED_SWIZZLE and fp8_fp4" \
+        | tail -10 || return 1
+    timeout 330 $PY results/probes/fp8_ws_probe.py packed_swizzle "${SWZ_TOKENS:-512,2048}" >>"$OUT/swizzle.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/swizzle.jsonl"
     return $rc
 }
 

@@ -500,6 +500,20 @@ def probe_decoders(tokens=(512, 1024, 2048, 8192)):
                 _choice_row("decoders", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
 
 
+def probe_packed_swizzle(tokens=(512, 2048)):
+    """The packed FP4 weight stage 64-byte swizzled against unswizzled (``FP4_WS_PACKED_SWIZZLE``: the decode
+    warps' 2-way bank conflicts gone), with one and with two decode partitions (``FP4_WS_DECODERS``), the four
+    alternating twice, whole call at each T on the host's tile (the decode-partition tile from T = 512 on; one EP8
+    rank, "hopper"), each with its error. The bits are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
+    for T in _tokens(tokens):
+        for _ in range(2):
+            for dec in (1, 2):
+                for swz in (0, 64):
+                    _choice_row("packed_swizzle", T, f"decoders {dec} swizzle {swz}", "fp8_fp4",
+                                {"FP4_WS_PACKED_SWIZZLE": {128: swz, 64: swz}, "FP4_WS_DECODERS": {128: dec, 64: 2},
+                                 "FP4_RS_MAX_EXPECTED": -1, "FP4_PREDECODE_MIN_EXPECTED": float("inf")})
+
+
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
 #: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
 L2PB_FORCED_T = 512
@@ -628,4 +642,5 @@ if __name__ == "__main__":
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode, "decoders": probe_decoders,
+         "packed_swizzle": probe_packed_swizzle,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()

@@ -6,7 +6,8 @@ for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PE
 and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
 with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) and two
-decode partitions (``FP4_WS_DECODERS``, also with ``numerics="hopper_l2_per_block"``) with per-block decode.
+decode partitions (``FP4_WS_DECODERS``, also with ``numerics="hopper_l2_per_block"``) with per-block decode, and
+the packed weight stage swizzled (``FP4_WS_PACKED_SWIZZLE``, with one and two decode partitions).
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -43,11 +44,18 @@ OPTIONS["FP4_WS_DECODERS"] = ({128: 1, 64: 2}, {128: 2, 64: 2})
 FORCE["FP4_WS_DECODERS"] = FORCE["FP4_WS_DECODE_HALVES"]
 OPTIONS["FP4_WS_DECODERS@l2_per_block"] = OPTIONS["FP4_WS_DECODERS"]
 FORCE["FP4_WS_DECODERS@l2_per_block"] = FORCE["FP4_WS_DECODE_HALVES"]
+#: the packed FP4 weight stage swizzled by 64 bytes (the decode warps' reads without bank conflicts), at block 128 with
+#: one decode partition and with two
+OPTIONS["FP4_WS_PACKED_SWIZZLE"] = ({128: 0, 64: 0}, {128: 64, 64: 64})
+FORCE["FP4_WS_PACKED_SWIZZLE"] = FORCE["FP4_WS_DECODE_HALVES"]
+OPTIONS["FP4_WS_PACKED_SWIZZLE@decoders"] = OPTIONS["FP4_WS_PACKED_SWIZZLE"]
+FORCE["FP4_WS_PACKED_SWIZZLE@decoders"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_DECODERS={128: 2, 64: 2})
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
 #: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert); so do the two
 #: decode partitions (the second folds no L2 A row of a block of <= 64)
-CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3), "FP4_WS_DECODERS": (0, 2, 3), "FP4_WS_DECODERS@l2_per_block": (0, 2, 3)}
+CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3), "FP4_WS_DECODERS": (0, 2, 3), "FP4_WS_DECODERS@l2_per_block": (0, 2, 3),
+         "FP4_WS_PACKED_SWIZZLE": (0, 2, 3), "FP4_WS_PACKED_SWIZZLE@decoders": (0, 2, 3)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
