@@ -139,10 +139,13 @@ def _silu_mul(gate, up):
     (``F64_EXP`` off) compiles to on sm_90 -- ``ex2.approx`` of ``-gate * log2(e)`` and ``div.full`` (the numerator
     times ``rcp.approx`` of the denominator) -- without the guards ptxas puts around both for subnormal operands
     (an ``FSETP`` and two predicated ``FMUL`` each, 384 of the L1 epilogue's instructions a thread a tile at block
-    128): here ``ex2.approx.ftz`` and ``rcp.approx.ftz``. The same bits wherever the guards would act: ``exp(-gate)``
-    below 2^-126 (gate > 87) adds nothing to 1 in float32 either way; a denominator above 2^126 (gate < -87) gives a
-    quotient of magnitude < 2^-120 with the guard and a signed zero here, which the requant to e4m3 (a scale of
-    at least 1e-4 / 448, ``AMAX_FLOOR``) turns into the same signed zero, and which the row maximum never is."""
+    128): here ``ex2.approx.ftz`` and ``rcp.approx.ftz``. Where the guards do not act (a denominator up to 2^126)
+    both compute the same instructions on the same values. Where they would: ``exp(-gate)`` below 2^-126 (gate >
+    87.3) adds nothing to 1 in float32 either way; a denominator above 2^126 (-88.7 < gate < -87.3; below, both give
+    0) gives a quotient of magnitude below 2^-119 with the guard and a signed zero here, so ``act`` differs only by
+    that quotient times ``up``, which the requant to e4m3 (its scale at least ``AMAX_FLOOR`` / 448) rounds to the
+    same signed zero unless ``|up|`` exceeds ~2^87 -- the same L2 input bytes for any layer whose L1 outputs are
+    not near float32's range."""
     # (gate * -log2(e) is (-gate) * log2(e) bit for bit, one FMUL with no FADD for the negation)
     e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [gate * NEG_LOG2E], dtype=gl.float32,
                                   is_pure=True, pack=1)
