@@ -282,12 +282,13 @@ FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
 #: partitions one 128-row half of every stage's weights and 64 of its L2 A rows (a second decode warp on each
 #: scheduler in every tile, what FP4_WS_IDLE_DECODE gives only the tiles with <= 64 rows), the math warpgroups then
 #: multiplying in four 64-row wgmma chains a stage (a fresh [64, 64] register tile, not [64, 128]) so that the
-#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE. Built in session 34 without a device (offline
-#: sm_90a compiles only, ``tests/test_hopper_compile.py``): off until ``results/probes/device_run.sh decoders`` (its GPU
-#: tests, then one / two partitions alternating at T = 512 ... 8192) has measured it. What the stage profiles say it
-#: can gain: a full tile's stage is ~2650 cycles of which the one decode partition's W decode is ~1630 and the
-#: math warpgroups wait ~950 (``results/probes/stage_profile_probe_h200.jsonl``); what may cap it: the math's own
-#: ~1350 cycles of MMA a stage (more with four chains) and shared-memory bandwidth (four chains read A twice as often).
+#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE. Built in session 34 without a device; measured
+#: in session 35 on an H100 (``results/probes/decoders_runs/*_e83c92a_h100.jsonl``, whole call at T = 512 alternating
+#: twice, the same errors to every digit): one / two partitions 1050 / 1099, 1056 / 1100 us ("hopper"), 1029 / 1050,
+#: 1037 / 1054 ("hopper_l2_per_block") -- 2-5 % slower. The stage profile says why: a partition's W decode of 128 rows
+#: a stage took 1406 cycles against 1592 for the one partition's 256 (the stage is latency, not per-row work, as
+#: session 28's split tile found), its wait for the TMA doubled (159 -> 307), and the four-chain math stage was no
+#: shorter. Off; the next clean-up may remove it.
 FP4_WS_DECODERS = {128: 1, 64: 2}
 #: (math, loader, decode, maxnreg) registers of block 128 with two decode partitions: 5 warpgroups of 128 threads at
 #: ``maxnreg`` 96 (65536 / 640 rounded down to 8), so 480 a thread in all: math warpgroup 1 168, the loader 24, each
@@ -307,8 +308,10 @@ FP4_WS_PREFETCH = {128: False, 64: True}
 #: decode's loads follow it: 16-byte chunk ``c`` of row ``r`` at ``c ^ (r >> 1) & 3``) spreads each warp's reads over
 #: all 32 banks. Offline sm_90a (session 35): +3 SASS a decode stage (the swizzle's address terms) and 4 bytes more
 #: spill outside the K loops at block 128, nothing else changed; with ``FP4_WS_DECODERS`` 2 one decode loop spills 2
-#: registers a stage at the decoders' 56 (at 64 the math warpgroups' loops spill). Off until timed on a GPU
-#: (``fp8_ws_probe.py packed_swizzle``; same bits: ``tests/gpu/test_ws_launch_options_gpu.py``).
+#: registers a stage at the decoders' 56 (at 64 the math warpgroups' loops spill). Timed on an H100 in session 35
+#: (``results/probes/decoders_runs/packed_swizzle_e83c92a_h100.jsonl``, T = 512 alternating twice, the same errors):
+#: one decode partition 1058 / 1069, 1056 / 1075 us unswizzled / swizzled -- no gain (1-2 % slower), so the decode's
+#: stage is not bound by those conflicts. Off.
 FP4_WS_PACKED_SWIZZLE = {128: 0, 64: 0}
 #: Whether each ring stage carries its K block's scale words by TMA (``SF_TMA``: the loader's 1 KB of the tile's 256
 #: weight rows + the pool rows' words, as DeepGEMM's SM90 kernel loads its scales; the decode reads them from shared
