@@ -188,7 +188,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from megamoe.kernels.formats import FOLD_LUT_MAX_SHIFT
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -203,7 +202,7 @@ from megamoe.kernels.gemm_fp8_ws import (
     _pin,
     _tile,
 )
-from megamoe.kernels.numerics import _PRMT_LUT_ASM
+from megamoe.kernels.numerics import _PRMT_LUT_ASM, FOLD_TABLE_ASM, FOLD_TABLE_MAX_SHIFT
 from megamoe.kernels.symm import _globaltimer_ns
 
 QN = gl.constexpr(64)  #: weight rows of one wgmma chain with ``QUARTERS`` (four a stage)
@@ -378,12 +377,13 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
 @gluon.jit
 def _fold_table(lut, word, rmax, g: gl.constexpr):
     """The decode table words (codes 0-3, codes 4-7) of per-32 group ``g`` of each row: ``fold_lut`` at the fold
-    shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``). The pair is one
-    8-byte gather (``lut`` as int64: entry ``d`` = words ``2d`` (low, little-endian) and ``2d + 1``): half the loads
-    and address arithmetic of two 4-byte gathers (``fold_lut`` is a fresh, 8-byte aligned allocation)."""
-    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_LUT_MAX_SHIFT)
-    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)
-    return pair.to(gl.int32), (pair >> 32).to(gl.int32)
+    shift ``min(s_row - s_g, FOLD_LUT_MAX_SHIFT)`` (the one-launch kernel's ``_fold_tables``), computed in registers
+    (``FOLD_TABLE_ASM``: shifts past ``FOLD_TABLE_MAX_SHIFT`` have the same all-zero row), not gathered from ``lut``:
+    the gather's load was a dependent memory round trip in the middle of the decode warp's stage (two a 128-row
+    half), which one warp a scheduler cannot hide."""
+    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_TABLE_MAX_SHIFT)
+    return gl.inline_asm_elementwise(FOLD_TABLE_ASM, "=r,=r,r", [d], dtype=(gl.int32, gl.int32), is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit

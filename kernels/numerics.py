@@ -158,6 +158,26 @@ BF16X2_ROUND_ASM = tl.constexpr(
     "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }")
 
 
+#: Largest fold shift :data:`FOLD_TABLE_ASM` takes: every e2m1 magnitude times ``2^-13`` or less rounds to 0 in e4m3
+#: (``6 * 2^-13 = 0.375 * 2^-9``, under half the smallest subnormal), so ``megamoe.quant.fold_lut``'s entries from
+#: here on are all zero, and ``0.5 * 2^-13 = 2^-14`` is still a normal float16 (the asm's exponent subtraction exact).
+FOLD_TABLE_MAX_SHIFT = tl.constexpr(13)
+#: One row of ``megamoe.quant.fold_lut`` computed, not loaded: ``$2`` the fold shift ``d`` (0 ..
+#: ``FOLD_TABLE_MAX_SHIFT``) -> ``$0`` / ``$1`` the e4m3 bytes of the e2m1 magnitudes (codes 0-3 / 4-7, code ``j`` in byte ``j % 4``) times
+#: ``2^-d``. The magnitudes as float16 pairs (0 / 0.5, 1 / 1.5, 2 / 3, 4 / 6: every nonzero one normal down to
+#: ``2^-14``), ``d`` subtracted from each nonzero half's exponent field by one ``mad`` (code 0's half stays 0), then
+#: ``cvt.rn.satfinite.e4m3x2.f16x2`` (round to nearest even, subnormals included: the rounding torch's float32 ->
+#: e4m3 cast does on the same values, so the bits of ``fold_lut``) and the four byte pairs packed into two words.
+#: 10 SASS instructions (4 IMAD, 4 F2FP, 2 PRMT) where the table's gather takes an address (2) and a load whose
+#: latency the decode warp waits for. ``megamoe.inline_asm`` runs it on CPU (``tests/test_inline_asm.py``).
+FOLD_TABLE_ASM = tl.constexpr(
+    "{ .reg .b32 w0, w1, w2, w3; .reg .b16 e0, e1, e2, e3;"
+    " mad.lo.u32 w0, $2, 0xFC000000, 0x38000000; mad.lo.u32 w1, $2, 0xFBFFFC00, 0x3E003C00;"
+    " mad.lo.u32 w2, $2, 0xFBFFFC00, 0x42004000; mad.lo.u32 w3, $2, 0xFBFFFC00, 0x46004400;"
+    " cvt.rn.satfinite.e4m3x2.f16x2 e0, w0; cvt.rn.satfinite.e4m3x2.f16x2 e1, w1;"
+    " cvt.rn.satfinite.e4m3x2.f16x2 e2, w2; cvt.rn.satfinite.e4m3x2.f16x2 e3, w3;"
+    " mov.b32 $0, {e0, e1}; mov.b32 $1, {e2, e3}; }")
+
 @triton.jit
 def e2m1x2_lut_prmt(packed, la0, la1, lb0, lb1):
     """GPU: uint8 ``packed`` (as :func:`e2m1x2_to_e4m3_prmt`) through per-lane byte tables (low values: ``la0`` /

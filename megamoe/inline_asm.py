@@ -1,6 +1,7 @@
 """The kernels' inline PTX run on CPU: a bit-level emulator of the few 32-bit instructions their
 ``inline_asm_elementwise`` strings use (``mov``, ``and``, ``or``, ``xor``, ``not``, ``shl``, ``shr``, ``prmt``;
-``.b32`` / ``.u32``; and ``cvt.rn.bf16x2.f32``, two float32 rounded to bf16 and packed), so that a CPU test can
+``mad.lo``; ``.b32`` / ``.u32``; ``cvt.rn.bf16x2.f32``, two float32 rounded to bf16 and packed;
+``cvt.rn.satfinite.e4m3x2.f16x2`` and ``mov.b32 d, {lo, hi}`` on ``.b16`` registers), so that a CPU test can
 check an asm string's *semantics* against the torch model. (The ``.approx`` instructions of the Gluon epilogue's
 SwiGLU, ``ex2`` / ``rcp``, are the hardware's own approximations and are not emulated.)
 
@@ -55,6 +56,16 @@ def _bf16_rn(x: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint64(0x7FFF), r & np.uint64(0xFFFF)).astype(np.uint32)
 
 
+def _e4m3_rn(h: np.ndarray) -> np.ndarray:
+    """float16 bits (uint32, low 16 bits) -> e4m3 bits (uint32, low 8 bits) as ``cvt.rn.satfinite``: round to nearest
+    even (subnormals included), finite values beyond 448 to +-448, NaN to NaN (0x7F with its sign)."""
+    import torch
+
+    x = torch.from_numpy(np.asarray(h, dtype=np.uint16).view(np.float16).astype(np.float32))
+    e = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.uint32)
+    return np.where(np.isnan(x.numpy()), np.where(np.signbit(x.numpy()), 0xFF, 0x7F), e).astype(np.uint32)
+
+
 def run(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Execute ``asm`` over the lanes of ``operands`` (see the module docstring)."""
     regs: dict[str, np.ndarray] = {f"${k}": np.asarray(v, dtype=np.uint32) for k, v in operands.items()}
@@ -69,22 +80,38 @@ def run(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
             return np.full(shape, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
         raise KeyError(f"inline asm: operand {tok!r} read before it is written")
 
-    body = asm.replace("{", ";").replace("}", ";")
+    body = asm.strip()
+    if body.startswith("{") and body.endswith("}"):  # the block's braces (a vector operand keeps its own)
+        body = body[1:-1]
     for stmt in (s.strip() for s in body.split(";")):
         if not stmt or stmt.startswith(".reg"):
             continue
         m = _INSTR.match(stmt)
         if m is None:
             raise ValueError(f"inline asm: cannot parse {stmt!r}")
-        op, mods, args = m.group(1), m.group(2), [a.strip() for a in m.group(3).split(",")]
+        op, mods = m.group(1), m.group(2)
+        vec = re.fullmatch(r"(\S+),\s*\{(.*)\}", m.group(3).strip())  # mov.b32 d, {lo, hi}
+        args = [vec.group(1), "{" + vec.group(2) + "}"] if vec else [a.strip() for a in m.group(3).split(",")]
         dst, src = args[0], args[1:]
         if op == "cvt":
-            if mods != ".rn.bf16x2.f32":
-                raise ValueError(f"inline asm: only cvt.rn.bf16x2.f32 is emulated ({stmt!r})")
-            # PTX: a's value into the upper half of d, b's into the lower
-            res = (_bf16_rn(value(src[0])) << np.uint32(16)) | _bf16_rn(value(src[1]))
+            if mods == ".rn.bf16x2.f32":  # PTX: a's value into the upper half of d, b's into the lower
+                res = (_bf16_rn(value(src[0])) << np.uint32(16)) | _bf16_rn(value(src[1]))
+            elif mods == ".rn.satfinite.e4m3x2.f16x2":  # each float16 half into the byte of its place
+                res = _e4m3_rn(value(src[0]) & np.uint32(0xFFFF)) | (_e4m3_rn(value(src[0]) >> np.uint32(16))
+                                                                      << np.uint32(8))
+            else:
+                raise ValueError(f"inline asm: only cvt.rn.bf16x2.f32 and cvt.rn.satfinite.e4m3x2.f16x2 are "
+                                 f"emulated ({stmt!r})")
+        elif op == "mov" and vec:  # two 16-bit registers into one 32-bit one, the first in the low half
+            lo, hi = (value(t) & np.uint32(0xFFFF) for t in vec.group(2).split(","))
+            res = lo | (hi << np.uint32(16))
         elif op == "mov":
             res = value(src[0]).copy()
+        elif op == "mad":
+            if mods != ".lo.u32":
+                raise ValueError(f"inline asm: only mad.lo.u32 is emulated ({stmt!r})")
+            a, b, c = (value(t).astype(np.uint64) for t in src)
+            res = ((a * b + c) & _MASK).astype(np.uint32)
         elif op == "not":
             res = ~value(src[0])
         elif op == "prmt":

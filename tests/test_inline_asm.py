@@ -112,3 +112,41 @@ def test_bf16x2_round_string_is_round_to_bf16():
     assert np.array_equal(out[0], want[0::2]) and np.array_equal(out[1], want[1::2])
     swapped = run(kn.BF16X2_ROUND_ASM.value.replace("t, $3, $2", "t, $2, $3"), {2: a, 3: b})
     assert not np.array_equal(swapped[0], want[0::2])
+
+
+def test_fold_table_string_is_the_fold_lut():
+    """``FOLD_TABLE_ASM`` (the Gluon decode's fold table, computed in registers) gives ``fold_lut``'s two words at
+    every shift it takes, and ``fold_lut``'s rows past ``FOLD_TABLE_MAX_SHIFT`` (where the kernel clamps) are that
+    last row: all zero. The emulated ``cvt.rn.satfinite.e4m3x2.f16x2`` rounds to nearest even, subnormals included
+    (shifts 6 .. 12 round); swapping the halves of a packed pair, or dropping the code-0 half's guard, fails here."""
+    asm = kn.FOLD_TABLE_ASM.value
+    top = kn.FOLD_TABLE_MAX_SHIFT.value
+    d = np.arange(top + 1, dtype=np.uint32)
+    lut = fold_lut().numpy().view(np.uint32).reshape(-1, 2)
+    assert FOLD_LUT_MAX_SHIFT >= top and (lut[top:] == 0).all()
+    out = run(asm, {2: d})
+    assert np.array_equal(out[0], lut[:top + 1, 0]) and np.array_equal(out[1], lut[:top + 1, 1])
+    assert len({int(w) for w in out[1]}) == top + 1  # every shift's row differs, the last all zero
+    swapped = run(asm.replace("{e0, e1}", "{e1, e0}"), {2: d})
+    assert not np.array_equal(swapped[0], lut[:top + 1, 0])
+    unguarded = run(asm.replace("0xFC000000, 0x38000000", "0xFBFFFC00, 0x38000000"), {2: d})
+    assert not np.array_equal(unguarded[0], lut[:top + 1, 0])
+
+
+def test_e4m3x2_cvt_rounds_and_saturates():
+    """The emulator's ``cvt.rn.satfinite.e4m3x2.f16x2``: float16 pairs (low half to the low byte) against torch's
+    float32 -> e4m3 cast, which rounds to nearest even; finite values past 448 saturate, NaN stays NaN."""
+    rng = np.random.default_rng(3)
+    h = rng.integers(0, 1 << 16, 8192, dtype=np.uint32)
+    f = h.astype(np.uint16).view(np.float16).astype(np.float32)
+    h = h[np.isfinite(f)]
+    f = f[np.isfinite(f)]
+    if len(h) % 2:
+        h, f = h[:-1], f[:-1]
+    words = h[0::2] | (h[1::2] << 16)
+    out = run("{ .reg .b16 e; cvt.rn.satfinite.e4m3x2.f16x2 e, $1; mov.b32 $0, {e, e}; }", {1: words})[0]
+    want = torch.from_numpy(np.clip(f, -448, 448)).to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.uint32)
+    assert np.array_equal(out & 0xFF, want[0::2]) and np.array_equal((out >> 8) & 0xFF, want[1::2])
+    nan = run("{ .reg .b16 e; cvt.rn.satfinite.e4m3x2.f16x2 e, $1; mov.b32 $0, {e, e}; }",
+              {1: np.array([0x7E00FE00], np.uint32)})[0]
+    assert int(nan[0]) & 0xFFFF == 0x7FFF

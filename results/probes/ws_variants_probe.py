@@ -20,10 +20,13 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
 * ``scale_words``: at T = 128 / 512 (block 64) and 2048 (block 128) where the decode partitions get each K block's
   scale words: a load in the stage, one K block ahead (``FP4_WS_PREFETCH``, block 64), by TMA with the stage
   (``FP4_WS_SF_TMA``); at block 64 also 4 ring stages; error of each against the reference.
+* ``knockout [T1,..]``: the decode partition's stage piece by piece (``probe_knockout``): the fold tables computed
+  (as is) or gathered (as before, bitwise compared), then knock-outs of the table, the fence, the W decode, the
+  whole decode, the wgmma.
 * ``fold_decode``: the decode pass alone at rows a program / warps / K-loop pipeline stages and the access-pattern
   variants of ``megamoe.kernels.fold_decode`` (``FOLD_DECODE_VARIANTS``), outputs compared bitwise with the first.
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
+    python results/probes/ws_variants_probe.py [fp4 [T1,..] | knockout [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
@@ -95,6 +98,31 @@ DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0
     "\n                        s = s + 0\n",) * 2 + ("\n" + " " * 28 + "s = s + 0\n",)
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
+# -- session 36's knock-outs of the decode stage (``knockout``): each removes one piece of a decode warp's stage
+TABLE_ASM = ('    return gl.inline_asm_elementwise(FOLD_TABLE_ASM, "=r,=r,r", [d], dtype=(gl.int32, gl.int32), '
+             'is_pure=True,\n                                     pack=1)\n')
+TABLE_SHIFT = "    d = gl.minimum(rmax - ((word >> (8 * g)) & 0xFF), FOLD_TABLE_MAX_SHIFT)\n"
+STAGE_FENCE = "            fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads them\n"
+IDLE_FENCE = "        fence_async_shared()  # generic-proxy stores, then wgmma (warpgroup 0) reads them\n"
+HALVES_STORES = """    wd_lo.store(_decode_values(wp, rmax, wsf.slice(0, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, 0, HR))
+    if HI:
+        wd_hi.store(_decode_values(wp, rmax, wsf.slice(HR, HR).load(gl.SliceLayout(1, D_LAYOUT)), lut, HR, HR))
+"""
+IDLE_STORE = "        wd2_bufs.index(s).store(_decode_values_rm(wp_bufs.index(s), rm, word, lut, HR, HR))\n"
+PATCHES.update({
+    # the table gathered from ``fold_lut`` (the kernel before session 36): one 8-byte load a group and row
+    "lut_gather": [(TABLE_SHIFT, TABLE_SHIFT.replace("FOLD_TABLE_MAX_SHIFT", "FOLD_LUT_MAX_SHIFT")),
+                   (TABLE_ASM, "    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)\n"
+                               "    return pair.to(gl.int32), (pair >> 32).to(gl.int32)\n")],
+    # the table neither gathered nor computed: two integer operations on the shift (wrong values)
+    "lut_const": [(TABLE_ASM, "    return d * 0x08080808 + 0x3C383000, d + 0x4C484440\n")],
+    # no fence.proxy.async after a stage's stores (a race: timing only)
+    "nofence": [(STAGE_FENCE, ""), (IDLE_FENCE, "")],
+    # no W decode (neither the decode partition's nor the idle warpgroup's); the L2 A fold stays
+    "nowdecode": [(HALVES_STORES, "    pass\n"), (IDLE_STORE, "")],
+    # no wgmma: each math warpgroup waits for a decoded stage and releases it
+    "nomma": [(MATH_AS_IS, "                mbarrier.arrive(empty.index(s), count=1)\n")],
+})
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -155,6 +183,51 @@ def probe_fp4(tokens=(512, 2048, 8192)):
             emit(probe="fp4", T=T, kind=cfg.kind, block_m=cfg.block_m, variant=variant, us=_median_ms(call) * 1e3)
         use_kernel(kernel_module("as_is"))
         sb.destroy()
+
+
+#: ``knockout``'s variants in order (``as_is`` first and last; ``lut_gather`` is the exact one: compared bitwise).
+KNOCKOUTS = ("as_is", "lut_gather", "lut_const", "nofence", "nowdecode", "nodecode", "nomma", "as_is")
+
+
+def probe_knockout(tokens=(512, 2048)):
+    """Session 36: what each piece of the decode partition's stage costs the whole ``fp8_fp4_mega_moe`` call
+    ("hopper", the host's tile: the decode-partition tile at block 128 from T = 512, its idle decode where a block
+    has <= 64 rows), one buffer for the largest T (one compile a variant). ``KNOCKOUTS``: the kernel as it is (its
+    fold tables computed, ``FOLD_TABLE_ASM``) with its error against ``reference(numerics="hopper")``; the tables
+    gathered as before, output compared bitwise; then wrong-result knock-outs (``PATCHES``). Env ``KNOCKOUTS``
+    (comma-separated) replaces the list."""
+    tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
+    variants = tuple(os.environ.get("KNOCKOUTS", ",".join(KNOCKOUTS)).split(","))
+    fmt = "fp8_fp4"
+    case_max = MoECase(num_tokens=max(tokens), format=fmt, **SHAPE)
+    sb = SymmBuffer.local(1, case_max.num_experts, max(tokens), case_max.num_topk, case_max.hidden,
+                          case_max.intermediate, block_m=case_max.block_m, device="cuda", format=fmt)[0]
+    for T in tokens:
+        problem = MoECase(num_tokens=T, format=fmt, **SHAPE).problem(device="cuda")
+        y, l1, l2, _ = prepare_rank(sb, problem, 0)
+        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
+        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+        want = None
+        for variant in variants:
+            use_kernel(kernel_module(variant))
+            y.fill_(float("nan"))
+            try:
+                call()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a variant that does not compile is reported, not fatal
+                emit(probe="knockout", T=T, variant=variant, error=repr(exc)[:300])
+                continue
+            row = dict(probe="knockout", T=T, kind=cfg.kind, block_m=cfg.block_m, idle_decode=cfg.idle_decode,
+                       variant=variant)
+            if variant == "as_is" and want is None:
+                want = y.clone()
+                err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
+                row.update(rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+            if variant in ("as_is", "lut_gather"):
+                row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
+            emit(**row, us=_median_ms(call) * 1e3)
+        use_kernel(kernel_module("as_is"))
+    sb.destroy()
 
 
 def probe_back(cases=(("fp8", 2048), ("fp8", 8192), ("fp8_fp4", 8192))):
@@ -354,4 +427,5 @@ if __name__ == "__main__":
          commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block,
-         "scale_words": probe_scale_words, "predecode": probe_predecode, "fold_decode": probe_fold_decode}[name]()
+         "scale_words": probe_scale_words, "predecode": probe_predecode, "fold_decode": probe_fold_decode,
+         "knockout": probe_knockout}[name]()
