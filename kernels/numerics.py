@@ -163,13 +163,14 @@ BF16X2_ROUND_ASM = tl.constexpr(
 #: here on are all zero, and ``0.5 * 2^-13 = 2^-14`` is still a normal float16 (the asm's exponent subtraction exact).
 FOLD_TABLE_MAX_SHIFT = tl.constexpr(13)
 #: One row of ``megamoe.quant.fold_lut`` computed, not loaded: ``$2`` the fold shift ``d`` (0 ..
-#: ``FOLD_TABLE_MAX_SHIFT``) -> ``$0`` / ``$1`` the e4m3 bytes of the e2m1 magnitudes (codes 0-3 / 4-7, code ``j`` in byte ``j % 4``) times
-#: ``2^-d``. The magnitudes as float16 pairs (0 / 0.5, 1 / 1.5, 2 / 3, 4 / 6: every nonzero one normal down to
-#: ``2^-14``), ``d`` subtracted from each nonzero half's exponent field by one ``mad`` (code 0's half stays 0), then
-#: ``cvt.rn.satfinite.e4m3x2.f16x2`` (round to nearest even, subnormals included: the rounding torch's float32 ->
-#: e4m3 cast does on the same values, so the bits of ``fold_lut``) and the four byte pairs packed into two words.
-#: 10 SASS instructions (4 IMAD, 4 F2FP, 2 PRMT) where the table's gather takes an address (2) and a load whose
-#: latency the decode warp waits for. ``megamoe.inline_asm`` runs it on CPU (``tests/test_inline_asm.py``).
+#: ``FOLD_TABLE_MAX_SHIFT``) -> ``$0`` / ``$1`` the e4m3 bytes of the e2m1 magnitudes (codes 0-3 / 4-7, code ``j``
+#: in byte ``j % 4``) times ``2^-d``. The magnitudes as float16 pairs (0 / 0.5, 1 / 1.5, 2 / 3, 4 / 6: every
+#: nonzero one normal down to ``2^-14``), ``d`` subtracted from each nonzero half's exponent field by one ``mad``
+#: (code 0's half stays 0), then ``cvt.rn.satfinite.e4m3x2.f16x2`` (round to nearest even, subnormals included:
+#: the rounding torch's float32 -> e4m3 cast does on the same values, so the bits of ``fold_lut``) and the four
+#: byte pairs packed into two words. 10 SASS instructions (4 IMAD, 4 F2FP, 2 PRMT) where the table's gather takes
+#: an address (2) and a load whose latency the decode warp waits for. ``megamoe.inline_asm`` runs it on CPU
+#: (``tests/test_inline_asm.py``).
 FOLD_TABLE_ASM = tl.constexpr(
     "{ .reg .b32 w0, w1, w2, w3; .reg .b16 e0, e1, e2, e3;"
     " mad.lo.u32 w0, $2, 0xFC000000, 0x38000000; mad.lo.u32 w1, $2, 0xFBFFFC00, 0x3E003C00;"
