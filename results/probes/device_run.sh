@@ -114,7 +114,7 @@
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
 #                  ws128_dec2, *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
-#   knockout       ws_variants_probe.py knockout at T = $KO_TOKENS (512,2048): whole calls with the decode partition's
+#   knockout       ws_variants_probe.py knockout at T = $KO_TOKENS (512,128,2048): whole calls with the decode partition's
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
 #                  timed: 7 compiles)
@@ -445,7 +445,7 @@ step_stage_profile() {
 }
 
 step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKENS (ws_variants_probe.py knockout)
-    timeout "${KO_TIMEOUT:-420}" $PY results/probes/ws_variants_probe.py knockout "${KO_TOKENS:-512,2048}" \
+    timeout "${KO_TIMEOUT:-420}" $PY results/probes/ws_variants_probe.py knockout "${KO_TOKENS:-512,128,2048}" \
         >>"$OUT/knockout.jsonl"
     local rc=$?
     cut -c1-330 "$OUT/knockout.jsonl"

@@ -153,9 +153,26 @@ def kernel_module(variant: str):
     return mod
 
 
+import megamoe.kernels.gemm_fp4_rs as RS_AS_IS  # noqa: E402  (imports its fold table from gemm_fp4_ws)
+_RS_COPIES = {}
+
+
 def use_kernel(mod):
+    """``mod`` in place of ``megamoe.kernels.gemm_fp4_ws``, and the register-operand tile's module (which imports
+    ``_fold_table`` / ``_decode_prmt`` from it) loaded afresh against it, so that a patch of the decode reaches both
+    FP8 x FP4 Gluon tiles."""
     sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
     mk.gemm_fp4_ws = mod
+    if mod is AS_IS:
+        rs = RS_AS_IS
+    else:
+        if id(mod) not in _RS_COPIES:
+            spec = importlib.util.spec_from_file_location(f"gemm_fp4_rs_{mod.__name__}", RS_AS_IS.__file__)
+            _RS_COPIES[id(mod)] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_RS_COPIES[id(mod)])
+        rs = _RS_COPIES[id(mod)]
+    sys.modules["megamoe.kernels.gemm_fp4_rs"] = rs
+    mk.gemm_fp4_rs = rs
 
 
 def rank(fmt: str, T: int, numerics: str = "hopper"):
@@ -189,13 +206,14 @@ def probe_fp4(tokens=(512, 2048, 8192)):
 KNOCKOUTS = ("as_is", "lut_gather", "lut_const", "nofence", "nowdecode", "nodecode", "nomma", "as_is")
 
 
-def probe_knockout(tokens=(512, 2048)):
+def probe_knockout(tokens=(512, 128, 2048)):
     """Session 36: what each piece of the decode partition's stage costs the whole ``fp8_fp4_mega_moe`` call
     ("hopper", the host's tile: the decode-partition tile at block 128 from T = 512, its idle decode where a block
     has <= 64 rows), one buffer for the largest T (one compile a variant). ``KNOCKOUTS``: the kernel as it is (its
     fold tables computed, ``FOLD_TABLE_ASM``) with its error against ``reference(numerics="hopper")``; the tables
     gathered as before, output compared bitwise; then wrong-result knock-outs (``PATCHES``). Env ``KNOCKOUTS``
-    (comma-separated) replaces the list."""
+    (comma-separated) replaces the list. Where the host runs the register-operand tile (T <= 256), which decodes
+    through the same ``_fold_table``, only as is / gathered / as is."""
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
     variants = tuple(os.environ.get("KNOCKOUTS", ",".join(KNOCKOUTS)).split(","))
     fmt = "fp8_fp4"
@@ -208,7 +226,7 @@ def probe_knockout(tokens=(512, 2048)):
         call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
         cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
         want = None
-        for variant in variants:
+        for variant in variants if cfg.kind == "fp4_ws" else ("as_is", "lut_gather", "as_is"):
             use_kernel(kernel_module(variant))
             y.fill_(float("nan"))
             try:
