@@ -111,7 +111,7 @@ HALVES_STORES = """    wd_lo.store(_decode_values(wp, rmax, wsf.slice(0, HR).loa
 IDLE_STORE = "        wd2_bufs.index(s).store(_decode_values_rm(wp_bufs.index(s), rm, word, lut, HR, HR))\n"
 PATCHES.update({
     # the table gathered from ``fold_lut`` (the kernel before session 36): one 8-byte load a group and row
-    "lut_gather": [(TABLE_SHIFT, TABLE_SHIFT.replace("FOLD_TABLE_MAX_SHIFT", "FOLD_LUT_MAX_SHIFT")),
+    "lut_gather": [(TABLE_SHIFT, TABLE_SHIFT.replace("FOLD_TABLE_MAX_SHIFT", "15")),
                    (TABLE_ASM, "    pair = gl.load(lut.to(gl.pointer_type(gl.int64)) + d)\n"
                                "    return pair.to(gl.int32), (pair >> 32).to(gl.int32)\n")],
     # the table neither gathered nor computed: two integer operations on the shift (wrong values)
