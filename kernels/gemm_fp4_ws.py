@@ -82,17 +82,6 @@ where a 128-row block is mostly padding; the pool is sized for 128, as for the F
   arrives on ``decoded2[s]``; the decode partition decodes the low half and folds only the first 64 L2 A rows;
   warpgroup 0 waits on both barriers. The tile's stage then has two decoding warpgroups, one warp of each on every
   scheduler.
-* ``DECODERS`` 2 (BM 128 with ``DECODE_HALVES``; ``megamoe.fused.FP4_WS_DECODERS``, off; not yet run on a GPU): two
-  decode partitions in **every** tile, each a 128-row half of each stage's weights (one row a thread, as two 64-row
-  quarters into their own ``[64, 128]`` buffers: ``_decode_half``) and 64 of its L2 A rows; ``decoded[s]`` counts
-  both. What pays for the second partition's registers: the math warpgroups multiply a stage as four 64-row wgmma
-  chains (``QUARTERS``: ``_mma_quarter``), so the fresh register tile of a chain is ``[64, 64]`` (32 registers, not
-  64), and the four quarter accumulators are relabelled into the epilogues' halves (a register permutation, no data
-  movement). Math warpgroup 1 in a tile without rows of its own releases each decoded stage without multiplying
-  (``_skip_tile``). Why: the stage profile puts a full tile's stage in its one latency-bound decode partition (~2650
-  cycles, one decode warp a scheduler) while the math waits, and the idle tiles' second decoding warpgroup took a
-  stage to ~2000. The cost: a 64-row chain reads its A operand from shared memory for 64 weight rows instead of 128
-  (the stage's wgmma reads ~128 KB instead of ~96 KB of shared memory).
 
 Shared memory per stage: A 16 KB (BM 64: 8 KB) + packed W 16 KB + decoded W 32 KB = 64 KB (56 KB); 3 stages = 192
 KB (168 KB) + 3 KB (2.5 KB) of row exponents and barriers.
@@ -102,11 +91,9 @@ warp and three idle ones): 512 = 64 K registers / 128 threads. BM 128: math 208 
 math 232 (the default partition: what the workers leave, 512 - 24 - 2 x 128), loader 24, decode 128 + 128 -- the
 second math warpgroup's registers go to a second decode partition. (A third or fourth decode partition does not
 fit: 5 or 6 warpgroups cap the launch at ``maxnreg`` 96 / 80, and ptxas needs at least 90 for the wgmma of the
-math; 256 weight rows do not split in three evenly either.) BM 128 with ``DECODERS`` 2: 5 warpgroups at ``maxnreg``
-96 (480 a thread of a warpgroup in all), math 176 (the default partition: what the workers leave) + 168, loader 24,
-decode 56 + 56 (``megamoe.fused.FP4_WS_REGS_TWO_DECODERS``); offline sm_90a (Triton 3.6): no spill in any K loop, 52
-B outside them, each math loop 16 QGMMA, each decode partition's stage loop 345 SASS instructions (the one
-partition's: 968, both halves and the idle form).
+math; 256 weight rows do not split in three evenly either.) Two decode partitions at BM 128 (a 128-row half of
+each stage each, the math warpgroups in four 64-row wgmma chains so that 5 warpgroups fit ``maxnreg`` 96) were
+built and measured 2-5 % slower on an H100 (session 35, ``results/probes/README.md``): removed.
 
 Offline sm_90a compile (``python results/probes/gemm_fp4_ws_compile.py 3``, Triton 3.6, H = 7168, I = 3072, 3
 stages, BM 128, 208 / 24 / 72): 200092 B of shared memory (of 232448); ptxas "136 bytes stack frame, 140 bytes spill
@@ -172,7 +159,8 @@ once per pool block (eight times); offline sm_90a: BM 64 129708 B of shared memo
 155580 B (4).
 Whether the per-tile row maxima (56 scale words a row at H = 7168, re-read per tile from L2) stall the ring at tile
 boundaries (a per-weights cache of the row maxima, e.g. computed by ``transform_weights_for_mega_moe``, would remove
-them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate). 3 stages against a 4-deep A/W ring with
+them). Bank conflicts of the unswizzled packed-W reads (2-way by estimate; a 64-byte swizzle that removes them was
+measured 1-2 % slower on an H100, session 35, and removed). 3 stages against a 4-deep A/W ring with
 a 2-deep decoded ring. Whether the two decode partitions at BM 64 decode a stage in half the time (and whether
 a 64-row block of one math warpgroup then keeps up). A folding pull partition (the rows would then
 overlap the GEMMs again).
@@ -205,7 +193,6 @@ from megamoe.kernels.gemm_fp8_ws import (
 from megamoe.kernels.numerics import _PRMT_LUT_ASM, FOLD_TABLE_ASM, FOLD_TABLE_MAX_SHIFT
 from megamoe.kernels.symm import _globaltimer_ns
 
-QN = gl.constexpr(64)  #: weight rows of one wgmma chain with ``QUARTERS`` (four a stage)
 DEC_ROWS = gl.constexpr(64)  #: weight rows the decode partition converts at once without PREFETCH (4 chunks a stage)
 KW_CHUNK = gl.constexpr(16)  #: scale words per row read at once for the row maxima
 #: Packed W ``[rows, 32]`` bytes as the decode reads them: 16 consecutive bytes of one row a thread, two threads a
@@ -517,18 +504,6 @@ def _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, HI: gl.constexpr = Tr
 
 
 @gluon.jit
-def _decode_half(wp, wd_a, wd_b, rm_a, rm_b, wsf, lut, R0: gl.constexpr):
-    """One 128-row half of a stage (rows ``[R0, R0 + 128)`` of packed ``wp``) as two 64-row quarters into their
-    own ``[64, 128]`` buffers ``wd_a`` / ``wd_b``, one store each (``DECODERS`` 2 at BM 128: each decode partition
-    one half, one row a thread, so half the registers of ``_decode_stage_halves``' two rows; two allocations, so no
-    barrier between the stores). ``rm_a`` / ``rm_b``: the quarters' rows' largest exponents (int32 ``[64]``,
-    ``SliceLayout(1, D_LAYOUT)``, read once a tile)."""
-    wd_a.store(_decode_values_rm(wp, rm_a, wsf.slice(R0, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0, QN))
-    wd_b.store(_decode_values_rm(wp, rm_b, wsf.slice(R0 + QN, QN).load(gl.SliceLayout(1, D_LAYOUT)), lut, R0 + QN,
-                                 QN))
-
-
-@gluon.jit
 def _fold_tile_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr, HALVES: gl.constexpr,
                     IDLE_DECODE: gl.constexpr):
     """The decode partition's ``_fold_a_stage_smem`` of a stage of an L2 tile with ``valid`` pool rows: with
@@ -584,20 +559,6 @@ def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, l
 
 
 @gluon.jit
-def _skip_tile(decoded, empty, it, KB, STAGES: gl.constexpr):
-    """``QUARTERS`` (two decode partitions), math warpgroup 1 in a tile whose pool block has no row of its own
-    (``valid <= 64``): per stage, wait until it is decoded (every reader of its packed weights and scale words is then
-    done: the decode partitions) and release it (``empty[s]``, this warpgroup's arrive), without multiplying the
-    64 padding rows (half of the stage's wgmma reads of shared memory). Returns the ring position after the tile."""
-    for kb in range(KB):
-        s = it % STAGES
-        mbarrier.wait(decoded.index(s), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)  # (no shared memory read here: no barrier before it)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs, asf_bufs,
                       ready, decoded, rmax_s, smax_s, rfree,
                       tiles, num_l1, num_tiles, l2_mask, state, timeout_ns, OFF_L2_SF: gl.constexpr,
@@ -623,12 +584,10 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     A fold, no pool-row maxima and no wait for the arrival mask either (the partition then reads nothing the L1
     epilogues wrote): an L2 stage is its W decode alone. ``IDLE_DECODE`` (``HALVES``): in a tile whose pool block has
     no row past the first 64 (``valid <= 64``) only the low half of each stage's weights (math warpgroup 1, idle
-    there, decodes the high half: ``_idle_decode_tile``). ``HALVES`` with ``NR`` 128 (``DECODERS`` 2 at BM 128): this
-    partition's half of the stage as two 64-row quarters into ``wd_bufs`` / ``wd2_bufs`` (``_decode_half``), and
-    for L2 its 64 A rows, none where the block has no row past ``A0``."""
+    there, decodes the high half: ``_idle_decode_tile``)."""
     gl.static_assert((not IDLE_DECODE) or (HALVES and not FOLD_ONCE), "IDLE_DECODE: DECODE_HALVES, no FOLD_ONCE")
-    gl.static_assert((not HALVES) or (SF_TMA and (NR == TILE_N or NR == HN) and not PREFETCH),
-                     "DECODE_HALVES decodes a whole stage or one half of it, its scale words TMA'd with it")
+    gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
+                     "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
     gl.static_assert(L2_FOLDED or not FOLD_ONCE, "FOLD_ONCE folds the L2 A operand: L2_FOLDED")
     FOLD_A: gl.constexpr = L2_FOLDED and not FOLD_ONCE  # this partition folds each L2 A stage
@@ -670,10 +629,6 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
             word = gl.load(w_sf + w_rows)
             a_word = _a_scales(l2_sf + b * BM, valid, A0, NA, is_l2 & FOLD_A)
         gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back
-        if HALVES:
-            if NR == HN:  # (DECODERS 2) this partition's rows' maxima, once a tile, in registers
-                rm_a = rmax_s.index(slot).slice(R0, QN).load(gl.SliceLayout(1, D_LAYOUT))
-                rm_b = rmax_s.index(slot).slice(R0 + QN, QN).load(gl.SliceLayout(1, D_LAYOUT))
         for kb in range(KB):
             s = it % STAGES
             ph = (it // STAGES) & 1
@@ -698,12 +653,8 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                         _fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if HALVES:
-                        if NR == HN:  # (DECODERS 2 at BM 128) this partition's half: its two quarters
-                            _decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rm_a, rm_b,
-                                         wsf_bufs.index(s), lut, R0)
-                        else:
-                            _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                                rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
+                        _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
                     elif SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
                                            R0, NR, lut)
@@ -718,21 +669,6 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
 
 
 @gluon.jit
-def _mma_quarter(a_s, w_q, spare, acc, tq, L2_FOLDED: gl.constexpr):
-    """``QUARTERS``: one K block of one 64-row quarter of the tile's weights (``w_q``: ``[64, 128]`` e4m3 shared
-    memory) into a fresh ``[64, 64]`` register tile (``spare``'s registers), added into the quarter's float32
-    accumulator ``acc`` (times the tokens' ``tq`` where the L2 A operand is not folded). Returns (``acc``, the fresh
-    tile: the next quarter's ``spare``)."""
-    dot = warpgroup_mma(a_s, w_q.permute((1, 0)), spare, use_acc=False, is_async=True)
-    d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-    if L2_FOLDED:
-        acc = _pin(acc + d)
-    else:
-        acc = _pin(acc + d * gl.expand_dims(tq, 1))
-    return acc, d
-
-
-@gluon.jit
 def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s, smax_s,
                     rfree, tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr, OFF_L1_SF: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
@@ -741,8 +677,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False,
                     L2_FOLDED: gl.constexpr = True, asf_bufs=None, SF_TMA: gl.constexpr = False, state=None,
                     timeout_ns=None, IDLE_DECODE: gl.constexpr = False, decoded2=None, wp_bufs=None, wsf_bufs=None,
-                    rmax1=None, rmax2=None, lut=None, QUARTERS: gl.constexpr = False, wd3_bufs=None,
-                    wd4_bufs=None):
+                    rmax1=None, rmax2=None, lut=None):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
@@ -759,24 +694,16 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     valid row, so it stores nothing (the scales it multiplies by may be read before the decode partition wrote the
     slot: zero times anything, in rows no store takes), releases the maxima slot and, for L1, publishes its rows'
     arrival bit. Warpgroup 0 then waits on ``decoded2[s]`` after ``decoded[s]``, its phase per ring slot in a bit
-    mask (``ph2``: the slot's idle stages so far, mod 2). ``QUARTERS`` (``DECODERS`` 2 at BM 128): the stage's weights
-    are four ``[64, 128]`` buffers (``wd_bufs``, ``wd2_bufs``, ``wd3_bufs``, ``wd4_bufs``), multiplied as four chains
-    into a fresh ``[64, 64]`` tile each (``_mma_quarter``), four quarter accumulators relabelled into the halves for
-    the epilogue; warpgroup 1 in a tile without rows of its own only releases the decoded stages (``_skip_tile``)."""
+    mask (``ph2``: the slot's idle stages so far, mod 2)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    # QUARTERS: four wgmma chains of 64 weight rows a stage, one fresh [64, 64] tile (32 registers) at a time
-    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 32])
     # the epilogues' 16-byte stores need a shared-memory scratch for their layout change: BM 64's 4 ring stages
     # leave no room for it (240520 B > 232448 with it, offline sm_90a compile)
     COALESCED: gl.constexpr = BM == 128
     l1_sf = (buf + OFF_L1_SF).to(gl.pointer_type(gl.int32))
     l2_sf = (buf + OFF_L2_SF).to(gl.pointer_type(gl.int32))
-    if QUARTERS:
-        spare_q = gl.zeros([WM, QN], gl.float32, mma_q)
-    else:
-        spare = gl.zeros([WM, HN], gl.float32, mma)
+    spare = gl.zeros([WM, HN], gl.float32, mma)
     r = gl.arange(0, WM, layout=rows_l)
     it = 0
     j = 0
@@ -799,18 +726,8 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 rm = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
                 it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES)
                 KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
-        if QUARTERS and wg == 1:
-            if valid <= WM:  # no row of its own: release each stage once it is decoded, multiply nothing
-                it = _skip_tile(decoded, empty, it, KB, STAGES)
-                KB_MMA = 0
-        if QUARTERS:
-            q0 = gl.zeros([WM, QN], gl.float32, mma_q)
-            q1 = gl.zeros([WM, QN], gl.float32, mma_q)
-            q2 = gl.zeros([WM, QN], gl.float32, mma_q)
-            q3 = gl.zeros([WM, QN], gl.float32, mma_q)
-        else:
-            acc_lo = gl.zeros([WM, HN], gl.float32, mma)
-            acc_hi = gl.zeros([WM, HN], gl.float32, mma)
+        acc_lo = gl.zeros([WM, HN], gl.float32, mma)
+        acc_hi = gl.zeros([WM, HN], gl.float32, mma)
         if not L2_FOLDED and not SF_TMA:  # the K block scales from the pool: acquire them, then one block ahead
             row_ok = r < valid - wg * WM
             if is_l2:
@@ -832,48 +749,28 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
                 sk = gl.where(is_l2, asf_bufs.index(s).slice(wg * WM, WM).load(rows_l) & 0xFF, 127)
             a_s = a_bufs.index(s).slice(wg * WM, WM)
-            if TWO_WD:  # (QUARTERS: four [64, 128] buffers a stage, read below)
+            if TWO_WD:
                 w_lo = wd_bufs.index(s)
                 w_hi = wd2_bufs.index(s)
             else:
                 w_lo = wd_bufs.index(s).slice(0, HN)
                 w_hi = wd_bufs.index(s).slice(HN, HN)
-            if QUARTERS:
-                if L2_FOLDED:
-                    tq = gl.full([WM], 1.0, gl.float32, gl.SliceLayout(1, mma_q))
-                else:
-                    tq = gl.convert_layout(_pow2_f32(sk - 127), gl.SliceLayout(1, mma_q))
-                q0, d = _mma_quarter(a_s, wd_bufs.index(s), spare_q, q0, tq, L2_FOLDED)
-                q1, d = _mma_quarter(a_s, wd2_bufs.index(s), d, q1, tq, L2_FOLDED)
-                q2, d = _mma_quarter(a_s, wd3_bufs.index(s), d, q2, tq, L2_FOLDED)
-                dot = warpgroup_mma(a_s, wd4_bufs.index(s).permute((1, 0)), d, use_acc=False, is_async=True)
-                d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                if L2_FOLDED:
-                    q3 = q3 + d
-                else:
-                    q3 = q3 + d * gl.expand_dims(tq, 1)
-                spare_q = d
+            dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            if L2_FOLDED:
+                acc_lo = _pin(acc_lo + d_lo)
             else:
-                dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
-                d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-                if L2_FOLDED:
-                    acc_lo = _pin(acc_lo + d_lo)
-                else:
-                    tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
-                    acc_lo = _pin(acc_lo + d_lo * tsk)
-                dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
-                d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                if L2_FOLDED:
-                    acc_hi = acc_hi + d_hi
-                else:
-                    acc_hi = acc_hi + d_hi * tsk
-                spare = d_hi
+                tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
+                acc_lo = _pin(acc_lo + d_lo * tsk)
+            dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            if L2_FOLDED:
+                acc_hi = acc_hi + d_hi
+            else:
+                acc_hi = acc_hi + d_hi * tsk
+            spare = d_hi
             it += 1
-        if QUARTERS:  # the halves as the epilogues take them (a register relabelling: the same values a thread)
-            acc_lo = gl.convert_layout(_cat(q0, q1), mma)
-            acc_hi = gl.convert_layout(_cat(q2, q3), mma)
         # the scales: weight rows (columns) from the decode partition's slot (written before its first decoded[s]
         # of the tile), tokens (rows): L1 the pool's folded scale word, L2 the slot's row maxima. Applied one half at
         # a time (exact powers of two: the order is free), so only one half's column scales are live.
@@ -916,8 +813,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
                           DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
-                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False,
-                          DECODERS: gl.constexpr = 1):
+                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -942,10 +838,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     gl.static_assert((not PREFETCH) or (BM == 64), "PREFETCH decodes a partition's 128 weight rows as one chunk: BM 64")
     gl.static_assert(not (PREFETCH and SF_TMA), "PREFETCH and SF_TMA are two sources of the same scale words")
     NWG: gl.constexpr = BM // WM  # math warpgroups: 2 at BM 128, 1 at BM 64
-    # two decode partitions at BM 128, a half of each stage's weights and of its L2 A rows each, the math warpgroups
-    # in four 64-row wgmma chains a stage (their registers: megamoe.fused.FP4_WS_DECODERS)
-    DEC2: gl.constexpr = BM == 128 and DECODERS == 2
-    NDEC: gl.constexpr = 2 if (BM == 64 or DEC2) else 1  # decode partitions (4 warps each)
+    NDEC: gl.constexpr = 1 if BM == 128 else 2  # decode partitions (4 warps each)
     WD_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (a 1-D layout: .index() views are 1-D)
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
@@ -956,18 +849,11 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
     gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
     TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves
-    gl.static_assert((not DEC2) or TWO_WD, "two decode partitions at BM 128 write the two halves: DECODE_HALVES")
-    gl.static_assert(not (DEC2 and IDLE_DECODE), "IDLE_DECODE is the one decode partition's helper at BM 128")
     # math warpgroup 1 decodes the high halves of tiles without rows of its own (megamoe.fused.FP4_WS_IDLE_DECODE)
     IDLE: gl.constexpr = IDLE_DECODE and TWO_WD and BM == 128
     if PREDECODED:
         wd_bufs = wp_bufs
         wd2_bufs = wp_bufs
-    elif DEC2:  # the decoded stage as four [64, 128] quarters, one allocation each (each decoder writes two)
-        wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, QN, BK], WD_LAYOUT)
-        wd2_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, QN, BK], WD_LAYOUT)
-        wd3_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, QN, BK], WD_LAYOUT)
-        wd4_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, QN, BK], WD_LAYOUT)
     elif TWO_WD:
         wd_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HN, BK], WD_LAYOUT)
         wd2_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HN, BK], WD_LAYOUT)
@@ -1020,47 +906,22 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                                  PREFETCH, SF_TMA, PREDECODED, False, FOLD_ONCE, L2_FOLDED)),
         ], [1, 4, 4], [LOAD_REGS, DECODE_REGS, DECODE_REGS])
         return
-    if DEC2:
-        gl.warp_specialize([
-            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
-                               smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                               arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, False, decoded2,
-                               None, None, None, None, None, True, wd3_bufs, wd4_bufs)),
-            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
-                               smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                               arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, False, decoded2,
-                               None, None, None, None, None, True, wd3_bufs, wd4_bufs)),
-            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
-                               wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
-                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
-            (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
-                                 asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
-                                 state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES, KW2_PAD, BM, 0, HN, 0, WM, PREFETCH,
-                                 SF_TMA, PREDECODED, DECODE_HALVES, FOLD_ONCE, L2_FOLDED)),
-            (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd3_bufs, wd4_bufs, wsf_bufs,
-                                 asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
-                                 state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES, KW2_PAD, BM, HN, HN, WM, WM, PREFETCH,
-                                 SF_TMA, PREDECODED, DECODE_HALVES, FOLD_ONCE, L2_FOLDED)),
-        ], [4, 1, 4, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS, DECODE_REGS])
-    else:
-        gl.warp_specialize([
-            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
-                               smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                               arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2)),
-            (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
-                               smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
-                               OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                               arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2,
-                               wp_bufs, wsf_bufs, rmax1, rmax2, lut)),
-            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
-                               wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
-                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
-            (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
-                                 asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
-                                 state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
-                                 KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
-                                 FOLD_ONCE, L2_FOLDED, IDLE)),
-        ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])
+    gl.warp_specialize([
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
+                           smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
+                           arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2)),
+        (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
+                           smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
+                           OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
+                           arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2,
+                           wp_bufs, wsf_bufs, rmax1, rmax2, lut)),
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
+                           wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
+                           state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
+        (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
+                             asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
+                             state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
+                             KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
+                             FOLD_ONCE, L2_FOLDED, IDLE)),
+    ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

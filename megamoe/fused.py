@@ -278,41 +278,17 @@ FP4_WS_MIN_EXPECTED = 0
 #: 1038 / 1561, PREFETCH at 4 stages 954 / 1527.
 FP4_WS_STAGES = {128: 3, 64: 4}
 FP4_WS_REGS = {128: (208, 24, 72, 128), 64: (232, 24, 128, 128)}
-#: Decode partitions of "fp4_ws" by pool block: block 64 always runs two; at block 128, 2 gives each of two decode
-#: partitions one 128-row half of every stage's weights and 64 of its L2 A rows (a second decode warp on each
-#: scheduler in every tile, what FP4_WS_IDLE_DECODE gives only the tiles with <= 64 rows), the math warpgroups then
-#: multiplying in four 64-row wgmma chains a stage (a fresh [64, 64] register tile, not [64, 128]) so that the
-#: registers fit: FP4_WS_REGS_TWO_DECODERS. Excludes FP4_WS_IDLE_DECODE. Built in session 34 without a device; measured
-#: in session 35 on an H100 (``results/probes/decoders_runs/*_e83c92a_h100.jsonl``, whole call at T = 512 alternating
-#: twice, the same errors to every digit): one / two partitions 1050 / 1099, 1056 / 1100 us ("hopper"), 1029 / 1050,
-#: 1037 / 1054 ("hopper_l2_per_block") -- 2-5 % slower. The stage profile says why: a partition's W decode of 128 rows
-#: a stage took 1406 cycles against 1592 for the one partition's 256 (the stage is latency, not per-row work, as
-#: session 28's split tile found), its wait for the TMA doubled (159 -> 307), and the four-chain math stage was no
-#: shorter. Off; the next clean-up may remove it.
-FP4_WS_DECODERS = {128: 1, 64: 2}
-#: (math, loader, decode, maxnreg) registers of block 128 with two decode partitions: 5 warpgroups of 128 threads at
-#: ``maxnreg`` 96 (65536 / 640 rounded down to 8), so 480 a thread in all: math warpgroup 1 168, the loader 24, each
-#: decode partition 56 (offline they need 48) and math warpgroup 0 (the default partition) what is left, 176.
-FP4_WS_REGS_TWO_DECODERS = (168, 24, 56, 96)
+#: (Two decode partitions at block 128 -- each a 128-row half of every stage's weights, the math warpgroups in four
+#: 64-row wgmma chains so that 5 warpgroups fit ``maxnreg`` 96 -- were built in session 34 and measured 2-5 % slower
+#: on an H100 in session 35, ``results/probes/README.md``: removed.)
 #: Whether the decode partitions load each K block's scale words one K block ahead (``PREFETCH`` of
 #: ``megamoe.kernels.gemm_fp4_ws``: in flight during the previous block's decode instead of first on each stage's
 #: dependency chain, words -> fold-table gathers -> PRMT), by pool block. Only block 64 (a partition's 128 weight
 #: rows decoded as one chunk, two rows a thread); block 128's single partition at 72 registers has no room.
 #: Block 64's fastest choice with 4 stages (numbers above; all GPU tests at block 64 run it).
 FP4_WS_PREFETCH = {128: False, 64: True}
-
-#: The packed FP4 weight stage's shared-memory swizzle in bytes (0: none), by pool block. The decode warps read it 16
-#: bytes a thread, two threads a 64-byte row, 16 rows a warp (``D_LAYOUT``): unswizzled, rows two apart share their
-#: banks, so a warp's 512 bytes take 8 shared-memory wavefronts instead of 4 (2-way conflicts; Nsight Compute counted
-#: 23 % excess wavefronts in the block-128 phase at T = 2048, session 24). The 64-byte swizzle (TMA writes it, the
-#: decode's loads follow it: 16-byte chunk ``c`` of row ``r`` at ``c ^ (r >> 1) & 3``) spreads each warp's reads over
-#: all 32 banks. Offline sm_90a (session 35): +3 SASS a decode stage (the swizzle's address terms) and 4 bytes more
-#: spill outside the K loops at block 128, nothing else changed; with ``FP4_WS_DECODERS`` 2 one decode loop spills 2
-#: registers a stage at the decoders' 56 (at 64 the math warpgroups' loops spill). Timed on an H100 in session 35
-#: (``results/probes/decoders_runs/packed_swizzle_e83c92a_h100.jsonl``, T = 512 alternating twice, the same errors):
-#: one decode partition 1058 / 1069, 1056 / 1075 us unswizzled / swizzled -- no gain (1-2 % slower), so the decode's
-#: stage is not bound by those conflicts. Off.
-FP4_WS_PACKED_SWIZZLE = {128: 0, 64: 0}
+#: (The packed FP4 weight stage 64-byte swizzled, against the decode warps' 2-way bank conflicts on it, was measured
+#: 1-2 % slower on an H100 in session 35, ``results/probes/README.md``: removed; the stage is unswizzled.)
 #: Whether each ring stage carries its K block's scale words by TMA (``SF_TMA``: the loader's 1 KB of the tile's 256
 #: weight rows + the pool rows' words, as DeepGEMM's SM90 kernel loads its scales; the decode reads them from shared
 #: memory, no global load left in its K loop), by pool block. Exclusive with FP4_WS_PREFETCH. Shared memory +1.25 KB
@@ -588,9 +564,10 @@ def fp4_ws_tiles(layout, expected: float) -> tuple[int, int, bool]:
 def fp4_ws_idle_decode(expected: float, block_m: int, rs_block_n: int, predecode: bool) -> bool:
     """Whether the "fp4_ws" decode-partition tile runs with ``IDLE_DECODE`` at ``expected`` tokens per local expert
     (its pool block ``block_m``; not the register-operand tile, ``rs_block_n`` > 0, nor predecoded weights):
-    FP4_WS_IDLE_DECODE at the block with one decode partition (FP4_WS_DECODERS), up to FP4_WS_IDLE_MAX_EXPECTED."""
-    return (FP4_WS_IDLE_DECODE.get(block_m, False) and FP4_WS_DECODERS.get(block_m, 1) == 1 and not rs_block_n
-            and not predecode and expected <= FP4_WS_IDLE_MAX_EXPECTED)
+    FP4_WS_IDLE_DECODE at the block, which is block 128 (the helper of its one decode partition: block 64 runs two),
+    up to FP4_WS_IDLE_MAX_EXPECTED."""
+    return (FP4_WS_IDLE_DECODE.get(block_m, False) and block_m == 128 and not rs_block_n and not predecode
+            and expected <= FP4_WS_IDLE_MAX_EXPECTED)
 
 
 def fused_config(layout, num_tokens: int, num_local_ranks: int, device: torch.device,
@@ -940,8 +917,7 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: in
         if predecode:
             w = ("fp8e4nv", [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv))
         else:
-            w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=FP4_WS_PACKED_SWIZZLE[bm], element_bitwidth=8,
-                                                       rank=2))
+            w = ("u8", [bn, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
         ws, as_ = ("i32", [bn], words), ("i32", [bm], words)  # SF_TMA's scale words of the weight and pool rows
         return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, ws1_desc=ws, ws2_desc=ws, as1_desc=as_, as2_desc=as_)
     # one 128 x 128 block of the blocked weights (megamoe.quant_fp8.block_weights) a box: a ring stage's 256 weight
@@ -1022,8 +998,7 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
     scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
-    return _weights_cache(c, "_ws_descs", ("fp4", bm, FP4_WS_PACKED_SWIZZLE[bm], scratch and scratch[0][0].data_ptr()),
-                          build)
+    return _weights_cache(c, "_ws_descs", ("fp4", bm, scratch and scratch[0][0].data_ptr()), build)
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
@@ -1199,8 +1174,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"], FP4_WS_DECODERS[bm],
-                FP4_WS_REGS_TWO_DECODERS)  # (IDLE_DECODE: ``idle``, from the config)
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])  # (IDLE_DECODE: ``idle``, from the config)
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
@@ -1211,8 +1185,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
-    ``FP4_WS_IDLE_DECODE`` / ``FP4_WS_DECODERS`` (with ``FP4_WS_REGS_TWO_DECODERS``) at ``bm``, ``num_warps`` and
-    ``maxnreg``.
+    ``FP4_WS_IDLE_DECODE`` at ``bm``, ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
     ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`). ``idle``: ``IDLE_DECODE`` (``FusedConfig.idle_decode``;
@@ -1223,11 +1196,9 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     halves = FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm]
     # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
     fold_once = FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)
-    # (a second decode partition and the idle warpgroup's decode each take a half of the two-halves stage;
-    # predecoded calls decode nothing)
-    two = bm == 128 and FP4_WS_DECODERS[bm] == 2 and halves and not predecode
+    # (the idle warpgroup's decode takes a half of the two-halves stage; predecoded calls decode nothing)
     idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and halves and not predecode and not fold_once
-    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS_TWO_DECODERS if two else FP4_WS_REGS[bm]
+    math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP4_WS_STAGES[bm], MATH_REGS=math_regs,
@@ -1235,8 +1206,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
         DECODE_HALVES=halves, FOLD_ONCE=fold_once, L2_FOLDED=l2_folded(numerics),
-        IDLE_DECODE=bool(idle and not two),
-        DECODERS=2 if two else 1,
+        IDLE_DECODE=bool(idle),
         **_pdl_keywords())
 
 

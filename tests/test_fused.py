@@ -675,37 +675,6 @@ def test_fp4_rs_config_errors():
             kernel_meta(L, cfg, has_clamp=False, has_stats=False, timeline=False)
 
 
-def test_fp4_ws_two_decoders_keywords_and_config(monkeypatch):
-    """``FP4_WS_DECODERS`` 2 at block 128 (host code, no GPU): the launch gets ``DECODERS`` 2, the register split of
-    ``FP4_WS_REGS_TWO_DECODERS`` and its ``maxnreg``, and no ``IDLE_DECODE`` (the second decode partition takes that
-    warpgroup's place), also where a config asks for the idle decode; the host's config says so (``idle_decode``
-    False at 64 expected tokens). Predecoded weights (nothing to decode) and block 64 (two partitions already) keep
-    their keywords; the keyword cache sees the setting."""
-    import megamoe.fused as mf
-
-    L = Layout(1, 48, 512, 6, 7168, 3072, 128)
-    one = mf.fp4_ws_keywords(L, 128, False, idle=True)
-    assert mf.fp4_ws_idle_decode(64, 128, 0, False)
-    assert one["DECODERS"] == 1 and one["IDLE_DECODE"] and one["MATH_REGS"] == mf.FP4_WS_REGS[128][0]
-    monkeypatch.setattr(mf, "FP4_WS_DECODERS", {128: 2, 64: 2})
-    two = mf.fp4_ws_keywords(L, 128, False, idle=True)
-    assert two["DECODERS"] == 2 and not two["IDLE_DECODE"]
-    assert (two["MATH_REGS"], two["LOAD_REGS"], two["DECODE_REGS"], two["maxnreg"]) == mf.FP4_WS_REGS_TWO_DECODERS
-    math, load, decode, maxnreg = mf.FP4_WS_REGS_TWO_DECODERS  # (5 warpgroups: the default partition keeps the rest)
-    assert 5 * maxnreg * 128 <= 65536 and 5 * maxnreg - math - load - 2 * decode >= math
-    pre = mf.fp4_ws_keywords(L, 128, False, predecode=True)
-    assert pre["DECODERS"] == 1 and pre["maxnreg"] == mf.FP4_WS_REGS[128][3]
-    assert mf.fp4_ws_keywords(L, 64, False)["DECODERS"] == 1
-    assert not mf.fp4_ws_idle_decode(64, 128, 0, False)  # (the host's config: FusedConfig.idle_decode)
-    sb = SymmBuffer.local(1, 6, 300, 3, 512, 384, block_m=128)[0]
-    try:
-        kw = mf._fp4_ws_constexprs(sb, 128, False, False)
-        monkeypatch.setattr(mf, "FP4_WS_DECODERS", {128: 1, 64: 2})
-        assert mf._fp4_ws_constexprs(sb, 128, False, False)["DECODERS"] == 1 and kw["DECODERS"] == 2
-    finally:
-        sb.destroy()
-
-
 @pytest.mark.parametrize("block_m", [128, 64])
 def test_fp4_gluon_phase_keywords_match_its_constexprs(block_m):
     """The keywords ``_launch_fp4_ws`` launches the FP8 x FP4 Gluon phase with (host code, checked without a GPU):

@@ -83,57 +83,6 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m, numeric
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
-def test_fp4_ws_two_decoders_compile_within_their_registers(numerics):
-    """``megamoe.fused.FP4_WS_DECODERS`` 2 at block 128 (two decode partitions, a half of each stage's weights each;
-    the math warpgroups in four 64-row wgmma chains a stage), as the option test and the probe run it: 5 warpgroups
-    at ``maxnreg`` 96, the register split of ``FP4_WS_REGS_TWO_DECODERS`` in the PTX (math warpgroup 0, the default
-    partition, keeps what the workers leave of 5 x 96), shared memory within sm_90's limit, each math loop 16 wgmma
-    (4 chains of 4) and each decode loop its prmt, with no spill in any K loop and at most 3 ``bar.sync`` a decode
-    stage (its quarters go to two allocations: no barrier between their stores)."""
-    math, load, decode, maxnreg = mf.FP4_WS_REGS_TWO_DECODERS
-    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    r = compile_gluon_phase("fp4_ws", layout, 128, numerics=numerics, settings={"FP4_WS_DECODERS": {128: 2, 64: 2}})
-    assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK, r.shared
-    assert r.registers <= maxnreg
-    assert {load, decode, math, 5 * maxnreg - math - load - 2 * decode} <= {v for _, v in r.setmaxnreg}, r.setmaxnreg
-    assert r.spill_stores <= 64, r.spill_stores
-    inner = _innermost(r.loops)
-    mma_loops = [lp for lp in inner if lp[3].get("QGMMA")]
-    decode_loops = [lp for lp in inner if lp[3].get("PRMT", 0) >= 32 and not lp[3].get("QGMMA")]
-    assert [lp[3]["QGMMA"] for lp in mma_loops] == [16, 16], mma_loops
-    assert len(decode_loops) == 2, decode_loops
-    for first, last, n, ops in mma_loops + decode_loops:
-        assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
-    for first, last, n, ops in decode_loops:
-        assert ops.get("BAR", 0) <= 3, f"{ops.get('BAR')} bar.sync in the decode loop {first:#x}-{last:#x}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("block_m,decoders", [(128, 1), (64, 2)])
-def test_fp4_ws_packed_swizzle_changes_addresses_only(block_m, decoders):
-    """``megamoe.fused.FP4_WS_PACKED_SWIZZLE`` 64 (the packed weight stage 64-byte swizzled, so the decode warps'
-    16-byte reads hit all 32 banks): each decode loop reads the stage with as many shared-memory loads as unswizzled
-    and within a few instructions of its length (the swizzle's address terms), the same shared memory, no spill in a
-    K loop -- with the one decode partition at block 128, and at block 64. (With two decode partitions at block 128
-    one decode loop spills 2 registers a stage at their 56: the probe times that pair anyway.)"""
-    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    base = {"FP4_WS_DECODERS": {128: decoders, 64: 2}}
-    plain = compile_gluon_phase("fp4_ws", layout, block_m, settings=base)
-    swz = compile_gluon_phase("fp4_ws", layout, block_m, settings=dict(base, FP4_WS_PACKED_SWIZZLE={128: 64, 64: 64}))
-
-    def decode_loops(r):
-        return [lp for lp in _innermost(r.loops) if lp[3].get("PRMT", 0) >= 32 and not lp[3].get("QGMMA")]
-
-    assert decode_loops(swz) and len(decode_loops(swz)) == len(decode_loops(plain))
-    for a, b in zip(decode_loops(swz), decode_loops(plain)):
-        assert a[3].get("LDS") == b[3].get("LDS") and abs(a[2] - b[2]) <= 16, (a, b)
-    assert swz.shared == plain.shared
-    for first, last, n, ops in _innermost(swz.loops):
-        assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [8, 16, 32, 64, 128])
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's

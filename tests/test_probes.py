@@ -181,42 +181,6 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
         assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
 
 
-def test_fp8_ws_probe_decoders_rows():
-    """The probe's ``decoders`` mode asks for the rows it says (its rows are ``_choice_row``'s, whose CPU dry run is
-    the ``l2_per_block`` test above): at each T one / two decode partitions alternating twice on the decode-partition
-    tile decoding per block, also in ``hopper_l2_per_block`` at ``DEC_L2PB_T``; then the register-operand tile up to
-    T = 512, the host's call from 2048."""
-    probe = _load("fp8_ws_probe")
-    calls = []
-    probe._choice_row = lambda p, T, label, fmt, overrides, numerics="hopper": calls.append(
-        (T, label, numerics, overrides))
-    probe._tokens = lambda default: [512, 8192]
-    probe.probe_decoders()
-    assert [(T, label, numerics) for T, label, numerics, _ in calls] == (
-        [(512, f"decoders {n}", "hopper") for n in (1, 2, 1, 2)]
-        + [(512, f"decoders {n}", "hopper_l2_per_block") for n in (1, 2, 1, 2)] + [(512, "rs 64", "hopper")] * 2
-        + [(8192, f"decoders {n}", "hopper") for n in (1, 2, 1, 2)] + [(8192, "host", "hopper")] * 2)
-    for T, label, _, overrides in calls:
-        if label.startswith("decoders"):
-            assert overrides == {"FP4_WS_DECODERS": {128: int(label[-1]), 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
-                                 "FP4_PREDECODE_MIN_EXPECTED": float("inf")}
-
-
-def test_fp8_ws_probe_packed_swizzle_rows():
-    """The ``packed_swizzle`` mode: at each T the four (decode partitions, swizzle) pairs, alternating twice, on the
-    decode-partition tile decoding per block, each row's overrides naming what its label says."""
-    probe = _load("fp8_ws_probe")
-    calls = []
-    probe._choice_row = lambda p, T, label, fmt, overrides, numerics="hopper": calls.append((T, label, overrides))
-    probe._tokens = lambda default: [512]
-    probe.probe_packed_swizzle()
-    pairs = [(d, z) for d in (1, 2) for z in (0, 64)] * 2
-    assert [label for _, label, _ in calls] == [f"decoders {d} swizzle {z}" for d, z in pairs]
-    for (_, _, overrides), (d, z) in zip(calls, pairs):
-        assert overrides == {"FP4_WS_PACKED_SWIZZLE": {128: z, 64: z}, "FP4_WS_DECODERS": {128: d, 64: 2},
-                             "FP4_RS_MAX_EXPECTED": -1, "FP4_PREDECODE_MIN_EXPECTED": float("inf")}
-
-
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

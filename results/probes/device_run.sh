@@ -26,9 +26,6 @@
 #                  (-> $OUT/rs_wide.jsonl)
 #   idle           FP4_WS_IDLE_DECODE: its GPU tests, fp8_ws_probe.py idle_decode at T = $IDLE_TOKENS (512,1024,2048),
 #                  the layer bench at T = 512 on the decode-partition tile with it on (not timed)
-#   decoders       FP4_WS_DECODERS (two decode partitions at block 128): its GPU tests (same bits as one partition on
-#                  three small cases in both Hopper numerics, one EP8 rank at T = 512 / 2048), then fp8_ws_probe.py
-#                  decoders at T = $DEC_TOKENS (512,1024,2048,8192; -> $OUT/decoders.jsonl) (not timed)
 #   defaults       the GPU tests of numerics="auto" (the default since session 35: "hopper" on the fused path):
 #                  MegaMoE at T = 128 in every numerics, the fused interrupt repair in both, the slow-but-live rank
 #                  in "exact" (not timed; est. 1-2 min)
@@ -36,9 +33,6 @@
 #                  session 35's two epilogue changes undone one at a time (guarded SwiGLU / bf16 rounding, the L2
 #                  rows' destinations made per half), alternating twice; bits compared (-> $OUT/epilogue.jsonl;
 #                  not timed: 4 variants x 3 T, each a compile and a timing)
-#   swizzle        FP4_WS_PACKED_SWIZZLE (the packed weight stage 64-byte swizzled): its GPU tests (same bits as
-#                  unswizzled, one and two decode partitions, three small cases), then fp8_ws_probe.py packed_swizzle
-#                  at T = $SWZ_TOKENS (512,2048; -> $OUT/swizzle.jsonl) (not timed)
 #   ws_tests       test_fp4_ws_gpu.py block-128 small cases, IDLE_DECODE at T = 512 / 384, graph at 512; one EP8 rank
 #                  at T = 512 in hopper_l2_per_block (not timed)
 #   host           fp8_ws_probe.py host at T = $HOST_TOKENS (8,128): the host's enqueue time of one eager call,
@@ -113,7 +107,7 @@
 #                  (-> $OUT/l2_per_block.jsonl; est. 2-3 min)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
-#                  ws128_dec2, *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
+#                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
 #   knockout       ws_variants_probe.py knockout at T = $KO_TOKENS (512,128,2048): whole calls with the decode partition's
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
@@ -394,17 +388,6 @@ b.main(['--suite', 'layer', '--tokens', '512', '--out', sys.argv[1]])" "$OUT/t51
     return $rc
 }
 
-step_decoders() {  # FP4_WS_DECODERS: its GPU tests, then one / two / one / two decode partitions at T = $DEC_TOKENS
-    timeout 240 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "DECODERS and fp8_fp4" \
-        | tail -15 || return 1
-    timeout 200 $PY -m pytest -q -x -rfE tests/gpu/test_fp4_ws_gpu.py -k two_decoders | tail -8 || return 1
-    timeout 300 $PY results/probes/fp8_ws_probe.py decoders "${DEC_TOKENS:-512,1024,2048,8192}" \
-        >>"$OUT/decoders.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/decoders.jsonl"
-    return $rc
-}
-
 step_defaults() {  # numerics="auto": its GPU tests (the layer wrapper, the interrupt repair, the live-rank wait)
     timeout 200 $PY -m pytest -q -rfE tests/gpu/test_mega_moe_gpu.py -k layer_wrapper | tail -6 || return 1
     timeout 200 $PY -m pytest -q -rfE tests/gpu/test_reliability_gpu.py \
@@ -416,15 +399,6 @@ step_epilogue() {  # session 35's epilogue changes, FP8 phase: as is / guarded /
         as_is,guarded,l2_rows_twice,as_is,guarded,l2_rows_twice >>"$OUT/epilogue.jsonl"
     local rc=$?
     cat "$OUT/epilogue.jsonl"
-    return $rc
-}
-
-step_swizzle() {  # FP4_WS_PACKED_SWIZZLE: its GPU tests, then 0 / 64 x one / two decode partitions, alternating twice
-    timeout 240 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "PACKED_SWIZZLE and fp8_fp4" \
-        | tail -10 || return 1
-    timeout 330 $PY results/probes/fp8_ws_probe.py packed_swizzle "${SWZ_TOKENS:-512,2048}" >>"$OUT/swizzle.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/swizzle.jsonl"
     return $rc
 }
 

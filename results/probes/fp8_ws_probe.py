@@ -30,6 +30,8 @@ with its L2 flush, as the bench).
   with it.)
 * (``tiled``, at 64ecc8d only: the FP8 GEMM phase reading the weights row-major or from a copy blocked by 128 x 128,
   alternating; the blocked layout then became ``transform_weights_for_mega_moe_sm90``'s.)
+* (``decoders`` / ``packed_swizzle``, session 35 at e83c92a: two decode partitions at block 128 and the packed FP4
+  weight stage 64-byte swizzled, each against the default; both slower, and removed with the options.)
 * ``halves [T1,..]``: the block-128 decode-partition tile's decoded stage as two halves (``FP4_WS_DECODE_HALVES``)
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
@@ -474,46 +476,6 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
-#: ``decoders``: the T at which both decode-partition counts are also timed in ``hopper_l2_per_block``.
-DEC_L2PB_T = (512, 2048)
-
-
-def probe_decoders(tokens=(512, 1024, 2048, 8192)):
-    """Two decode partitions at block 128 (``FP4_WS_DECODERS``: each a 128-row half of every stage's weights and 64
-    of its L2 A rows, the math warpgroups in four 64-row wgmma chains a stage) against one (with ``IDLE_DECODE``
-    where the host runs it), off / on / off / on, whole call at each T with its error (``FP8 x FP4``, "hopper"; the
-    decode-partition tile forced, ``FP4_RS_MAX_EXPECTED = -1``, decoding per pool block at every T,
-    ``FP4_PREDECODE_MIN_EXPECTED`` lifted). From T = 2048 also the host's call (predecoded at 8192) twice, and up to
-    T = 512 the register-operand tile twice. At ``DEC_L2PB_T`` also both in ``numerics="hopper_l2_per_block"`` (no
-    L2 A fold: a decode partition's stage is its W decode alone). The bits off and on are compared in
-    ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    for T in _tokens(tokens):
-        for numerics in ("hopper", "hopper_l2_per_block") if T in DEC_L2PB_T else ("hopper", ):
-            for on in (False, True, False, True):
-                _choice_row("decoders", T, f"decoders {2 if on else 1}", "fp8_fp4",
-                            {"FP4_WS_DECODERS": {128: 2 if on else 1, 64: 2}, "FP4_RS_MAX_EXPECTED": -1,
-                             "FP4_PREDECODE_MIN_EXPECTED": float("inf")}, numerics=numerics)
-        for _ in range(2):
-            if T >= 2048:
-                _choice_row("decoders", T, "host", "fp8_fp4", {})
-            elif T <= 512:
-                _choice_row("decoders", T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
-
-
-def probe_packed_swizzle(tokens=(512, 2048)):
-    """The packed FP4 weight stage 64-byte swizzled against unswizzled (``FP4_WS_PACKED_SWIZZLE``: the decode
-    warps' 2-way bank conflicts gone), with one and with two decode partitions (``FP4_WS_DECODERS``), the four
-    alternating twice, whole call at each T on the host's tile (the decode-partition tile from T = 512 on; one EP8
-    rank, "hopper"), each with its error. The bits are compared in ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    for T in _tokens(tokens):
-        for _ in range(2):
-            for dec in (1, 2):
-                for swz in (0, 64):
-                    _choice_row("packed_swizzle", T, f"decoders {dec} swizzle {swz}", "fp8_fp4",
-                                {"FP4_WS_PACKED_SWIZZLE": {128: swz, 64: swz}, "FP4_WS_DECODERS": {128: dec, 64: 2},
-                                 "FP4_RS_MAX_EXPECTED": -1, "FP4_PREDECODE_MIN_EXPECTED": float("inf")})
-
-
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
 #: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
 L2PB_FORCED_T = 512
@@ -641,6 +603,5 @@ if __name__ == "__main__":
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
-         "idle_decode": probe_idle_decode, "decoders": probe_decoders,
-         "packed_swizzle": probe_packed_swizzle,
+         "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()

@@ -8,8 +8,7 @@ each; the outputs are not checked). Counters per CTA (``SLOTS``):
 
 * decode partition: total, ``mbarrier.wait(ready)`` (the TMA stage not landed yet), the per-tile preamble (the
   ``rfree`` wait, row maxima, L2's arrival-mask wait), the L2 A fold, the W decode, the fence + partition barrier +
-  arrive, stages, tiles (the partition of weight rows from 0; with a second one, at block 64 or with
-  ``FP4_WS_DECODERS`` 2, that one's as ``dec2_*``);
+  arrive, stages, tiles (the partition of weight rows from 0; the second one, at block 64, as ``dec2_*``);
 * each math warpgroup: total, ``ready`` + ``decoded`` waits, the two wgmma chains and adds, the epilogue, stages;
   and the epilogue's stores and arrival bits alone per L1 tile and per L2 tile (``math*_epil1`` / ``_epil2``,
   summarized per tile: how long the tile's decoders can run ahead of it matters against that);
@@ -212,8 +211,6 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
 CONFIGS["ws128"]["FP4_WS_IDLE_DECODE"] = {128: False, 64: False}  # (as it was measured before the option)
 CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False},
                              FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: ``ws128_dec2``: ws128 with two decode partitions (``FP4_WS_DECODERS``; the second's counters are ``dec2_*``)
-CONFIGS["ws128_dec2"] = dict(CONFIGS["ws128"], FP4_WS_DECODERS={128: 2, 64: 2})
 #: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
 #: times nothing); every other config in "hopper".
 CONFIGS.update({f"{name}_pb": dict(settings) for name, settings in list(CONFIGS.items())})
@@ -265,23 +262,17 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
 
 
 def compile_offline():
-    """Offline sm_90a compile of the patched copy at BM 128 and 64, at BM 128 in "hopper_l2_per_block" and at BM 128
-    with two decode partitions (``ws128_dec2``) (a CPU machine: ``TRITON_INTERPRET=0``)."""
-    import megamoe.fused as mf
+    """Offline sm_90a compile of the patched copy at BM 128 and 64, and at BM 128 in "hopper_l2_per_block" (a CPU
+    machine: ``TRITON_INTERPRET=0``)."""
     from megamoe.hopper_compile import _compile_here
     from megamoe.layout import Layout
     mod = kernel_module(1 << 40)
     sys.modules["megamoe.kernels.gemm_fp4_ws"] = mod
     L = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    for bm, numerics, decoders in ((128, "hopper", 1), (64, "hopper", 2), (128, "hopper_l2_per_block", 1),
-                                   (128, "hopper", 2)):
-        saved, mf.FP4_WS_DECODERS = mf.FP4_WS_DECODERS, {128: decoders, 64: 2}
-        try:
-            r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16, numerics)
-        finally:
-            mf.FP4_WS_DECODERS = saved
-        print(json.dumps(dict(block_m=bm, numerics=numerics, decoders=decoders, shared=r.shared,
-                              registers=r.registers, spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
+    for bm, numerics in ((128, "hopper"), (64, "hopper"), (128, "hopper_l2_per_block")):
+        r = _compile_here("fp4_ws", L, bm, False, False, None, False, 16, numerics)
+        print(json.dumps(dict(block_m=bm, numerics=numerics, shared=r.shared, registers=r.registers,
+                              spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
 
 
 if __name__ == "__main__":

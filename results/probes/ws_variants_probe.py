@@ -52,31 +52,31 @@ from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
 
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
-MATH_AS_IS = """                dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
-                d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-                if L2_FOLDED:
-                    acc_lo = _pin(acc_lo + d_lo)
-                else:
-                    tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
-                    acc_lo = _pin(acc_lo + d_lo * tsk)
-                dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
-                d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                if L2_FOLDED:
-                    acc_hi = acc_hi + d_hi
-                else:
-                    acc_hi = acc_hi + d_hi * tsk
-                spare = d_hi
+MATH_AS_IS = """            dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
+            d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            if L2_FOLDED:
+                acc_lo = _pin(acc_lo + d_lo)
+            else:
+                tsk = gl.expand_dims(_pow2_f32(sk - 127), 1)
+                acc_lo = _pin(acc_lo + d_lo * tsk)
+            dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)
+            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            if L2_FOLDED:
+                acc_hi = acc_hi + d_hi
+            else:
+                acc_hi = acc_hi + d_hi * tsk
+            spare = d_hi
 """
-MATH_NOPROMOTE = """                acc_lo = warpgroup_mma(a_s, w_lo.permute((1, 0)), acc_lo, is_async=True)
-                acc_hi = warpgroup_mma(a_s, w_hi.permute((1, 0)), acc_hi, is_async=True)
-                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-                mbarrier.arrive(empty.index(s), count=1)
+MATH_NOPROMOTE = """            acc_lo = warpgroup_mma(a_s, w_lo.permute((1, 0)), acc_lo, is_async=True)
+            acc_hi = warpgroup_mma(a_s, w_hi.permute((1, 0)), acc_hi, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            mbarrier.arrive(empty.index(s), count=1)
 """
 _FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b * BM, valid, A0, NA)\n"
 _FOLD_SMEM = ("_fold_tile_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,\n"
               + " " * 40 + "HALVES, IDLE_DECODE)\n")
-_HALVES_CALL = ("_decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n" + " " * 48
+_HALVES_CALL = ("_decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n" + " " * 44
                 + "rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)\n")
 # (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
 DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
@@ -85,17 +85,13 @@ DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), s
                 " NR)\n",
                 "\n" + " " * 24 + _FOLD_SMEM,
                 "\n" + " " * 24 + _FOLD,
-                "\n" + " " * 28 + _HALVES_CALL,
+                "\n" + " " * 24 + _HALVES_CALL,
                 "\n" + " " * 24 + "_decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),"
                 " wsf_bufs.index(s),\n" + " " * 43 + "R0, NR, lut)\n",
                 "\n" + " " * 24 + "_decode_stage(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), w_sf + kb * N,"
                 " lut, R0,\n" + " " * 38 + "NR)\n")
-_HALF_CALL = ("_decode_half(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s), rm_a, rm_b,\n"
-              + " " * 41 + "wsf_bufs.index(s), lut, R0)\n")
-DECODE_AS_IS += ("\n" + " " * 28 + _HALF_CALL,)
-DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n", "\n" + " " * 24 + "s = s + 0\n",
-               "\n" + " " * 24 + "s = s + 0\n", "\n" + " " * 28 + "s = s + 0\n") + (
-    "\n                        s = s + 0\n",) * 2 + ("\n" + " " * 28 + "s = s + 0\n",)
+DECODE_NONE = ("\n                    s = s + 0\n", "\n                s = s + 0\n") + (
+    "\n                        s = s + 0\n",) * 5
 PATCHES = {"nodecode": [*zip(DECODE_AS_IS, DECODE_NONE)], "nopromote": [(MATH_AS_IS, MATH_NOPROMOTE)]}
 PATCHES["nodecode+nopromote"] = PATCHES["nodecode"] + PATCHES["nopromote"]
 # -- session 36's knock-outs of the decode stage (``knockout``): each removes one piece of a decode warp's stage
@@ -121,7 +117,7 @@ PATCHES.update({
     # no W decode (neither the decode partition's nor the idle warpgroup's); the L2 A fold stays
     "nowdecode": [(HALVES_STORES, "    pass\n"), (IDLE_STORE, "")],
     # no wgmma: each math warpgroup waits for a decoded stage and releases it
-    "nomma": [(MATH_AS_IS, "                mbarrier.arrive(empty.index(s), count=1)\n")],
+    "nomma": [(MATH_AS_IS, "            mbarrier.arrive(empty.index(s), count=1)\n")],
 })
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 

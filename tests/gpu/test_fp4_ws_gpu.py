@@ -141,26 +141,6 @@ def test_fp4_ws_idle_decode_one_ep8_rank(num_tokens, numerics):
     assert_reports(run_case_local(case, device="cuda"), f"{numerics} fused, idle decode, T={num_tokens}")
 
 
-@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
-@pytest.mark.parametrize("num_tokens", [512, 2048])
-def test_fp4_ws_two_decoders_one_ep8_rank(num_tokens, numerics, monkeypatch):
-    """Two decode partitions at block 128 (``FP4_WS_DECODERS``: a half of every stage's weights each, the math
-    warpgroups in four 64-row wgmma chains) at one EP8 rank's real size, 64 / 256 expected tokens per expert (blocks
-    of <= 64 rows and full ones), masked rows, two calls, against the reference model."""
-    import megamoe.fused as mf
-    from megamoe.layout import Layout
-
-    monkeypatch.setattr(mf, "FP4_WS_DECODERS", {128: 2, 64: 2})
-    monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", -1)
-    monkeypatch.setattr(mf, "FP4_PREDECODE_MIN_EXPECTED", float("inf"))
-    cfg = mf.fused_config(Layout(1, 48, num_tokens, 6, 7168, 3072, 128), num_tokens, 1, torch.device("cuda"),
-                          numerics)
-    assert (cfg.kind, cfg.block_m, cfg.rs_block_n, cfg.predecode, cfg.idle_decode) == ("fp4_ws", 128, 0, False, False)
-    case = MoECase(num_ranks=1, num_tokens=num_tokens, hidden=7168, intermediate=3072, num_experts=48, num_topk=6,
-                   block_m=128, masked_ratio=0.1, num_calls=2, seed=11, impl="fused", numerics=numerics)
-    assert_reports(run_case_local(case, device="cuda"), f"{numerics} fused, two decoders, T={num_tokens}")
-
-
 @pytest.mark.parametrize("num_tokens,block_m", [(2048, 128), (512, 128), (256, 64)])
 def test_fp4_ws_cuda_graph_capture_and_replay(num_tokens, block_m, monkeypatch):
     """The three launches captured in a CUDA graph (descriptors, tile tables, the fold table cached before the

@@ -5,9 +5,8 @@ then run twice alike), both phases' programs that share a weight tile starting i
 for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on")
 and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
-with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) and two
-decode partitions (``FP4_WS_DECODERS``, also with ``numerics="hopper_l2_per_block"``) with per-block decode, and
-the packed weight stage swizzled (``FP4_WS_PACKED_SWIZZLE``, with one and two decode partitions).
+with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) with
+per-block decode.
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -38,24 +37,10 @@ OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
 #: the idle math warpgroup's decode (block 128, per-block decode only: predecoded calls decode nothing)
 OPTIONS["FP4_WS_IDLE_DECODE"] = tuple({128: v, 64: False} for v in (False, True))
 FORCE["FP4_WS_IDLE_DECODE"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: two decode partitions at block 128 (a half of each stage's weights each, the math in four 64-row chains; per-block
-#: decode only), in both Hopper numerics (``@l2_per_block``: the per-K-block token scales in the math's adds)
-OPTIONS["FP4_WS_DECODERS"] = ({128: 1, 64: 2}, {128: 2, 64: 2})
-FORCE["FP4_WS_DECODERS"] = FORCE["FP4_WS_DECODE_HALVES"]
-OPTIONS["FP4_WS_DECODERS@l2_per_block"] = OPTIONS["FP4_WS_DECODERS"]
-FORCE["FP4_WS_DECODERS@l2_per_block"] = FORCE["FP4_WS_DECODE_HALVES"]
-#: the packed FP4 weight stage swizzled by 64 bytes (the decode warps' reads without bank conflicts), at block 128 with
-#: one decode partition and with two
-OPTIONS["FP4_WS_PACKED_SWIZZLE"] = ({128: 0, 64: 0}, {128: 64, 64: 64})
-FORCE["FP4_WS_PACKED_SWIZZLE"] = FORCE["FP4_WS_DECODE_HALVES"]
-OPTIONS["FP4_WS_PACKED_SWIZZLE@decoders"] = OPTIONS["FP4_WS_PACKED_SWIZZLE"]
-FORCE["FP4_WS_PACKED_SWIZZLE@decoders"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_DECODERS={128: 2, 64: 2})
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
-#: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert); so do the two
-#: decode partitions (the second folds no L2 A row of a block of <= 64)
-CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3), "FP4_WS_DECODERS": (0, 2, 3), "FP4_WS_DECODERS@l2_per_block": (0, 2, 3),
-         "FP4_WS_PACKED_SWIZZLE": (0, 2, 3), "FP4_WS_PACKED_SWIZZLE@decoders": (0, 2, 3)}
+#: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
+CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
@@ -69,7 +54,7 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
     for name, value in FORCE.get(option, {}).items():
         monkeypatch.setattr(mf, name, value)
-    numerics = "exact" if fmt == "fp8" else ("hopper_l2_per_block" if option.endswith("@l2_per_block") else "hopper")
+    numerics = "exact" if fmt == "fp8" else "hopper"
     common = dict(format=fmt, block_m=128, impl="fused") if fmt == "fp8" else dict(block_m=128, impl="fused",
                                                                                     numerics=numerics)
     counts = []
