@@ -24,10 +24,11 @@ so a dot needs no scale inside its K loop:
 * W (FP4 e2m1, two per byte, UE8M0 per 32): folded by the **decode partition** relative to each weight row's
   largest exponent over all of K (``megamoe.fused._fp4_row_maxima``: uint8 per weight row, made once per weight set;
   until session 30 each tile re-derived it from the rows' 56 / 24 scale words, ~230 cycles a stage of the decode
-  partition and all of the tile's 184 B of spills), one byte-table lookup per value (``megamoe.quant.fold_lut``
-  through ``prmt``, the one-launch kernel's ``_decode_chunk``), into an FP8 ``[256, 128]`` NVMMA-swizzled buffer
-  (at BM 128 two ``[128, 128]`` buffers, one per half that a wgmma reads, each written by one store:
-  ``DECODE_HALVES``, ``megamoe.fused.FP4_WS_DECODE_HALVES`` says why).
+  partition and all of the tile's 184 B of spills), one byte-table lookup per value (a row of
+  ``megamoe.quant.fold_lut`` through ``prmt``, as the one-launch kernel's ``_decode_chunk``; since session 36 the
+  row computed per weight row and 32-group, ``_fold_table``, not gathered), into an FP8 ``[256, 128]``
+  NVMMA-swizzled buffer (at BM 128 two ``[128, 128]`` buffers, one per half that a wgmma reads, each written by
+  one store: ``DECODE_HALVES``, ``megamoe.fused.FP4_WS_DECODE_HALVES`` says why).
 * L2 A: the L1 epilogue quantises per 128 columns (UE8M0, as ``_l1_tile_hopper``); the reference folds the L2
   input per token relative to the largest of its I/128 scales, which the L1 epilogue of one 128-column tile cannot
   know. So the L2 A operand is folded in place (``e4m3(a * 2^(s_kb - s_max))`` through fp16, exact as
@@ -146,8 +147,9 @@ as one chunk; 20 B spilled once a tile, none in the K loop) and ``SF_TMA`` (``FP
 brings them with the stage, 1 KB of weight-row words + the pool rows' words, and the decode reads shared memory, as
 DeepGEMM's SM90 kernel loads its scales; BM 64 178892 B of shared memory, no spill, 359 SASS instructions in the K
 loop; BM 128 204764 B, 156 B spilled once a tile, 816 in the K loop). The fold-table pair is one 8-byte gather
-(``_fold_table``) in every variant. ``results/probes/ws_variants_probe.py scale_words`` timed them against each
-other on an H200: PREFETCH (with a fourth stage) at BM 64, SF_TMA at BM 128 (``megamoe.fused.FP4_WS_PREFETCH`` /
+(``_fold_table``) in every variant (until session 36: now computed in registers, the same bits).
+``results/probes/ws_variants_probe.py scale_words`` timed them against each other on an H200: PREFETCH (with a
+fourth stage) at BM 64, SF_TMA at BM 128 (``megamoe.fused.FP4_WS_PREFETCH`` /
 ``FP4_WS_SF_TMA`` cite the rows); the others stay selectable and GPU-tested (SF_TMA at BM 64 with 3 stages: with 4
 it needs 237516 B of shared memory, over sm_90's 232448).
 Predecoded calls (GPU-tested; ``megamoe.fused.FP4_PREDECODE_MIN_EXPECTED`` cites the timings): from that many
@@ -164,6 +166,18 @@ measured 1-2 % slower on an H100, session 35, and removed). 3 stages against a 4
 a 2-deep decoded ring. Whether the two decode partitions at BM 64 decode a stage in half the time (and whether
 a 64-row block of one math warpgroup then keeps up). A folding pull partition (the rows would then
 overlap the GEMMs again).
+
+Where the block-128 tile's time goes at T = 512 (session 36, one H100, ``ws_variants_probe.py knockout``, whole
+calls): as is 1058 us; without the fold-table arithmetic 1023, without the ``fence.proxy.async`` 1036; **without
+the W decode 815, without any decode 814, without the wgmma 817**. The decode and the MMA each alone fit in ~815 us;
+together they take 1058: they do not overlap, they contend (the stage profile: the decode partition's W decode 1398
+cycles a stage, the math's wgmma 1247, each waiting on the other ~800). Both stream shared memory (a full stage:
+TMA 32 KB in, the decode 16 KB read + 32 KB written, the wgmma 96 KB read -- 176 KB, ~1400 cycles at 128 B a cycle)
+and share each scheduler (one decode warp beside two math warps). The gathered tables were not the limit: computing
+them (``FOLD_TABLE_ASM``) took the W decode from 1592 to 1398 cycles a stage and the call not at all (1056 / 1057 us
+gathered, bits equal). And the floor without the decode is the target's neighbourhood (815 us on an H100 against
+0.8 x DeepGEMM's 1025 on the H200): what is left for T = 512 is the MMA's own cost at 64 tokens an expert (a 128-row
+block half padding; idle tiles' one warpgroup issuing both halves in series), not the decode alone.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
