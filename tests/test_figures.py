@@ -262,3 +262,22 @@ def test_stage_profile_figure_draws_the_probe_rows():
         warnings.simplefilter("error")
         fig = figures.stage_profile({"rows": rows})
     assert len(fig.axes[0].get_yticklabels()) == 4  # two rows drawn, two roles each
+
+
+def test_knockout_table_averages_repeats_and_keeps_exactness_apart():
+    """``knockout_table``: one row per (T, variant) in the file's T order and the labels' variant order, the mean
+    of repeated calls, rows that failed to compile left out, ``bits_equal`` only for the exact variants (a
+    knock-out's results are wrong by construction) and False when any repeat differed."""
+    rows = [{"probe": "start", "commit": "abc"},
+            {"probe": "knockout", "T": 512, "variant": "as_is", "us": 1000.0, "bitwise_equal_to_as_is": True},
+            {"probe": "knockout", "T": 512, "variant": "nomma", "us": 800.0},
+            {"probe": "knockout", "T": 512, "variant": "lut_gather", "error": "CompilationError(...)"},
+            {"probe": "knockout", "T": 128, "variant": "as_is", "us": 700.0, "bitwise_equal_to_as_is": True},
+            {"probe": "start", "commit": "abd"},
+            {"probe": "knockout", "T": 512, "variant": "lut_gather", "us": 990.0, "bitwise_equal_to_as_is": False},
+            {"probe": "knockout", "T": 512, "variant": "as_is", "us": 1010.0, "bitwise_equal_to_as_is": True}]
+    out = figures.knockout_table({"rows": rows})
+    assert [(r["T"], r["variant"]) for r in out] == [(512, "as_is"), (512, "lut_gather"), (512, "nomma"),
+                                                     (128, "as_is")]
+    assert out[0]["us"] == 1005.0 and out[0]["calls"] == 2 and out[0]["bits_equal"] is True
+    assert out[1]["bits_equal"] is False and out[2]["bits_equal"] is None

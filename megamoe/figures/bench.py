@@ -408,6 +408,31 @@ def stage_profile(data: dict) -> Figure:
     return fig
 
 
+#: ``knockout``'s variants as the table labels them, in its order (``results/probes/ws_variants_probe.py``).
+KNOCKOUT_LABELS = {"as_is": "as is (tables computed)", "lut_gather": "tables gathered (as before)",
+                   "lut_const": "no table arithmetic", "nofence": "no fence.proxy.async",
+                   "nowdecode": "no W decode", "nodecode": "no decode (W, L2 A fold)", "nomma": "no wgmma"}
+
+
+def knockout_table(data: dict) -> list[dict]:
+    """``results/probes/knockout_runs/*.jsonl`` (``ws_variants_probe.py knockout``) as one row per (T, variant):
+    the mean of its timed rows (``us``), how many, and whether every exact variant's output equalled the as-is
+    output bit for bit (``None`` for the knock-outs, whose results are wrong by construction). Rows that failed to
+    compile (``error``) are left out; T in the file's order, variants in ``KNOCKOUT_LABELS``' order."""
+    by: dict[tuple[int, str], list[dict]] = {}
+    for _, r in probe_runs(data["rows"], "knockout"):
+        if "us" in r:
+            by.setdefault((r["T"], r["variant"]), []).append(r)
+    order = list(KNOCKOUT_LABELS)
+    out = []
+    for (T, v), rs in sorted(by.items(), key=lambda kv: (list(dict.fromkeys(t for t, _ in by)).index(kv[0][0]),
+                                                         order.index(kv[0][1]) if kv[0][1] in order else 99)):
+        bits = [r["bitwise_equal_to_as_is"] for r in rs if "bitwise_equal_to_as_is" in r]
+        out.append({"T": T, "variant": v, "label": KNOCKOUT_LABELS.get(v, v), "calls": len(rs),
+                    "us": sum(r["us"] for r in rs) / len(rs), "bits_equal": all(bits) if bits else None})
+    return out
+
+
 #: ``kind`` -> plotting function for results/*.json.
 BENCH_PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "pull_bandwidth": bench_pull_bandwidth, "layer": bench_layer_impls, "layer_fp8": bench_layer_impls,
