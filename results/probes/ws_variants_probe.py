@@ -222,7 +222,7 @@ def probe_knockout(tokens=(512, 128, 2048)):
         call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
         cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
         want = None
-        for variant in variants if cfg.kind == "fp4_ws" else ("as_is", "lut_gather", "as_is"):
+        for variant in variants if not cfg.rs_block_n else ("as_is", "lut_gather", "as_is"):
             use_kernel(kernel_module(variant))
             y.fill_(float("nan"))
             try:
@@ -231,8 +231,8 @@ def probe_knockout(tokens=(512, 128, 2048)):
             except Exception as exc:  # a variant that does not compile is reported, not fatal
                 emit(probe="knockout", T=T, variant=variant, error=repr(exc)[:300])
                 continue
-            row = dict(probe="knockout", T=T, kind=cfg.kind, block_m=cfg.block_m, idle_decode=cfg.idle_decode,
-                       variant=variant)
+            row = dict(probe="knockout", T=T, kind=cfg.kind, block_m=cfg.block_m, rs_block_n=cfg.rs_block_n,
+                       idle_decode=cfg.idle_decode, variant=variant)
             if variant == "as_is" and want is None:
                 want = y.clone()
                 err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
