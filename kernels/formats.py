@@ -18,6 +18,8 @@ SF_GRAN_K = tl.constexpr(quant.SF_GRAN_K)
 L1_INTERLEAVE = tl.constexpr(quant.L1_INTERLEAVE_ROWS)
 
 assert quant.SF_GRAN_K == 32 and quant.SF_PACK == 4, "the GEMM tiles assume 32-wide scale groups, 4 per int32 word"
+#: Weight rows of one block of ``megamoe.quant.block_fp4_weights`` (the blocked FP4 layout the Gluon tiles can read).
+FP4_BLOCK_ROWS = tl.constexpr(quant.FP4_BLOCK_ROWS)
 #: Largest fold shift held by the fused kernel's weight-decode table (``megamoe.quant.fold_lut``).
 FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
 #: The tile table the fused FP8 path's front launch writes for its Gluon GEMM phase (``megamoe.kernels.fused``

@@ -190,6 +190,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from megamoe.kernels.formats import FP4_BLOCK_ROWS
 from megamoe.kernels.fused import _pow2_f32
 from megamoe.kernels.gemm_fp8_ws import (
     BK,
@@ -313,11 +314,24 @@ def _l1_fold_once(old, buf, arrival, b, nt, valid, wg: gl.constexpr, NWG: gl.con
 
 
 @gluon.jit
+def _w_coord(w_row, kb, KB, BKP: gl.constexpr, col: gl.constexpr, W_BLOCKED: gl.constexpr):
+    """The TMA coordinate of weight rows from ``w_row`` (a row of the ``[El * N, K * BKP / 128]`` weight matrix,
+    ``BKP`` bytes a K block: 64 packed FP4, 128 predecoded e4m3), K block ``kb`` (of ``KB``), byte column ``col``
+    of the block: row-major ``[w_row, BKP kb + col]``; with ``W_BLOCKED`` (``megamoe.fused.FP4_W_BLOCKED``: packed
+    weights as ``megamoe.quant.block_fp4_weights`` lays them out, ``[El * N / 256 * KB * 256, 64]``, each 256 rows'
+    K block one contiguous 16 KB run) ``[256 (w_row // 256 * KB + kb) + w_row % 256, col]``."""
+    if W_BLOCKED:
+        return [(w_row // FP4_BLOCK_ROWS * KB + kb) * FP4_BLOCK_ROWS + w_row % FP4_BLOCK_ROWS, col]
+    else:
+        return [w_row, kb * BKP + col]
+
+
+@gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                     wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                     SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr = False, arrival=None,
-                    FOLD_ONCE: gl.constexpr = False):
+                    FOLD_ONCE: gl.constexpr = False, W_BLOCKED: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
@@ -325,7 +339,8 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
     rows (``ws*_desc``, 1 KB) and of the block's pool rows (``as*_desc``: L2 the per-128 exponents the decode folds
     with; L1 the front launch's folded words, unused, so that every stage has the same byte count). ``FOLD_ONCE``:
     an L2 tile waits for its block's rows to be folded (``_wait_folded`` on ``arrival``, the pool blocks'
-    ``l1_arrival_count``) instead of for the full arrival mask."""
+    ``l1_arrival_count``) instead of for the full arrival mask. ``W_BLOCKED``: the packed weights blocked by 256
+    rows x 128 K (``_w_coord``)."""
     if SF_TMA:
         nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes
                                 + as1_desc.block_type.nbytes)
@@ -360,14 +375,16 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_
             mbarrier.expect(bar, nbytes)
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w2_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+                tma.async_copy_global_to_shared(w2_desc, _w_coord(w_row, kb, KB, BKP, 0, W_BLOCKED), bar,
+                                                wp_bufs.index(s))
                 if SF_TMA:  # MN-major [El][I/128][H] and [I/128][SP] words
                     tma.async_copy_global_to_shared(ws2_desc, [(e * KB + kb) * H + nt * TILE_N], bar,
                                                     wsf_bufs.index(s))
                     tma.async_copy_global_to_shared(as2_desc, [kb * SP + b * BM], bar, asf_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w1_desc, [w_row, kb * BKP], bar, wp_bufs.index(s))
+                tma.async_copy_global_to_shared(w1_desc, _w_coord(w_row, kb, KB, BKP, 0, W_BLOCKED), bar,
+                                                wp_bufs.index(s))
                 if SF_TMA:  # [El][H/128][2I] and [H/128][SP] words
                     tma.async_copy_global_to_shared(ws1_desc, [(e * KB + kb) * (2 * I) + nt * TILE_N], bar,
                                                     wsf_bufs.index(s))
@@ -827,7 +844,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
                           DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
-                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False):
+                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False,
+                          W_BLOCKED: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
     ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
@@ -860,6 +878,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     # is already what the math reads, so the decode partitions only fold the L2 A stage
     PREDECODED: gl.constexpr = w1_desc.dtype == gl.float8e4nv
     gl.static_assert(not (PREDECODED and PREFETCH), "PREFETCH loads scale words that a predecoded call does not use")
+    gl.static_assert(not (PREDECODED and W_BLOCKED), "W_BLOCKED lays out packed FP4 weights, not predecoded ones")
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
     gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
     TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves
@@ -907,7 +926,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                                arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                                wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
-                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE)),
+                               state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE,
+                               W_BLOCKED)),
             (_decode_partition, (buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_bufs, wd2_bufs, wsf_bufs,
                                  asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
                                  state, timeout_ns, OFF_L2_SF, H, I, SP,

@@ -292,6 +292,30 @@ FOLD_LUT_MAX_SHIFT = 15
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+#: Weight rows of one block of :func:`block_fp4_weights` (the Gluon decode-partition tile's 256 weight rows).
+FP4_BLOCK_ROWS = 256
+
+
+def block_fp4_weights(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformed FP4 weights ``w`` (int8 / uint8 ``[El, N, K/2]``, :func:`transform_weights_for_mega_moe`'s)
+    re-laid as uint8 ``[El * N / 256 * K/128 * 256, 64]``: for each expert, each block of ``FP4_BLOCK_ROWS`` rows and
+    each 128-wide K block, the block's 256 rows x 64 bytes as one contiguous 16 KB run (row-major, each 64-byte row
+    the same bytes as in ``w``), runs ordered (expert, row block, K block). What one ring stage of the FP8 x FP4
+    Gluon tiles reads (``megamoe.fused.FP4_W_BLOCKED``): one run instead of 256 pieces of 64 bytes 3.5 or 1.5 KB
+    apart -- as ``megamoe.quant_fp8.block_weights`` blocks the FP8 format's weights. A copy (``N`` must be a
+    multiple of 256), written into ``out`` (uint8 ``[w.numel() / 64, 64]``) when given."""
+    E, N, KH = w.shape
+    if N % FP4_BLOCK_ROWS or KH % 64:
+        raise ValueError(f"w: rows ({N}) must be a multiple of {FP4_BLOCK_ROWS} and packed K ({KH}) of 64")
+    blocks = w.view(torch.uint8).reshape(E, N // FP4_BLOCK_ROWS, FP4_BLOCK_ROWS, KH // 64, 64).permute(0, 1, 3, 2, 4)
+    if out is None:
+        return blocks.contiguous().view(-1, 64)
+    if out.dtype != torch.uint8 or tuple(out.shape) != (w.numel() // 64, 64):
+        raise ValueError(f"out: expected uint8 [{w.numel() // 64}, 64], got {out.dtype} {list(out.shape)}")
+    out.view(E, N // FP4_BLOCK_ROWS, KH // 64, FP4_BLOCK_ROWS, 64).copy_(blocks)
+    return out
+
+
 def fold_lut(device=None) -> torch.Tensor:
     """The fused Hopper kernel's weight-decode table: int32 ``[2 * (FOLD_LUT_MAX_SHIFT + 1)]``.
 

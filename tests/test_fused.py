@@ -28,6 +28,7 @@ from megamoe.ops import MegaMoE, fp8_fp4_mega_moe, resolve_impl
 from megamoe.quant import (
     E2M1_MAGNITUDES,
     FOLD_LUT_MAX_SHIFT,
+    block_fp4_weights,
     dequant_fp8,
     fold_lut,
     fold_scales,
@@ -393,6 +394,30 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     assert num_l1 == 3 * len(block_rows) and len(entries) - num_l1 == 2 * len(block_rows) and len(block_rows) > 6
     assert max(block_rows) == block_m and all(0 < r <= block_m for r in block_rows)
     assert all(valid == block_rows[b] for b, _, _, valid in entries)
+
+
+def test_fp4_ws_blocked_weights_descriptors(monkeypatch):
+    """``FP4_W_BLOCKED`` on a CPU rank: the call is bit-exact as above (the phase's model reads the weights as
+    given), and the Gluon launch's weight descriptors are over the blocked copy (``megamoe.quant.block_fp4_weights``:
+    ``[El N K / 128, 64]`` bytes, the same ``[256, 64]`` box, the same bytes as the weights re-laid), with the
+    launch keywords asking the kernel for blocked coordinates."""
+    import megamoe.fused as mf
+
+    monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config(128))
+    monkeypatch.setattr(mf, "FP4_W_BLOCKED", True)
+    descs, blocked = [], []
+    real_descs, real_blocked = mf._fp4_ws_descriptors, mf._fp4_blocked_weights
+    monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
+    monkeypatch.setattr(mf, "_fp4_blocked_weights", lambda c: blocked.append((c, real_blocked(c))) or blocked[-1][1])
+    _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
+    w1, w2 = descs[-1][2:4]
+    assert [list(w1.block_shape), list(w2.block_shape)] == [[256, 64]] * 2
+    assert list(w1.shape) == [6 * 2 * 384 * 512 // 128, 64] and list(w2.shape) == [6 * 512 * 384 // 128, 64]
+    c, (b1, b2) = blocked[-1]
+    assert w1.base is b1 and w2.base is b2
+    assert torch.equal(b1, block_fp4_weights(c.l1[0])) and torch.equal(b2, block_fp4_weights(c.l2[0]))
+    assert mf.fp4_ws_keywords(c.sb.layout, 128, False)["W_BLOCKED"]
+    assert not mf.fp4_ws_keywords(c.sb.layout, 128, False, predecode=True)["W_BLOCKED"]
 
 
 @pytest.mark.parametrize("block_m", [128, 64])

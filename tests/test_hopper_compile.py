@@ -203,3 +203,20 @@ def test_compile_settings_name_constants_of_the_fused_module():
     with pytest.raises(ValueError, match=r"settings: \['FP4_RS_ROW'\]"):
         compile_gluon_phase("fp4_rs", Layout(1, 48, 8192, 6, 7168, 3072, 128), 64, block_n=8,
                             settings={"FP4_RS_ROW": {8: 64}})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,block_m,block_n", [("fp4_ws", 128, 16), ("fp4_ws", 64, 16), ("fp4_rs", 64, 16),
+                                                  ("fp4_rs", 128, 64)])
+def test_blocked_fp4_weights_compile_within_the_same_budgets(kind, block_m, block_n):
+    """``FP4_W_BLOCKED`` (the packed weights blocked by 256 rows x 128 K, ``megamoe.quant.block_fp4_weights``): only
+    the loader's TMA coordinates change, so each FP8 x FP4 tile compiles with the same shared memory and no more
+    spill than row-major, and none in a K loop."""
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
+    rows, blocked = (compile_gluon_phase(kind, layout, block_m, block_n=block_n, settings={"FP4_W_BLOCKED": on})
+                     for on in (False, True))
+    assert blocked.shared == rows.shared and blocked.registers <= rows.registers
+    assert blocked.spill_stores <= rows.spill_stores + 8, (blocked.spill_stores, rows.spill_stores)
+    for first, last, n, ops in _innermost(blocked.loops):
+        if ops.get("QGMMA") or ops.get("PRMT", 0) >= 32:
+            assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"

@@ -345,3 +345,23 @@ def test_transform_validation():
         transform_weights_for_mega_moe(l1, (l2[0][:1], l2[1][:1]))
     with pytest.raises(ValueError, match="l2_weights"):
         transform_weights_for_mega_moe(l1, (l2[0][:, :128], l2[1][:, :128]))
+
+
+def test_block_fp4_weights_lays_each_stage_out_as_one_run():
+    """``block_fp4_weights``: run ``(e, row block, K block)`` of the output is rows ``[256 rb, +256)`` x bytes
+    ``[64 kb, +64)`` of expert ``e``, each row's bytes unchanged; ``out=`` writes the same bytes in place; shapes the
+    blocking cannot take are refused naming the argument."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-128, 128, (2, 512, 192), dtype=torch.int8, generator=g)  # El 2, N 512, K 384
+    b = quant.block_fp4_weights(w)
+    assert b.dtype == torch.uint8 and tuple(b.shape) == (2 * 2 * 3 * 256, 64)
+    u = w.view(torch.uint8)
+    for e, rb, kb in ((0, 0, 0), (1, 1, 2), (0, 1, 1), (1, 0, 2)):
+        run = ((e * 2 + rb) * 3 + kb) * 256
+        assert torch.equal(b[run:run + 256], u[e, 256 * rb:256 * rb + 256, 64 * kb:64 * kb + 64])
+    out = torch.zeros_like(b)
+    assert quant.block_fp4_weights(w, out=out) is out and torch.equal(out, b)
+    with pytest.raises(ValueError, match="w: rows"):
+        quant.block_fp4_weights(w[:, :300])
+    with pytest.raises(ValueError, match="out:"):
+        quant.block_fp4_weights(w, out=torch.zeros(10, 64, dtype=torch.uint8))

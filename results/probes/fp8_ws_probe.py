@@ -35,6 +35,7 @@ with its L2 flush, as the bench).
 * ``halves [T1,..]``: the block-128 decode-partition tile's decoded stage as two halves (``FP4_WS_DECODE_HALVES``)
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
+* ``blocked [T1,..]``: the FP8 x FP4 call with its packed weights row-major / blocked (``probe_blocked``).
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
@@ -321,11 +322,12 @@ def _timed(call) -> dict:
 
 
 def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False,
-                numerics: str = "hopper") -> None:
+                numerics: str = "hopper", want: torch.Tensor | None = None) -> torch.Tensor:
     """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
     put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
     the format's reference (``numerics``, by default "hopper", for ``fp8_fp4``) and its timings (``noflush``: also
-    ``us_noflush``, ``megamoe.bench._events_median_us`` of 20 calls)."""
+    ``us_noflush``, ``megamoe.bench._events_median_us`` of 20 calls; ``want``: an earlier row's output, compared
+    bit for bit, ``bitwise_equal_to_first``). Returns the call's output (a copy)."""
     from megamoe.testing import moe_error_stats
 
     saved = {n: getattr(mf, n) for n in overrides}
@@ -342,8 +344,11 @@ def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflu
         emit(probe=probe, T=T, choice=label, numerics=numerics, kind=cfg.kind, block_m=cfg.block_m,
              predecode=cfg.predecode,
              rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _events_median_us(call, 20)} if noflush else {}),
-             rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
+             rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"],
+             **({} if want is None else {"bitwise_equal_to_first": bool(torch.equal(y, want))}))
+        out = y.clone()
         sb.destroy()
+        return out
     finally:
         for n, v in saved.items():
             setattr(mf, n, v)
@@ -476,6 +481,19 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
+def probe_blocked(tokens=(32, 128, 512, 2048)):
+    """The FP8 x FP4 call (the host's tile, "hopper") with the packed weights read row-major and from their copy
+    blocked by 256 rows x 128 K (``megamoe.fused.FP4_W_BLOCKED``: each ring stage's weights one contiguous run, as
+    the FP8 format's weights are), off / on / off / on at each T, whole call with its error; every output compared
+    bit for bit with the first (only the loaders' TMA coordinates change)."""
+    for T in _tokens(tokens):
+        want = None
+        for on in (False, True, False, True):
+            y = _choice_row("blocked", T, f"blocked {'on' if on else 'off'}", "fp8_fp4", {"FP4_W_BLOCKED": on},
+                            want=want)
+            want = y if want is None else want
+
+
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
 #: the register-operand tile and the hand-over ``FP4_RS_MAX_EXPECTED`` sits).
 L2PB_FORCED_T = 512
@@ -604,4 +622,4 @@ if __name__ == "__main__":
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
-         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block}[name]()
+         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "blocked": probe_blocked}[name]()
