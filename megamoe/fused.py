@@ -1145,9 +1145,9 @@ def _tensor_version(t):
 
 def _fp4_blocked_weights(c):
     """``FP4_W_BLOCKED``: both of bound call ``c``'s packed FP4 weights as ``megamoe.quant.block_fp4_weights`` lays
-    them out, uint8 ``(w1 [El*2I*H/128*... , 64], w2 [..., 64])``, kept on the buffer per weight set and refilled in
-    place (so descriptors over them stay valid) when the weights are other tensors or were changed in place since
-    (their version counters, as ``_fp4_row_maxima``'s scales)."""
+    them out, uint8 ``(w1 [El * 2I * H / 128, 64], w2 [El * H * I / 128, 64])``, kept on the buffer per weight set
+    and refilled in place (so descriptors over them stay valid) when the weights are other tensors or were changed in
+    place since (their version counters, as ``_fp4_row_maxima``'s scales)."""
     from megamoe.quant import block_fp4_weights
 
     def build(l1, l2):
