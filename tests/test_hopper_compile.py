@@ -215,6 +215,7 @@ def test_blocked_fp4_weights_compile_within_the_same_budgets(kind, block_m, bloc
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
     rows, blocked = (compile_gluon_phase(kind, layout, block_m, block_n=block_n, settings={"FP4_W_BLOCKED": on})
                      for on in (False, True))
+    assert blocked.sass_ops != rows.sass_ops, "W_BLOCKED did not reach the loader"  # (block 128 missed it once)
     assert blocked.shared == rows.shared and blocked.registers <= rows.registers
     assert blocked.spill_stores <= rows.spill_stores + 8, (blocked.spill_stores, rows.spill_stores)
     for first, last, n, ops in _innermost(blocked.loops):
