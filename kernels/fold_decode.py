@@ -27,6 +27,7 @@ registers, no spill (1 KB shared; 4 KB wide); of them only ``WIDE`` (with the lo
 import triton
 import triton.language as tl
 
+from megamoe.kernels.formats import fp4_weight_offset
 from megamoe.kernels.fused import _decode_chunk, _fold_tables, _row_exponent_max
 from megamoe.kernels.numerics import e2m1_lut, e2m1x2_lut_prmt, e2m1x2_nibbles
 
@@ -54,13 +55,14 @@ def _store(ptr, v, STREAM: tl.constexpr):
 def _decode_wide(w_e, sf_e, rmax, rows, k0, N: tl.constexpr, K: tl.constexpr, lut, PRMT_DECODE: tl.constexpr,
                  STEP_K: tl.constexpr, STREAM: tl.constexpr):
     """Folded e4m3 ``[BN, STEP_K]`` of K values ``k0 .. k0 + STEP_K - 1`` of ``rows`` [BN], in K order (``STEP_K`` a
-    multiple of 128): each row's ``STEP_K / 2`` packed bytes are one contiguous load, viewed ``[BN, S, 2, 32]`` (128-
+    multiple of 128): each row's ``STEP_K / 2`` packed bytes are one load (``S`` pieces of 64 bytes in the blocked
+    layout, ``fp4_weight_offset``; the ``BN`` rows' pieces of one K block adjacent), viewed ``[BN, S, 2, 32]`` (128-
     wide step ``s``, 64-chunk ``c``, byte lane ``j``: low value K ``128s + 64c + j``, high value ``+32``,
     ``transform_weights_for_mega_moe``), decoded through the tables of ``_fold_tables`` (low values: group ``2c``
     of step ``s``'s scale word, high: ``2c + 1``) and interleaved back into K order ``128s + 64c + 32h + j``."""
     S: tl.constexpr = STEP_K // 128
     BN: tl.constexpr = rows.shape[0]
-    src = w_e + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, STEP_K // 2)[None, :]
+    src = w_e + fp4_weight_offset(rows[:, None], k0 // 2, tl.arange(0, STEP_K // 2)[None, :], N, K // 2)
     if STREAM:
         packed = tl.load(src, eviction_policy="evict_first")
     else:
@@ -137,10 +139,10 @@ def fold_decode_kernel(w, w_sf, lut, out, row_exp, N: tl.constexpr, K: tl.conste
         for kk in tl.range(0, KC, 128, num_stages=LOOP_STAGES):
             k0 = k_lo + kk
             word = tl.load(sf_e + (k0 // 128) * N + rows)
-            b0, b1 = _decode_chunk(w_e, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE)
+            b0, b1 = _decode_chunk(w_e, word, rmax, rows, k0, 0, K, lut, PRMT_DECODE, N)
             _store(o + k0, b0, STREAM)
             _store(o + k0 + 32, b1, STREAM)
-            b2, b3 = _decode_chunk(w_e, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE)
+            b2, b3 = _decode_chunk(w_e, word, rmax, rows, k0, 1, K, lut, PRMT_DECODE, N)
             _store(o + k0 + 64, b2, STREAM)
             _store(o + k0 + 96, b3, STREAM)
     if K_SPLIT == 1:

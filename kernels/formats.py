@@ -4,6 +4,7 @@ definition, shared with the host quantizers and the reference), so a kernel writ
 The kernels' tiling is built around the 32-wide scale group (one K=32 FP8 MMA per group, 64-wide K steps of two
 groups, four groups per packed int32 scale word), so the values are checked here rather than merely passed on.
 """
+import triton
 import triton.language as tl
 
 from megamoe import quant
@@ -18,8 +19,30 @@ SF_GRAN_K = tl.constexpr(quant.SF_GRAN_K)
 L1_INTERLEAVE = tl.constexpr(quant.L1_INTERLEAVE_ROWS)
 
 assert quant.SF_GRAN_K == 32 and quant.SF_PACK == 4, "the GEMM tiles assume 32-wide scale groups, 4 per int32 word"
-#: Weight rows of one block of ``megamoe.quant.block_fp4_weights`` (the blocked FP4 layout the Gluon tiles can read).
+#: Weight rows of one block and packed bytes of one block row of the transformed FP4 weights
+#: (``megamoe.quant.block_fp4_weights``).
 FP4_BLOCK_ROWS = tl.constexpr(quant.FP4_BLOCK_ROWS)
+FP4_BLOCK_BYTES = tl.constexpr(quant.FP4_BLOCK_BYTES)
+
+
+@triton.jit
+def fp4_weight_offset(n, b0, lane, N: tl.constexpr, KH: tl.constexpr):
+    """Byte offset (int64) of packed byte ``b0 + lane`` of weight row ``n`` (broadcastable integer tensors: ``n`` the
+    rows, ``b0`` a piece's first byte, ``lane`` a ``tl.arange`` along it) inside one expert's transformed FP4
+    weights ``[N, KH]``: ``megamoe.quant.fp4_weight_offset`` (256-row blocks, each 128-wide K block a run of ``rows x
+    64`` bytes; the last ``N % 256`` rows one shorter block). A piece must not cross a 64-byte block row unless it
+    starts on one (``b0 % 64 + lane % 64 < 64``: 32-byte pieces at multiples of 32, or ``b0 % 64 == 0``); ``lane``
+    is kept apart from ``b0`` so that the compiler still sees runs of contiguous bytes (16-byte loads)."""
+    n = n.to(tl.int64)
+    n0 = n // FP4_BLOCK_ROWS * FP4_BLOCK_ROWS
+    rows = tl.minimum(N - n0, FP4_BLOCK_ROWS)
+    q = b0 // FP4_BLOCK_BYTES
+    # (b0 - 64 q, not b0 % 64: Triton's alignment analysis knows nothing of a remainder's divisibility, and the loads
+    # fell to single bytes; a difference keeps the divisibility both terms share: 16-byte loads)
+    return (n0 * KH + (q + lane // FP4_BLOCK_BYTES) * rows * FP4_BLOCK_BYTES + (n - n0) * FP4_BLOCK_BYTES
+            + (b0 - q * FP4_BLOCK_BYTES) + lane % FP4_BLOCK_BYTES)
+
+
 #: Largest fold shift held by the fused kernel's weight-decode table (``megamoe.quant.fold_lut``).
 FOLD_LUT_MAX_SHIFT = tl.constexpr(quant.FOLD_LUT_MAX_SHIFT)
 #: The tile table the fused FP8 path's front launch writes for its Gluon GEMM phase (``megamoe.kernels.fused``

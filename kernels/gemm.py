@@ -33,7 +33,7 @@ tensor-core rate; ``tl.dot_scaled`` is avoided (absent from Triton 3.6's interpr
 import triton
 import triton.language as tl
 
-from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K
+from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, L1_INTERLEAVE, SF_GRAN_K, fp4_weight_offset
 from megamoe.kernels.numerics import (
     ceil_ue8m0,
     e2m1_scaled_f32,
@@ -65,8 +65,9 @@ def _load_a_step(acts, acts_sf, rows, sf_rows, mask_m, k0, K: tl.constexpr, SP: 
 @triton.jit
 def _load_w(w, w_sf, n_rows, k0, K: tl.constexpr, N: tl.constexpr):
     """Weights of one 64-wide K step: packed FP4 bytes uint8 [BN, 32] (64-chunk nibble packing) and the int32 scale
-    word [BN] holding their two groups. ``w``: uint8 [N, K/2]; ``w_sf``: int32 MN-major [K/128][N]."""
-    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :])
+    word [BN] holding their two groups. ``w``: uint8 [N, K/2] (blocked, ``fp4_weight_offset``); ``w_sf``: int32
+    MN-major [K/128][N]."""
+    packed = tl.load(w + fp4_weight_offset(n_rows[:, None], k0 // 2, tl.arange(0, 32)[None, :], N, K // 2))
     return packed, tl.load(w_sf + (k0 // 128) * N + n_rows)
 
 
@@ -99,7 +100,7 @@ def _weight_step_scaled(acc, a0w, a1w, w, w_sf, n_rows, k0, K: tl.constexpr, N: 
                         DOT_DTYPE: tl.constexpr):
     """acc += a0w . (W[n, k0:k0+32] * sb0) + a1w . (W[n, k0+32:k0+64] * sb1), scales folded into the decoded weights
     (exact: e2m1 * 2^k has 2 significant bits). No per-group promotion: both dots chain on one accumulator."""
-    packed = tl.load(w + n_rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + tl.arange(0, 32)[None, :])
+    packed = tl.load(w + fp4_weight_offset(n_rows[:, None], k0 // 2, tl.arange(0, 32)[None, :], N, K // 2))
     word = tl.load(w_sf + (k0 // 128) * N + n_rows)
     g = k0 // SF_GRAN_K
     n0, n1 = e2m1x2_nibbles(packed)

@@ -137,17 +137,16 @@ RS_TILE = gl.constexpr(256)  #: weight rows of a tile (the L1 tile's 128 interme
 
 
 @gluon.jit
-def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, KB, s_word, s, PAIR: gl.constexpr,
-                 W_BLOCKED: gl.constexpr):
+def _issue_stage(w_desc, a_desc, s_desc, wp, ab, sw, bar, w_row, a_row, kb, KB, s_word, s, PAIR: gl.constexpr):
     """TMA of one stage ``s`` (completing on ``bar``, whose byte count the caller set): K block ``kb`` (of ``KB``)
     of the ``PAIR`` x 64 packed weight rows from ``w_row`` (two ``[64, 32]`` byte boxes a chain: ``wp`` slots ``2
-    (PAIR s + i) + c``; ``W_BLOCKED``: from the blocked layout, ``gemm_fp4_ws._w_coord``), of the ``BN`` tokens from
+    (PAIR s + i) + c``; the weights blocked by 256 rows x 128 K, ``gemm_fp4_ws._w_coord``), of the ``BN`` tokens from
     pool row ``a_row`` (four ``[BN, 32]`` e4m3 boxes, shared by the chains), and each chain's 64 scale words from
     flat word ``s_word + 64 i`` (``sw`` slot ``PAIR s + i``)."""
     ROWS: gl.constexpr = w_desc.block_type.shape[0]
     for i in gl.static_range(PAIR):
         for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(w_desc, _w_coord(w_row + ROWS * i, kb, KB, 64, 32 * c, W_BLOCKED), bar,
+            tma.async_copy_global_to_shared(w_desc, _w_coord(w_row + ROWS * i, kb, KB, 64, 32 * c, True), bar,
                                             wp.index(2 * (PAIR * s + i) + c))
         tma.async_copy_global_to_shared(s_desc, [s_word + ROWS * i], bar, sw.index(PAIR * s + i))
     for j in gl.static_range(4):
@@ -196,15 +195,13 @@ def _chain_rows(tile_row, nt, q, ROWS: gl.constexpr):
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                     tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
-                    H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                    W_BLOCKED: gl.constexpr = False):
+                    H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
     """TMA producer (1 warp): takes the rank's next tile from the counter ``sched`` (``atomic_add``: tiles in table
     order, L1 first, each to the CTA that is free first), hands it to the math partition (``_post_tile``), then
     every stage of its (chunk, chain, K block)s in the math's order. An L2 tile first waits for its block's full
     arrival mask (acquire) and fences the generic-proxy L1 stores before its TMA reads; L1 tiles do not wait (the
     front launch landed the rows). The L1 tiles it waits for were all taken before it, by CTAs that are resident
-    and finish them: no dead-lock. ``W_BLOCKED``: the packed weights blocked by 256 rows x 128 K
-    (``gemm_fp4_ws._w_coord``)."""
+    and finish them: no dead-lock."""
     BN: gl.constexpr = a1_desc.block_type.shape[0]
     ROWS: gl.constexpr = w1_desc.block_type.shape[0]
     nbytes: gl.constexpr = (PAIR * (2 * w1_desc.block_type.nbytes + ws1_desc.block_type.nbytes)
@@ -239,10 +236,10 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, 
                     s_word = (e * KB + kb) * N + w_row - e * N  # the MN-major [El][K/128][N] words
                     if is_l2:
                         _issue_stage(w2_desc, a2_desc, ws2_desc, wp, ab, sw, bar, w_row, a_row, kb, KB, s_word, s,
-                                     PAIR, W_BLOCKED)
+                                     PAIR)
                     else:
                         _issue_stage(w1_desc, a1_desc, ws1_desc, wp, ab, sw, bar, w_row, a_row, kb, KB, s_word, s,
-                                     PAIR, W_BLOCKED)
+                                     PAIR)
                     it += 1
         j += 1
         t = gl.atomic_add(sched, 1, sem="relaxed", scope="gpu")
@@ -595,14 +592,14 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                              T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
                              HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
                              KW2_PAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False,
-                             L2_FOLDED: gl.constexpr = True, W_BLOCKED: gl.constexpr = False):
+                             L2_FOLDED: gl.constexpr = True):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
-    e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` ``[El*2I, H/2]`` / ``w2``
-    ``[El*H, I/2]`` the transformed packed FP4 bytes, box ``[64, 32]``; ``ws1`` / ``ws2`` the transformed MN-major
-    scale words ``[El][K/128][N]`` as flat int32, box ``[64]``. ``rmax1`` / ``rmax2``: uint8 ``[El*2I]`` /
-    ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the front
-    launch's tile table (pool blocks of ``BM`` rows); ``sched``: an int32 tile counter, 0 at the launch (the host
-    zeroes it); ``buffer_ptrs``: every rank's buffer base. Launched with
+    e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` / ``w2`` the transformed packed FP4
+    bytes, blocked by 256 rows x 128 K and seen as ``[rows, 64]`` (``_w_coord``), box ``[64, 32]``; ``ws1`` / ``ws2``
+    the transformed MN-major scale words ``[El][K/128][N]`` as flat int32, box ``[64]``. ``rmax1`` / ``rmax2``:
+    uint8 ``[El*2I]`` / ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut``;
+    ``tiles``: the front launch's tile table (pool blocks of ``BM`` rows); ``sched``: an int32 tile counter, 0 at
+    the launch (the host zeroes it); ``buffer_ptrs``: every rank's buffer base. Launched with
     ``num_warps`` 4 and ``maxnreg`` 64, several CTAs an SM (``megamoe.fused.FP4_RS_CTAS_PER_SM``)."""
     if PDL:  # a programmatic dependent of the front launch (megamoe.fused.WS_PDL), as gemm_fp4_ws
         gdc_wait()
@@ -643,5 +640,5 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
                            HAS_CLAMP, KW2_PAD, PAIR, ROWS, L2_FOLDED)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, wp, ab, sw, ready, empty, tile_s,
                            tile_full, tile_empty, sched, tiles, num_l1, num_tiles, l2_mask, progress, state,
-                           timeout_ns, H, I, BM, STAGES, PAIR, W_BLOCKED)),
+                           timeout_ns, H, I, BM, STAGES, PAIR)),
     ], [1], [LOAD_REGS])

@@ -317,9 +317,10 @@ def _l1_fold_once(old, buf, arrival, b, nt, valid, wg: gl.constexpr, NWG: gl.con
 def _w_coord(w_row, kb, KB, BKP: gl.constexpr, col: gl.constexpr, W_BLOCKED: gl.constexpr):
     """The TMA coordinate of weight rows from ``w_row`` (a row of the ``[El * N, K * BKP / 128]`` weight matrix,
     ``BKP`` bytes a K block: 64 packed FP4, 128 predecoded e4m3), K block ``kb`` (of ``KB``), byte column ``col``
-    of the block: row-major ``[w_row, BKP kb + col]``; with ``W_BLOCKED`` (``megamoe.fused.FP4_W_BLOCKED``: packed
-    weights as ``megamoe.quant.block_fp4_weights`` lays them out, ``[El * N / 256 * KB * 256, 64]``, each 256 rows'
-    K block one contiguous 16 KB run) ``[256 (w_row // 256 * KB + kb) + w_row % 256, col]``."""
+    of the block: row-major ``[w_row, BKP kb + col]`` (``_predecode``'s e4m3 weights); with ``W_BLOCKED`` (the
+    transformed packed weights, ``megamoe.quant.block_fp4_weights``, seen as ``[El * N / 256 * KB * 256, 64]``: each
+    256 rows' K block one contiguous 16 KB run; ``N`` a multiple of 256, as the Gluon kinds require)
+    ``[256 (w_row // 256 * KB + kb) + w_row % 256, col]``."""
     if W_BLOCKED:
         return [(w_row // FP4_BLOCK_ROWS * KB + kb) * FP4_BLOCK_ROWS + w_row % FP4_BLOCK_ROWS, col]
     else:
@@ -844,11 +845,11 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
                           DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
-                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False,
-                          W_BLOCKED: gl.constexpr = False):
+                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
-    e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` ``[El*2I, H/2]`` / ``w2``
-    ``[El*H, I/2]`` packed FP4 bytes (transformed: interleaved gate/up rows, register-order nibbles), box [256, 64];
+    e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` / ``w2`` the packed FP4
+    bytes of ``[El*2I, H/2]`` / ``[El*H, I/2]`` (transformed: interleaved gate/up rows, register-order nibbles, blocked
+    by 256 rows x 128 K and seen as ``[rows, 64]``: ``_w_coord``), box [256, 64];
     ``ws1`` / ``ws2`` the weight scales below and ``as1`` / ``as2`` the pools' MN-major ``[K/128][SP]`` scale
     words, flat int32, boxes [256] / [BM] (read only with ``SF_TMA``). ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
@@ -878,7 +879,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     # is already what the math reads, so the decode partitions only fold the L2 A stage
     PREDECODED: gl.constexpr = w1_desc.dtype == gl.float8e4nv
     gl.static_assert(not (PREDECODED and PREFETCH), "PREFETCH loads scale words that a predecoded call does not use")
-    gl.static_assert(not (PREDECODED and W_BLOCKED), "W_BLOCKED lays out packed FP4 weights, not predecoded ones")
+    # the packed weights are blocked by 256 rows x 128 K (megamoe.quant.block_fp4_weights); predecoded ones row-major
+    W_BLOCKED: gl.constexpr = w1_desc.dtype != gl.float8e4nv
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
     gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
     TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves

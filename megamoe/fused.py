@@ -39,7 +39,7 @@ from megamoe.kernels import fused as kf
 from megamoe.kernels.formats import WS_TILE_M, WS_TILE_N
 from megamoe.layout import MIN_BLOCK_M
 from megamoe.ops import largest_pow2_tile
-from megamoe.quant import fold_lut
+from megamoe.quant import FP4_BLOCK_BYTES, fold_lut
 from megamoe.quant_fp8 import FP8_BLOCK
 from megamoe.reference import HOPPER_NUMERICS, l2_folded
 
@@ -368,14 +368,6 @@ FP4_BLOCK64_MAX_EXPECTED = 32
 #: kernels, T = 2048 per block / predecoded: 3341 / 3389 us (``fp4_threshold`` rows of
 #: ``results/probes/fp8_ws_probe_h200.jsonl`` at 5bcfb3e): still per block there.
 FP4_PREDECODE_MIN_EXPECTED = 512
-#: The FP8 x FP4 Gluon tiles read the packed weights blocked (``megamoe.quant.block_fp4_weights``: each ring
-#: stage's 256 rows x 64 bytes one contiguous 16 KB run) instead of row-major (256 pieces of 64 bytes 3.5 KB (L1) or
-#: 1.5 KB (L2) apart; the register-operand tile's boxes are 32 bytes wide). The FP8 format's weights gained 4-12 % at
-#: T <= 512 from the same blocking (``results/probes/README.md``, mode ``tiled``). Off: built in session 36 without
-#: a GPU to time it (``results/probes/ws_variants_probe.py blocked``). On, the host keeps a blocked copy of each
-#: weight set (``_fp4_blocked_weights``: as many bytes again as the FP4 weights) -- a measurement option; made the
-#: default, the blocking would move into ``megamoe.quant.transform_weights_for_mega_moe`` and the copy go.
-FP4_W_BLOCKED = False
 
 #: "fp4_ws": up to this many expected tokens per local expert the GEMM phase is the register-operand tile (at its own
 #: pool block, ``fp4_rs_block_m``; ``fp4_ws_tiles``) (``megamoe.kernels.gemm_fp4_rs``; FusedConfig.rs_block_n, its token
@@ -986,8 +978,9 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
     rows x 128 K values), and four flat int32 runs of scale words (``SF_TMA``: both weights' [El][K/128][N], box
     [256]; both pools' [K/128][SP], box [bm]), cached on the buffer by the weights' addresses and the block like
     ``_ws_descriptors``. ``predecode``: the weights are ``_predecode``'s e4m3 scratch instead (box [256, 128], the
-    layout the math reads; the kernel takes the predecoded path from their dtype). ``FP4_W_BLOCKED`` (not
-    predecoded): the weights' blocked copy (``_fp4_blocked_weights``, ``[rows, 64]`` bytes, the same box)."""
+    layout the math reads; the kernel takes the predecoded path from their dtype). The packed weights are blocked by
+    256 rows x 128 K (``megamoe.quant.block_fp4_weights``): the descriptor sees them as ``[rows, 64]`` bytes, a box
+    one block's K block (``megamoe.kernels.gemm_fp4_ws._w_coord``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def build(l1, l2):
@@ -996,10 +989,8 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
         if predecode:
             (f1, _), (f2, _) = scratch
             w1, w2 = f1.view(-1, H), f2.view(-1, I)
-        elif blocked:
-            w1, w2 = blocked
         else:
-            w1, w2 = l1[0].view(torch.uint8).reshape(-1, H // 2), l2[0].view(torch.uint8).reshape(-1, I // 2)
+            w1, w2 = (w[0].view(torch.uint8).reshape(-1, FP4_BLOCK_BYTES) for w in (l1, l2))
         # scale words as flat int32 runs (SF_TMA): the weights' MN-major [El][K/128][N], the pools' [K/128][SP]
         ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (l1, l2))
         as1, as2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
@@ -1009,9 +1000,7 @@ def _fp4_ws_descriptors(c, L, bm: int = 128, predecode: bool = False):
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
     scratch = _predecode_scratch(c) if predecode else None  # (its address is in the key: it may be re-made)
-    blocked = _fp4_blocked_weights(c) if FP4_W_BLOCKED and not predecode else None  # (refreshed on every call)
-    return _weights_cache(c, "_ws_descs", ("fp4", bm, scratch and scratch[0][0].data_ptr(), blocked is not None),
-                          build)
+    return _weights_cache(c, "_ws_descs", ("fp4", bm, scratch and scratch[0][0].data_ptr()), build)
 
 
 def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "fp8_ws",
@@ -1152,45 +1141,28 @@ def _tensor_version(t):
         return None
 
 
-def _fp4_blocked_weights(c):
-    """``FP4_W_BLOCKED``: both of bound call ``c``'s packed FP4 weights as ``megamoe.quant.block_fp4_weights`` lays
-    them out, uint8 ``(w1 [El * 2I * H / 128, 64], w2 [El * H * I / 128, 64])``, kept on the buffer per weight set
-    and refilled in place (so descriptors over them stay valid) when the weights are other tensors or were changed in
-    place since (their version counters, as ``_fp4_row_maxima``'s scales)."""
-    from megamoe.quant import block_fp4_weights
-
-    return _derived_per_weights(c, "_fp4_blocked", 0, lambda w: torch.empty(
-        w.numel() // 64, 64, dtype=torch.uint8, device=w.device), lambda w, out: block_fp4_weights(w, out=out))
-
-
 def _fp4_rs_descriptors(c, L, bm: int, block_n: int):
     """TMA descriptors of one rank's register-operand GEMM phase (``megamoe.kernels.gemm_fp4_rs``): the two pools
     (e4m3, box ``[block_n, 32]``), the transformed FP4 weights as bytes (box ``[64, 32]``), both weights' scale
-    words as flat int32 runs (box ``[64]``); cached on the buffer like ``_fp4_ws_descriptors``. ``FP4_W_BLOCKED``:
-    the weights' blocked copy (``_fp4_blocked_weights``, ``[rows, 64]`` bytes, the same boxes)."""
+    words as flat int32 runs (box ``[64]``); cached on the buffer like ``_fp4_ws_descriptors``. The weights are
+    blocked (``megamoe.quant.block_fp4_weights``): the descriptor sees them as ``[rows, 64]`` bytes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def build(l1, l2):
-        H, I = L.hidden, L.intermediate_hidden
         spec = ws_descriptor_specs("fp4_rs", bm, block_n=block_n)
-        if blocked:
-            w1, w2 = blocked
-        else:
-            w1, w2 = l1[0].view(torch.uint8).reshape(-1, H // 2), l2[0].view(torch.uint8).reshape(-1, I // 2)
+        w1, w2 = (w[0].view(torch.uint8).reshape(-1, FP4_BLOCK_BYTES) for w in (l1, l2))
         ws1, ws2 = (w[1].transpose(1, 2).view(-1) for w in (l1, l2))
         boxed = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
         flat = dict(ws1_desc=ws1, ws2_desc=ws2)
         return tuple(TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in boxed.items()) + tuple(
             TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in flat.items())
 
-    blocked = _fp4_blocked_weights(c) if FP4_W_BLOCKED else None  # (refreshed here, on every call)
-    return _weights_cache(c, "_ws_descs", ("fp4_rs", bm, block_n, FP4_W_BLOCKED), build)
+    return _weights_cache(c, "_ws_descs", ("fp4_rs", bm, block_n), build)
 
 
 def _fp4_rs_constexprs(sb, bm: int, block_n: int, has_clamp: bool, numerics: str = "hopper") -> dict:
     """``fp4_rs_keywords`` for ``sb``'s layout, cached on the buffer (as ``_fp4_ws_constexprs``)."""
-    return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl(), numerics,
-                                                FP4_W_BLOCKED),
+    return _buffer_cache(sb, "_ws_constexprs", ("fp4_rs", bm, block_n, has_clamp, _ws_pdl(), numerics),
                          lambda: direct_launch.FrozenKeywords(fp4_rs_keywords(sb.layout, bm, block_n, has_clamp,
                                                                               numerics)))
 
@@ -1205,7 +1177,7 @@ def fp4_rs_keywords(L, bm: int, block_n: int, has_clamp: bool, numerics: str = "
         {k: offs[k] for k in _FP4_WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, BM=bm, HAS_CLAMP=has_clamp, STAGES=fp4_rs_stages(block_n),
         LOAD_REGS=FP4_RS_LOAD_REGS[block_n], KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        PAIR=FP4_RS_PAIR[block_n], L2_FOLDED=l2_folded(numerics), W_BLOCKED=FP4_W_BLOCKED,
+        PAIR=FP4_RS_PAIR[block_n], L2_FOLDED=l2_folded(numerics),
         num_warps=fp4_rs_num_warps(block_n), maxnreg=fp4_rs_maxnreg(block_n), **_pdl_keywords())
 
 
@@ -1216,7 +1188,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"], FP4_W_BLOCKED)  # (IDLE_DECODE: ``idle``, the config)
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])  # (IDLE_DECODE: ``idle``, the config)
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
@@ -1227,7 +1199,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
-    ``FP4_WS_IDLE_DECODE`` at ``bm``, ``FP4_W_BLOCKED`` (not predecoded), ``num_warps`` and ``maxnreg``.
+    ``FP4_WS_IDLE_DECODE`` at ``bm``, ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
     ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`). ``idle``: ``IDLE_DECODE`` (``FusedConfig.idle_decode``;
@@ -1248,7 +1220,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
         DECODE_HALVES=halves, FOLD_ONCE=fold_once, L2_FOLDED=l2_folded(numerics),
-        IDLE_DECODE=bool(idle), W_BLOCKED=FP4_W_BLOCKED and not predecode,
+        IDLE_DECODE=bool(idle),
         **_pdl_keywords())
 
 

@@ -49,6 +49,7 @@ from megamoe.quant import (
     _unrepack_nibbles,
     e2m1_decode,
     fold_scales,
+    fp4_weight_rows,
     per_128_cast_to_fp8,
     unpack_nibbles,
 )
@@ -133,10 +134,10 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 
 def _folded_fp4_rows(w: torch.Tensor, sf: torch.Tensor, e: int, rows: torch.Tensor):
     """Rows ``rows`` of local expert ``e`` of transformed FP4 weights (``w`` int8 ``[El, N, K/2]`` in the
-    transform's nibble order, ``sf`` int32 ``[El, N, K/128]``) as the decode warps write them: e4m3 values folded
-    relative to each row's largest scale exponent, float32 ``[len(rows), K]`` in K order, and that exponent (int32
-    ``[len(rows)]``)."""
-    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles(w[e, rows])))
+    transform's nibble order and blocked layout, ``sf`` int32 ``[El, N, K/128]``) as the decode warps write them: e4m3
+    values folded relative to each row's largest scale exponent, float32 ``[len(rows), K]`` in K order, and that
+    exponent (int32 ``[len(rows)]``)."""
+    values = e2m1_decode(unpack_nibbles(_unrepack_nibbles(fp4_weight_rows(w, e, rows))))
     folded, row_exp = fold_scales(values, sf[e, rows])
     return folded.float(), row_exp
 

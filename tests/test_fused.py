@@ -28,7 +28,6 @@ from megamoe.ops import MegaMoE, fp8_fp4_mega_moe, resolve_impl
 from megamoe.quant import (
     E2M1_MAGNITUDES,
     FOLD_LUT_MAX_SHIFT,
-    block_fp4_weights,
     dequant_fp8,
     fold_lut,
     fold_scales,
@@ -385,7 +384,8 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     a1, a2, w1, w2, ws1, ws2, as1, as2 = descs[-1]
     assert [list(d.block_shape) for d in descs[-1]] == ([[block_m, 128]] * 2 + [[256, 64]] * 2 + [[256]] * 2
                                                         + [[block_m]] * 2)
-    assert list(w1.shape) == [6 * 2 * 384, 512 // 2] and list(w2.shape) == [6 * 512, 384 // 2]
+    # the packed weights as [rows, 64] bytes (blocked by 256 rows x 128 K; their runs: the test below)
+    assert list(w1.shape) == [6 * 2 * 384 * 512 // 128, 64] and list(w2.shape) == [6 * 512 * 384 // 128, 64]
     # the scale words (SF_TMA): flat views of the MN-major weight scales [El][K/128][N] and the pools' [K/128][SP]
     assert list(ws1.shape) == [6 * (512 // 128) * 2 * 384] and list(ws2.shape) == [6 * (384 // 128) * 512]
     sp = list(as1.shape)[0] // (512 // 128)  # the padded scale rows of the pool, the same in both
@@ -396,28 +396,24 @@ def test_fp4_ws_three_launch_split_bitwise(block_m, monkeypatch):
     assert all(valid == block_rows[b] for b, _, _, valid in entries)
 
 
-def test_fp4_ws_blocked_weights_descriptors(monkeypatch):
-    """``FP4_W_BLOCKED`` on a CPU rank: the call is bit-exact as above (the phase's model reads the weights as
-    given), and the Gluon launch's weight descriptors are over the blocked copy (``megamoe.quant.block_fp4_weights``:
-    ``[El N K / 128, 64]`` bytes, the same ``[256, 64]`` box, the same bytes as the weights re-laid), with the
-    launch keywords asking the kernel for blocked coordinates."""
+def test_fp4_ws_weight_descriptors_read_the_blocked_bytes(monkeypatch):
+    """The Gluon launch's weight descriptors (a CPU rank builds them too; their shapes and boxes: the split test above)
+    are over the transformed weights themselves, blocked by 256 rows x 128 K (``megamoe.quant.block_fp4_weights``):
+    row ``256 (rb * K/128 + kb)`` of the ``[rows, 64]`` view starts the run of row block ``rb``'s K block ``kb``, one
+    ``[256, 64]`` box. (The kernels' coordinates are ``gemm_fp4_ws._w_coord``'s; the GPU tests check the bits.)"""
     import megamoe.fused as mf
 
     monkeypatch.setattr(mf, "fused_config", lambda *a, **k: _fp4_ws_config(128))
-    monkeypatch.setattr(mf, "FP4_W_BLOCKED", True)
-    descs, blocked = [], []
-    real_descs, real_blocked = mf._fp4_ws_descriptors, mf._fp4_blocked_weights
-    monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
-    monkeypatch.setattr(mf, "_fp4_blocked_weights", lambda c: blocked.append((c, real_blocked(c))) or blocked[-1][1])
-    _assert_exact(run_case_local(SpreadScalesCase(num_calls=2, **FP4_WS_CASE)))
+    descs, calls = [], []
+    real_descs = mf._fp4_ws_descriptors
+    monkeypatch.setattr(mf, "_fp4_ws_descriptors", lambda c, *a: calls.append(c) or descs.append(real_descs(c, *a))
+                        or descs[-1])
+    _assert_exact(run_case_local(SpreadScalesCase(**FP4_WS_CASE)))
     w1, w2 = descs[-1][2:4]
-    assert [list(w1.block_shape), list(w2.block_shape)] == [[256, 64]] * 2
-    assert list(w1.shape) == [6 * 2 * 384 * 512 // 128, 64] and list(w2.shape) == [6 * 512 * 384 // 128, 64]
-    c, (b1, b2) = blocked[-1]
-    assert w1.base is b1 and w2.base is b2
-    assert torch.equal(b1, block_fp4_weights(c.l1[0])) and torch.equal(b2, block_fp4_weights(c.l2[0]))
-    assert mf.fp4_ws_keywords(c.sb.layout, 128, False)["W_BLOCKED"]
-    assert not mf.fp4_ws_keywords(c.sb.layout, 128, False, predecode=True)["W_BLOCKED"]
+    c = calls[-1]
+    assert w1.base.data_ptr() == c.l1[0].data_ptr() and w2.base.data_ptr() == c.l2[0].data_ptr()
+    run = (1 * 4 + 2) * 256  # expert 0, row block 1, K block 2 of the L1 weights (H / 128 = 4 K blocks)
+    assert torch.equal(w1.base[run:run + 256], c.l1.rows()[0, 256:512, 128:192].view(torch.uint8))
 
 
 @pytest.mark.parametrize("block_m", [128, 64])
@@ -481,7 +477,7 @@ def test_fp4_ws_model_fails_without_the_weight_fold(monkeypatch):
     from megamoe.quant import ue8m0_bytes
 
     def unfolded(w, sf, e, rows):
-        values = gp.e2m1_decode(gp.unpack_nibbles(gp._unrepack_nibbles(w[e, rows])))
+        values = gp.e2m1_decode(gp.unpack_nibbles(gp._unrepack_nibbles(gp.fp4_weight_rows(w, e, rows))))
         scale = torch.pow(2.0, (ue8m0_bytes(sf[e, rows]) - 127).float()).repeat_interleave(32, dim=1)
         return values * scale, torch.full((len(rows),), 127, dtype=torch.int32)
 

@@ -206,18 +206,22 @@ def test_compile_settings_name_constants_of_the_fused_module():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,block_m,block_n", [("fp4_ws", 128, 16), ("fp4_ws", 64, 16), ("fp4_rs", 64, 16),
-                                                  ("fp4_rs", 128, 64)])
-def test_blocked_fp4_weights_compile_within_the_same_budgets(kind, block_m, block_n):
-    """``FP4_W_BLOCKED`` (the packed weights blocked by 256 rows x 128 K, ``megamoe.quant.block_fp4_weights``): only
-    the loader's TMA coordinates change, so each FP8 x FP4 tile compiles with the same shared memory and no more
-    spill than row-major, and none in a K loop."""
-    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    rows, blocked = (compile_gluon_phase(kind, layout, block_m, block_n=block_n, settings={"FP4_W_BLOCKED": on})
-                     for on in (False, True))
-    assert blocked.sass_ops != rows.sass_ops, "W_BLOCKED did not reach the loader"  # (block 128 missed it once)
-    assert blocked.shared == rows.shared and blocked.registers <= rows.registers
-    assert blocked.spill_stores <= rows.spill_stores + 8, (blocked.spill_stores, rows.spill_stores)
-    for first, last, n, ops in _innermost(blocked.loops):
-        if ops.get("QGMMA") or ops.get("PRMT", 0) >= 32:
-            assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
+def test_predecode_reads_the_blocked_fp4_weights_in_16_byte_loads():
+    """The FP4 weights are blocked by 256 rows x 128 K (``megamoe.quant.block_fp4_weights``) and every Triton kernel
+    that reads them addresses them through ``megamoe.kernels.formats.fp4_weight_offset``. Compiled offline for sm_90a
+    at the L1 shape, the predecode pass (``fold_decode_kernel``: its default wide steps of 512 K, and the 32-byte
+    pieces of ``_decode_chunk``, which the one-launch kernel shares) still loads them 16 bytes at a time: with ``b0 %
+    64`` in the offset, Triton's alignment analysis lost the divisibility and every load fell to single bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probes = Path(__file__).resolve().parents[1] / "results" / "probes"
+    code = ("import json, sys; sys.path.insert(0, %r); import fold_decode_compile as c; print(json.dumps(["
+            "c.compile_variant(v, 6144, 7168)['sass_memory_ops'] for v in (c.FOLD_DECODE_VARIANTS[3], "
+            "c.FOLD_DECODE_VARIANTS[0])]))" % str(probes))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for ops in json.loads(out.stdout.strip().splitlines()[-1]):
+        assert ops.get("LDG.E.128", 0) >= 3 and not any(op.startswith("LDG") and "U8" in op for op in ops), ops

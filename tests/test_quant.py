@@ -318,8 +318,11 @@ def test_transform_layout_and_semantics(piece_bytes, monkeypatch):
     # row r of the transformed L1 is gate row 8*(r//16) + r%8 when r%16 < 8, else that up row
     rows = torch.arange(2 * I)
     source = 8 * (rows // 16) + rows % 8 + I * ((rows % 16) >= 8).long()
-    assert torch.equal(_decode_transformed(t1_w, t1_sf), dequant_fp4(*l1)[:, source])
-    assert torch.equal(_decode_transformed(t2_w, t2_sf), dequant_fp4(*l2))
+    # the bytes are blocked by 256 rows x 128 K (block_fp4_weights): read them back row-major by the definition
+    assert torch.equal(_decode_transformed(_unblock_by_definition(t1_w), t1_sf), dequant_fp4(*l1)[:, source])
+    assert torch.equal(_decode_transformed(_unblock_by_definition(t2_w), t2_sf), dequant_fp4(*l2))
+    t1, t2 = transform_weights_for_mega_moe(l1, l2)
+    assert torch.equal(t1.rows(), _unblock_by_definition(t1_w)) and torch.equal(t2.rows(), _unblock_by_definition(t2_w))
 
 
 def test_transform_inverse_round_trip():
@@ -347,21 +350,39 @@ def test_transform_validation():
         transform_weights_for_mega_moe(l1, (l2[0][:, :128], l2[1][:, :128]))
 
 
-def test_block_fp4_weights_lays_each_stage_out_as_one_run():
-    """``block_fp4_weights``: run ``(e, row block, K block)`` of the output is rows ``[256 rb, +256)`` x bytes
-    ``[64 kb, +64)`` of expert ``e``, each row's bytes unchanged; ``out=`` writes the same bytes in place; shapes the
-    blocking cannot take are refused naming the argument."""
+def _unblock_by_definition(w: torch.Tensor) -> torch.Tensor:
+    """Row-major bytes of blocked FP4 weights ``w`` [E, N, K/2] from the layout's definition (loops): rows in blocks
+    of 256 (the last ``N % 256`` rows a shorter one), each block's 128-wide K block ``kb`` one run of ``rows x 64``
+    bytes at ``256 rb * K/2 + kb * rows * 64``."""
+    E, N, KH = w.shape
+    flat, out = w.view(torch.uint8).reshape(E, -1), torch.empty(E, N, KH, dtype=torch.uint8)
+    for lo in range(0, N, 256):
+        R = min(256, N - lo)
+        for kb in range(KH // 64):
+            base = lo * KH + kb * R * 64
+            out[:, lo:lo + R, 64 * kb:64 * kb + 64] = flat[:, base:base + R * 64].reshape(E, R, 64)
+    return out.view(w.dtype)
+
+
+@pytest.mark.parametrize("N", [512, 640, 128])
+def test_block_fp4_weights_lays_each_stage_out_as_one_run(N):
+    """``block_fp4_weights``: run ``(e, row block, K block)`` of an expert's bytes is rows ``[256 rb, +256)`` (the
+    last 128 rows their own block where ``N % 256`` is 128) x bytes ``[64 kb, +64)``, each row's bytes unchanged;
+    ``fp4_weight_offset`` / ``fp4_weight_rows`` address the same bytes, ``unblock_fp4_weights`` inverts it; shapes
+    the blocking cannot take are refused naming the argument."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randint(-128, 128, (2, 512, 192), dtype=torch.int8, generator=g)  # El 2, N 512, K 384
+    w = torch.randint(-128, 128, (2, N, 192), dtype=torch.int8, generator=g)  # El 2, K 384
     b = quant.block_fp4_weights(w)
-    assert b.dtype == torch.uint8 and tuple(b.shape) == (2 * 2 * 3 * 256, 64)
-    u = w.view(torch.uint8)
-    for e, rb, kb in ((0, 0, 0), (1, 1, 2), (0, 1, 1), (1, 0, 2)):
-        run = ((e * 2 + rb) * 3 + kb) * 256
-        assert torch.equal(b[run:run + 256], u[e, 256 * rb:256 * rb + 256, 64 * kb:64 * kb + 64])
-    out = torch.zeros_like(b)
-    assert quant.block_fp4_weights(w, out=out) is out and torch.equal(out, b)
+    assert b.dtype == w.dtype and b.shape == w.shape and b.is_contiguous()
+    assert torch.equal(_unblock_by_definition(b), w) and torch.equal(quant.unblock_fp4_weights(b), w)
+    if N >= 512:  # a full block's K block 2 of expert 1 is one contiguous run of 256 x 64 bytes
+        assert torch.equal(b[1].view(torch.uint8).reshape(-1)[256 * 192 + 2 * 256 * 64:][:256 * 64].view(256, 64),
+                           w[1, 256:512, 128:192].view(torch.uint8))
+    n, k = torch.arange(N)[:, None], torch.arange(192)[None, :]
+    assert torch.equal(b[1].reshape(-1)[quant.fp4_weight_offset(n, k, N, 192)], w[1])
+    rows = torch.tensor([N - 1, 0, N // 2 + 3])
+    assert torch.equal(quant.fp4_weight_rows(b, 0, rows), w[0, rows])
     with pytest.raises(ValueError, match="w: rows"):
-        quant.block_fp4_weights(w[:, :300])
-    with pytest.raises(ValueError, match="out:"):
-        quant.block_fp4_weights(w, out=torch.zeros(10, 64, dtype=torch.uint8))
+        quant.block_fp4_weights(w[:, :100])
+    with pytest.raises(ValueError, match="w: rows"):
+        quant.block_fp4_weights(w[:, :, :100])

@@ -32,8 +32,8 @@ def _transformed_bit(k: int, nibble: int, hidden: int = 128, intermediate: int =
     nib[0, 0, k] = nibble
     l1, _ = _tiny_weights(hidden, intermediate)
     l2 = (pack_nibbles(nib), torch.zeros(1, hidden, intermediate // 128, dtype=torch.int32))
-    _, (w, _) = transform_weights_for_mega_moe(l1, l2)
-    bits = (w[0, 0].view(torch.uint8).long().unsqueeze(-1) >> torch.arange(8)) & 1
+    _, t2 = transform_weights_for_mega_moe(l1, l2)
+    bits = (t2.rows()[0, 0].view(torch.uint8).long().unsqueeze(-1) >> torch.arange(8)) & 1  # (row order: unblocked)
     (bit,) = bits.flatten().nonzero().flatten().tolist()
     return bit
 

@@ -108,9 +108,6 @@
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
 #                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
-#   blocked        FP4_W_BLOCKED (the packed FP4 weights from a copy blocked by 256 rows x 128 K): its GPU tests (same
-#                  bits, decode-partition and register-operand tiles), then fp8_ws_probe.py blocked at T = $BLK_TOKENS
-#                  (32,128,512,2048; off / on alternating twice, the host's tile; -> $OUT/blocked.jsonl; not timed)
 #   knockout       ws_variants_probe.py knockout at T = $KO_TOKENS (512,128,2048): whole calls with the decode partition's
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
@@ -426,15 +423,6 @@ step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKE
         >>"$OUT/knockout.jsonl"
     local rc=$?
     cut -c1-330 "$OUT/knockout.jsonl"
-    return $rc
-}
-
-step_blocked() {  # FP4_W_BLOCKED: its GPU tests (same bits, both FP8 x FP4 tiles), then off / on alternating twice
-    timeout 240 $PY -m pytest -q -x -rfE tests/gpu/test_ws_launch_options_gpu.py -k "FP4_W_BLOCKED and fp8_fp4" \
-        | tail -6 || return 1
-    timeout 300 $PY results/probes/fp8_ws_probe.py blocked "${BLK_TOKENS:-32,128,512,2048}" >>"$OUT/blocked.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/blocked.jsonl"
     return $rc
 }
 

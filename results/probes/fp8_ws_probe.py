@@ -35,7 +35,10 @@ with its L2 flush, as the bench).
 * ``halves [T1,..]``: the block-128 decode-partition tile's decoded stage as two halves (``FP4_WS_DECODE_HALVES``)
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
-* ``blocked [T1,..]``: the FP8 x FP4 call with its packed weights row-major / blocked (``probe_blocked``).
+* ``as_is [T1,..]``: the FP8 x FP4 call as the host runs it, twice at each T, bits compared (``probe_as_is``).
+* (``blocked``, at 9c425dd only: the FP8 x FP4 call with its packed weights row-major or from a copy blocked by 256
+  rows x 128 K, alternating, ``results/probes/blocked_runs/``; the blocked layout then became
+  ``transform_weights_for_mega_moe``'s.)
 * ``combine [T1,..]``: ``COMBINE_TOKENS`` x ``COMBINE_COLUMNS`` of the combine reduce (front and back launches
   recompile), output compared bitwise with the first.
 
@@ -481,17 +484,14 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
-def probe_blocked(tokens=(32, 128, 512, 2048)):
-    """The FP8 x FP4 call (the host's tile, "hopper") with the packed weights read row-major and from their copy
-    blocked by 256 rows x 128 K (``megamoe.fused.FP4_W_BLOCKED``: each ring stage's weights one contiguous run, as
-    the FP8 format's weights are), off / on / off / on at each T, whole call with its error; every output compared
-    bit for bit with the first (only the loaders' TMA coordinates change)."""
+def probe_as_is(tokens=(32, 128, 512, 2048)):
+    """The FP8 x FP4 call as the host runs it (no constant changed: its tile, "hopper"), twice at each T, whole call
+    with its error, the second output compared bit for bit with the first: the rows a layout or kernel change is
+    compared against on the same kind of GPU (e.g. ``blocked_runs/``: the transform's blocked weights against the
+    blocked copy's rows)."""
     for T in _tokens(tokens):
-        want = None
-        for on in (False, True, False, True):
-            y = _choice_row("blocked", T, f"blocked {'on' if on else 'off'}", "fp8_fp4", {"FP4_W_BLOCKED": on},
-                            want=want)
-            want = y if want is None else want
+        want = _choice_row("as_is", T, "as is", "fp8_fp4", {})
+        _choice_row("as_is", T, "as is", "fp8_fp4", {}, want=want)
 
 
 #: ``l2_per_block``: the T at which the decode-partition tile is also timed in both numerics (where the host runs
@@ -622,4 +622,4 @@ if __name__ == "__main__":
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
-         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "blocked": probe_blocked}[name]()
+         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is}[name]()

@@ -6,8 +6,7 @@ for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PE
 and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
 with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) with
-per-block decode; and the packed FP4 weights read from a copy blocked by 256 rows x 128 K (``FP4_W_BLOCKED``) in
-both FP8 x FP4 tiles.
+per-block decode.
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -38,11 +37,6 @@ OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
 #: the idle math warpgroup's decode (block 128, per-block decode only: predecoded calls decode nothing)
 OPTIONS["FP4_WS_IDLE_DECODE"] = tuple({128: v, 64: False} for v in (False, True))
 FORCE["FP4_WS_IDLE_DECODE"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: the packed FP4 weights read from their blocked copy (``FP4_W_BLOCKED``: only the loaders' TMA coordinates change),
-#: in the decode-partition tile at block 128 and (``@rs``) in the register-operand tile
-OPTIONS["FP4_W_BLOCKED"] = OPTIONS["FP4_W_BLOCKED@rs"] = (False, True)
-FORCE["FP4_W_BLOCKED"] = FORCE["FP4_WS_DECODE_HALVES"]
-FORCE["FP4_W_BLOCKED@rs"] = dict(FP4_RS_MAX_EXPECTED=float("inf"), FP4_PREDECODE_MIN_EXPECTED=float("inf"))
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
 #: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
