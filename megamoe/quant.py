@@ -604,9 +604,10 @@ def transform_weights_for_mega_moe(
        expert's rows in blocks of 256, each block's 128-wide K block one contiguous run of 256 x 64 bytes
        (:func:`block_fp4_weights`, addresses by :func:`fp4_weight_offset`; read rows through
        :meth:`TransformedWeights.rows`), so that a ring stage of the Gluon tiles reads one 16 KB run. Measured on
-       an H100 (``results/probes/blocked_runs/``, session 37, against a row-major read): 2.4 / 2.1 / 1.4 % less
-       time a call at T = 32 / 128 / 512, even at 2048, the same bits. The FP8 format blocks its weights alike
-       (``megamoe.quant_fp8.block_weights``).
+       H100s (``results/probes/blocked_runs/``, session 37): against a row-major read in one run, 2.4 / 2.1 / 1.4 %
+       less time a call at T = 32 / 128 / 512, even at 2048, the same bits; this layout on a second machine kept
+       the T = 32 / 128 times (661 / 691 us) but not T = 512's (1051-1060 against 1039). The FP8 format blocks
+       its weights alike (``megamoe.quant_fp8.block_weights``).
 
     Errors name ``l1_weights``/``l2_weights`` for bad dtypes or shapes, and for weights already transformed (a
     :class:`TransformedWeights`, or MN-major scales); ``activation`` must be ``"swiglu"``.
