@@ -108,6 +108,10 @@
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
 #                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
+#   gputests_fp4_readers  the GPU tests of every kernel that reads the transformed FP4 weights, smallest first: both
+#                  Gluon tiles' small cases (clamp, I = 640), fold_decode against the CPU pass, the one-launch and staged
+#                  kernels' small cases (H = 384: a shorter last 256-row block), predecoded / real-size calls, a CUDA
+#                  graph (23 tests in 262 s on an H100, session 37: run it after any change of the weight layout)
 #   knockout       ws_variants_probe.py knockout at T = $KO_TOKENS (512,128,2048): whole calls with the decode partition's
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
@@ -424,6 +428,15 @@ step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKE
     local rc=$?
     cut -c1-330 "$OUT/knockout.jsonl"
     return $rc
+}
+
+step_gputests_fp4_readers() {
+    $PY -m pytest -q -rfE tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp4_rs_gpu.py -k "(test_fp4_ws_small_cases and \
+        clamp) or (test_fp4_rs_small_cases and clamp) or fold_decode_on_the_gpu" | tail -4 || return 1
+    $PY -m pytest -q -rfE tests/gpu/test_fused_gpu.py tests/gpu/test_mega_moe_gpu.py \
+        -k "(test_fused_small_cases and hopper) or test_small_cases_local" | tail -4 || return 1
+    $PY -m pytest -q -rfE tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp4_rs_gpu.py -k "(test_fp4_ws_predecoded and 128) \
+        or (test_fp4_ws_real_size and not block64) or test_fp4_rs_real_size or (test_fp4_ws_cuda_graph and 512)" | tail -4
 }
 
 step_launch_options() { $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py; }
