@@ -331,8 +331,8 @@ def _w_coord(w_row, kb, KB, BKP: gl.constexpr, col: gl.constexpr, W_BLOCKED: gl.
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs, wp_bufs,
                     wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress, state, timeout_ns,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr = False, arrival=None,
-                    FOLD_ONCE: gl.constexpr = False, W_BLOCKED: gl.constexpr = False):
+                    SF_TMA: gl.constexpr, GROUP_SYNC: gl.constexpr, arrival, FOLD_ONCE: gl.constexpr,
+                    W_BLOCKED: gl.constexpr):
     """TMA producer (1 warp): per K block of each tile, A ``[BM, 128]`` e4m3 + packed W ``[256, 64]`` bytes into
     the next ring stage (``ready[s]`` completes on the bytes). L1 tiles do not wait (the front launch landed the
     rows); an L2 tile first waits for its block's full arrival mask (the decode partition's fold needs every
