@@ -314,19 +314,21 @@ def fp4_weight_offset(n, b, N: int, KH: int):
     return n0 * KH + (b // B) * rows * B + (n - n0) * B + b % B
 
 
-def _fp4_block_axes(w: torch.Tensor, blocked: bool) -> torch.Tensor:
-    """``w [El, N, KH]`` bytes, row-major (``blocked`` False) or blocked (True), as the other layout: a contiguous
-    uint8 copy of the same shape. Each run of ``FP4_BLOCK_ROWS`` rows (and the shorter last one) is viewed ``[rows,
-    KH / 64, 64]`` row-major or ``[KH / 64, rows, 64]`` blocked and its first two axes swapped."""
-    El, N, KH = w.shape
+def _swap_block_axes(w: torch.Tensor, rows: int, width: int, blocked: bool) -> torch.Tensor:
+    """``w [El, N, X]`` (one-byte elements) laid out row-major (``blocked`` False) or blocked by ``rows`` rows x
+    ``width`` columns (True: each block contiguous, blocks of a row block in column order; the last ``N % rows`` rows
+    one shorter block), as the other layout: a contiguous copy of the same shape and dtype. Each row block of ``R``
+    rows is viewed ``[R, X / width, width]`` or ``[X / width, R, width]`` and its first two axes swapped. The FP4
+    weights' blocking (:func:`block_fp4_weights`) and the FP8 format's (``megamoe.quant_fp8.block_weights``)."""
+    El, N, X = w.shape
     u = w.contiguous().view(torch.uint8)
     out = torch.empty_like(u)
-    full = N // FP4_BLOCK_ROWS * FP4_BLOCK_ROWS
-    for lo, hi, R in ((0, full, FP4_BLOCK_ROWS), (full, N, N - full)):
+    full = N // rows * rows
+    for lo, hi, R in ((0, full, rows), (full, N, N - full)):
         if hi > lo:
-            shape = (El, (hi - lo) // R) + ((KH // FP4_BLOCK_BYTES, R) if blocked else (R, KH // FP4_BLOCK_BYTES))
-            out[:, lo:hi] = u[:, lo:hi].reshape(*shape, FP4_BLOCK_BYTES).transpose(2, 3).reshape(El, hi - lo, KH)
-    return out
+            shape = (El, (hi - lo) // R) + ((X // width, R) if blocked else (R, X // width))
+            out[:, lo:hi] = u[:, lo:hi].reshape(*shape, width).transpose(2, 3).reshape(El, hi - lo, X)
+    return out.view(w.dtype)
 
 
 def block_fp4_weights(w: torch.Tensor) -> torch.Tensor:
@@ -338,12 +340,12 @@ def block_fp4_weights(w: torch.Tensor) -> torch.Tensor:
     El, N, KH = w.shape
     if N % 128 or KH % FP4_BLOCK_BYTES:
         raise ValueError(f"w: rows ({N}) must be a multiple of 128 and packed K ({KH}) of {FP4_BLOCK_BYTES}")
-    return _fp4_block_axes(w, blocked=False).view(w.dtype)
+    return _swap_block_axes(w, FP4_BLOCK_ROWS, FP4_BLOCK_BYTES, blocked=False)
 
 
 def unblock_fp4_weights(w: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`block_fp4_weights`: the row-major ``[El, N, K/2]`` bytes, same dtype (a copy)."""
-    return _fp4_block_axes(w, blocked=True).view(w.dtype)
+    return _swap_block_axes(w, FP4_BLOCK_ROWS, FP4_BLOCK_BYTES, blocked=True)
 
 
 def fp4_weight_rows(w: torch.Tensor, e: int, rows: torch.Tensor) -> torch.Tensor:

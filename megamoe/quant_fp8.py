@@ -62,6 +62,7 @@ from megamoe.quant import (
     TaggedWeights,
     _deinterleave_gate_up,
     _interleave_gate_up,
+    _swap_block_axes,
 )
 
 FP8_BLOCK = 128
@@ -243,25 +244,15 @@ class TransformedWeightsSM90(TaggedWeights):
         return unblock_weights(self[0])
 
 
-def _swap_block_axes(w: torch.Tensor, blocked: bool) -> torch.Tensor:
-    """``w [El, N, K]`` viewed as ``[El, N/128, 128, K/128, 128]`` (row-major; or ``[El, N/128, K/128, 128, 128]``
-    when ``blocked``) with its two middle axes swapped: one layout into the other, a contiguous copy of shape
-    ``[El, N, K]``."""
-    El, N, K = w.shape
-    B = FP8_BLOCK
-    shape = (El, N // B, K // B, B, B) if blocked else (El, N // B, B, K // B, B)
-    return w.contiguous().view(torch.uint8).view(shape).transpose(2, 3).contiguous().view(w.dtype).view(El, N, K)
-
-
 def block_weights(w: torch.Tensor) -> torch.Tensor:
     """``[El, N, K]`` row-major -> the same shape holding each expert as ``[N/128, K/128, 128, 128]`` (module
     docstring); N and K multiples of 128. A copy, contiguous."""
-    return _swap_block_axes(w, blocked=False)
+    return _swap_block_axes(w, FP8_BLOCK, FP8_BLOCK, blocked=False)
 
 
 def unblock_weights(w: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`block_weights`: the row-major ``[El, N, K]`` (a copy)."""
-    return _swap_block_axes(w, blocked=True)
+    return _swap_block_axes(w, FP8_BLOCK, FP8_BLOCK, blocked=True)
 
 
 def weight_offset(n, k, K: int):
