@@ -597,7 +597,8 @@ def fp4_rs_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_d
     e4m3, box ``[BN, 32]`` (``BN`` the tokens of a chunk, 8 / 16 / 32); ``w1`` / ``w2`` the transformed packed FP4
     bytes, blocked by 256 rows x 128 K and seen as ``[rows, 64]`` (``_w_coord``), box ``[64, 32]``; ``ws1`` / ``ws2``
     the transformed MN-major scale words ``[El][K/128][N]`` as flat int32, box ``[64]``. ``rmax1`` / ``rmax2``:
-    uint8 ``[El*2I]`` / ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut``;
+    uint8 ``[El*2I]`` / ``[El*H]``, each weight row's largest UE8M0 byte; ``lut``: ``megamoe.quant.fold_lut`` (not
+    read, as in ``gemm_fp4_ws``);
     ``tiles``: the front launch's tile table (pool blocks of ``BM`` rows); ``sched``: an int32 tile counter, 0 at
     the launch (the host zeroes it); ``buffer_ptrs``: every rank's buffer base. Launched with
     ``num_warps`` 4 and ``maxnreg`` 64, several CTAs an SM (``megamoe.fused.FP4_RS_CTAS_PER_SM``)."""

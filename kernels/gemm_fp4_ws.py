@@ -853,7 +853,9 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     ``ws1`` / ``ws2`` the weight scales below and ``as1`` / ``as2`` the pools' MN-major ``[K/128][SP]`` scale
     words, flat int32, boxes [256] / [BM] (read only with ``SF_TMA``). ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: the transformed (MN-major) int32 UE8M0 weight scales ``[El][H/128][2I]`` /
-    ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut``; ``tiles``: the int32 tile table of the front launch;
+    ``[El][I/128][H]``; ``lut``: ``megamoe.quant.fold_lut`` (not read: ``_fold_table`` computes the rows; kept for
+    ``results/probes/ws_variants_probe.py``'s ``lut_gather`` knock-out, which gathers from it, behind notebook 08's
+    figure); ``tiles``: the int32 tile table of the front launch;
     ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
     if PDL:  # launched as a programmatic dependent of the front launch (megamoe.fused.WS_PDL): wait for it to finish
         gdc_wait()  # (and its writes to be visible) before reading anything it wrote; let the back launch be

@@ -32,7 +32,7 @@ import torch
 from megamoe.cases import MoECase, expected_recv_counts, prepare_rank
 from megamoe.env import RESULTS_DIR, device_tag, provenance
 from megamoe.fused import fused_config
-from megamoe.ops import bind_calls, fp8_fp4_mega_moe, pipeline_steps
+from megamoe.ops import AUTO_GPU_NUMERICS, bind_calls, fp8_fp4_mega_moe, pipeline_steps
 from megamoe.stepping import time_steps
 from megamoe.symm import SymmBuffer
 from megamoe.testing import moe_error_stats
@@ -277,6 +277,8 @@ def bench_layer(quick: bool, fmt: str = "fp8_fp4", tokens: list[int] | None = No
     return {"config": {"shape": "V4-Pro, one EP8 rank's 48 experts", "format": fmt, "hidden": 7168,
                        "intermediate": 3072, "num_experts": 48, "num_topk": 6, "block_m": 128, "world_size": 1,
                        "backend": "local", "ceilings": {"fp8_tflops": fp8_tflops, "copy_tb_per_s": copy_tbs},
+                       # which fused row numerics="auto" runs on a GPU at this commit (the README's default row)
+                       **({"default_numerics": AUTO_GPU_NUMERICS} if fmt == "fp8_fp4" else {}),
                        "timing": "us: median of triton.testing.do_bench (L2 flushed), one eager call per sample; "
                                  "graph_us: the same over replays of one call captured in a CUDA graph (fused and "
                                  "torch rows; device time without the host's launch overhead); host_us: median "

@@ -116,9 +116,16 @@ class _RankCall:
 IMPLS = ("auto", "fused", "staged")
 #: What ``numerics=`` accepts: ``"auto"`` (the default, :func:`resolve_numerics`) or one of ``megamoe.reference``'s.
 NUMERICS_ARGS = ("auto", *NUMERICS)
-#: ``numerics="auto"``'s choice where the fused kernel runs on a GPU: the fast Hopper numerics (issue #7's targets
-#: are measured in it, ``results/layer_h200.json``); ``"hopper_l2_per_block"`` is as fast within a few per cent.
-AUTO_GPU_NUMERICS = "hopper"
+#: ``numerics="auto"``'s choice where the fused kernel runs on a GPU (issue #7's targets are measured in it; the
+#: layer files record it as ``config["default_numerics"]``): ``"hopper_l2_per_block"``, DeepGEMM SM90's way with
+#: the L2 input's per-128 token scales (nothing folded, so nothing rounds there), since session 38. Alternating
+#: with ``"hopper"`` twice in one call on an H100 (``results/probes/numerics_runs/l2_per_block_6d3f174_h100.jsonl``),
+#: same error (3.7-3.9e-3): T = 512 1057 / 1063 -> 1016 / 1020 µs, 2048 2756 / 2780 -> 2576 / 2575, 128 690 / 690
+#: -> 695 / 696, 8192 8224 / 8259 -> 8228 / 8264; the layer run of the same commit
+#: (``results/layer_h100-80gb-hbm3.json``) 2-7 % faster at T = 8 / 32 / 512 / 2048 with both routings, within 1 %
+#: at 128 / 8192. In the H200 file of 5996cc5 it was faster at every T but 128 (+2.6 %). Until session 37
+#: ``"hopper"``: the L2 A operand folded per token in the decode partition's every L2 stage, the work this removes.
+AUTO_GPU_NUMERICS = "hopper_l2_per_block"
 
 
 def resolve_impl(impl: str, sym_buffers: list, dispatch: str, num_tokens: int | None = None,
@@ -210,7 +217,7 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, *, activation: str =
         impl: ``"staged"`` (the portable pipeline: one launch per step), ``"fused"`` (one persistent launch per call
             on a Hopper GPU, ``megamoe.fused``) or ``"auto"`` (the one measured faster for this call's size, see
             :func:`resolve_impl`).
-        numerics: ``"auto"`` (default: ``"hopper"`` where the fused kernel runs on a GPU, else ``"exact"``;
+        numerics: ``"auto"`` (default: ``"hopper_l2_per_block"`` where the fused kernel runs on a GPU, else ``"exact"``;
             :func:`resolve_numerics`), ``"exact"`` (both paths; the seeds' per-32 scales, ``megamoe.reference``'s
             default) or ``"hopper"`` (fused path only: per-32 scales folded into the 8-bit operands, no scale
             multiply inside the K loops; ``megamoe.reference`` with ``numerics="hopper"`` models it) or
@@ -485,8 +492,8 @@ class MegaMoE:
         activation_clamp: see :func:`fp8_fp4_mega_moe`.
         dispatch: ``"pull"`` or ``"push"``.
         impl, numerics, check: as :func:`fp8_fp4_mega_moe`'s, for every call of this layer (on an H200 the default
-            ``numerics="auto"`` runs the fast ``"hopper"``; ``check=False`` skips the call's one host sync reading
-            the inputs).
+            ``numerics="auto"`` runs the fast ``"hopper_l2_per_block"``; ``check=False`` skips the call's one host
+            sync reading the inputs).
             Checked here: a Hopper ``numerics`` where ``impl`` does not resolve to the fused kernel is refused now,
             not at the first call.
     """

@@ -25,7 +25,7 @@ from megamoe.walkthrough import markdown_table
 
 #: Row label, then the row's filter: ``impl`` and, where several rows share it, ``numerics``.
 FP8_FP4_ROWS = (("fused, exact numerics", "fused", "exact"),
-                ("fused, hopper numerics (the default on a GPU)", "fused", "hopper"),
+                ("fused, hopper numerics", "fused", "hopper"),
                 ("fused, hopper_l2_per_block numerics", "fused", "hopper_l2_per_block"),
                 ("staged", "staged", None),
                 ("torch `_scaled_grouped_mm` FP8, L1+L2 GEMMs only (yardstick)", "torch_grouped_mm", None),
@@ -34,8 +34,10 @@ FP8_ROWS = (("fused (default)", "fused", None),
             ("staged", "staged", None),
             ("torch `_scaled_grouped_mm` FP8, GEMMs only (yardstick)", "torch_grouped_mm", None),
             ("DeepGEMM SM90 `fp8_mega_moe` (whole layer)", "deepgemm_sm90", None))
-#: The fused row whose tiles the table names, by the file's format: (impl, numerics).
-TILE_ROW = {"fp8_fp4": ("fused", "hopper"), "fp8": ("fused", None)}
+#: What ``numerics="auto"`` ran on a GPU in FP8 x FP4 files without ``config["default_numerics"]`` (before session 38).
+OLD_DEFAULT_NUMERICS = "hopper"
+#: The label's mark of the fused default's row (its tiles follow it; the ratios and targets are its).
+DEFAULT_MARK = " (the default on a GPU)"
 #: The implementation the ratios compare against, and the one the speed-up is over.
 PEER, STAGED = "deepgemm_sm90", "staged"
 
@@ -69,6 +71,15 @@ MEASURE_FORMAT = {"vs_deepgemm": "{:.2f}×", "vs_staged": "{:.2f}×", "weight_tb
 
 def _format(result: dict) -> str:
     return "fp8" if result["kind"] == "layer_fp8" else "fp8_fp4"
+
+
+def default_row(result: dict) -> tuple[str, str | None]:
+    """``(impl, numerics)`` of the fused default in ``result``: FP8 x FP8 has one fused row; FP8 x FP4 the numerics
+    ``numerics="auto"`` ran on a GPU at the file's commit (``config["default_numerics"]``, written by the bench
+    since session 38; :data:`OLD_DEFAULT_NUMERICS` before)."""
+    if _format(result) == "fp8":
+        return "fused", None
+    return "fused", result.get("config", {}).get("default_numerics", OLD_DEFAULT_NUMERICS)
 
 
 def _pick(rows: list[dict], T: int, impl: str, numerics: str | None) -> dict | None:
@@ -106,8 +117,9 @@ def speed_table(result: dict, routing: str = "uniform") -> str:
         picked = [_pick(rows, t, impl, numerics) for t in tokens]
         if not any(picked):  # (none at this routing: e.g. DeepGEMM's kit runs uniform routing only, and files
             continue         # before session 31 have no hopper_l2_per_block rows)
-        line(label, [_us(r) for r in picked])
-        if (impl, numerics) == TILE_ROW[fmt]:
+        default = (impl, numerics) == default_row(result)
+        line(label + (DEFAULT_MARK if default and fmt == "fp8_fp4" else ""), [_us(r) for r in picked])
+        if default:
             line("(its tiles: kind, pool block)", [_tile(_pick(rows, t, impl, numerics)) for t in tokens])
     roof = [next((r["roofline_us"] for r in rows if r["num_tokens_per_rank"] == t and r.get("roofline_us")), None)
             for t in tokens]
@@ -119,8 +131,7 @@ def speed_table(result: dict, routing: str = "uniform") -> str:
 def ratios(result: dict, routing: str = "uniform") -> dict:
     """Per T: ``{"vs_deepgemm": fused / DeepGEMM time, "vs_staged": staged / fused time}`` of the fused default
     (None where a row is missing)."""
-    fmt = _format(result)
-    impl, numerics = TILE_ROW[fmt]
+    impl, numerics = default_row(result)
     rows = [r for r in result["rows"] if r.get("routing") == routing]
     out = {}
     for t in sorted({r["num_tokens_per_rank"] for r in rows}):
@@ -134,8 +145,7 @@ def ratios(result: dict, routing: str = "uniform") -> dict:
 def measures(result: dict, routing: str = "uniform") -> dict:
     """Per T, what :data:`TARGETS` compare: :func:`ratios` and the fused default's ``tflops`` and weight stream
     (``weight_tb_per_s``: its row's ``weight_gb_per_s`` / 1000); None where the file has no such value."""
-    fmt = _format(result)
-    impl, numerics = TILE_ROW[fmt]
+    impl, numerics = default_row(result)
     rows = [r for r in result["rows"] if r.get("routing") == routing]
     out = ratios(result, routing)
     for t, m in out.items():

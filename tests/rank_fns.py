@@ -345,7 +345,7 @@ def _moe_call(sb, y, l1, l2, ref) -> bool:
     from megamoe.ops import fp8_fp4_mega_moe
 
     y.fill_(float("nan"))
-    fp8_fp4_mega_moe(y, l1, l2, sb, numerics="exact")  # (the reference's; "auto" is "hopper" on a GPU)
+    fp8_fp4_mega_moe(y, l1, l2, sb, numerics="exact")  # (the reference's; "auto" is a Hopper numerics on a GPU)
     return bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
 
 

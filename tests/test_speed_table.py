@@ -9,7 +9,11 @@ from megamoe.speed_table import ratios, speed_table, target_table
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["layer_h200.json", "layer_fp8_h200.json"])
+#: The layer files whose tables the README shows (the H200's, the issues' GPU; an H100's of session 38 beside them).
+README_FILES = ["layer_h200.json", "layer_fp8_h200.json", "layer_h100-80gb-hbm3.json", "layer_fp8_h100-80gb-hbm3.json"]
+
+
+@pytest.mark.parametrize("name", README_FILES)
 def test_readme_tables_are_the_results_files(name):
     """Each committed layer results file's uniform-routing table appears verbatim in the README: a regenerated
     file without a regenerated README (or a hand-edited number) fails here."""
@@ -18,7 +22,7 @@ def test_readme_tables_are_the_results_files(name):
         f"README.md lacks the table of results/{name}; paste `python -m megamoe.speed_table results/{name}`:\n{table}")
 
 
-@pytest.mark.parametrize("name", ["layer_h200.json", "layer_fp8_h200.json"])
+@pytest.mark.parametrize("name", README_FILES)
 def test_readme_target_tables_are_the_results_files(name):
     """The README's table of the issue targets (met / missed per T) is the committed file's, verbatim."""
     table = target_table(json.loads((ROOT / "results" / name).read_text()))
@@ -75,3 +79,22 @@ def test_target_table_cells():
     lines = target_table(fp4).splitlines()
     assert lines[2] == "| #7: at most 0.8× DeepGEMM's time (T ≤ 512) | – |  |"
     assert lines[4] == "| #7: at least 3× faster than staged | – | 2.90× **missed** |"
+
+
+def test_the_default_row_is_the_files_default_numerics():
+    """An FP8 x FP4 file names the numerics ``numerics="auto"`` ran (``config["default_numerics"]``): that row is
+    marked the default, carries the tiles, and is the one the ratios and targets read; a file without the key
+    (before session 38) had ``"hopper"``."""
+    tiles = dict(tile_kind="fp4_ws", tile_block_m=128, tile_predecode=False)
+    rows = [_row(512, "fused", 90.0, "hopper", **tiles), _row(512, "fused", 70.0, "hopper_l2_per_block", **tiles),
+            _row(512, "deepgemm_sm90", 100.0)]
+    new = {"kind": "layer", "config": {"default_numerics": "hopper_l2_per_block"}, "rows": rows}
+    lines = speed_table(new).splitlines()
+    assert lines[2:5] == ["| fused, hopper numerics | 90 |",
+                          "| fused, hopper_l2_per_block numerics (the default on a GPU) | 70 |",
+                          "| (its tiles: kind, pool block) | fp4_ws 128 |"]
+    assert ratios(new)[512]["vs_deepgemm"] == pytest.approx(0.7)
+    assert "| #7: at most 0.8× DeepGEMM's time (T ≤ 512) | 0.70× met |" in target_table(new)
+    old = {"kind": "layer", "rows": rows}
+    assert speed_table(old).splitlines()[2] == "| fused, hopper numerics (the default on a GPU) | 90 |"
+    assert ratios(old)[512]["vs_deepgemm"] == pytest.approx(0.9)

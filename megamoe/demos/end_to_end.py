@@ -31,7 +31,7 @@ def correctness_grid(cases: Sequence[MoECase], device=None) -> list[dict]:
 def megamoe_layer_rank(rank: int, world_size: int, case: MoECase, num_calls: int = 2) -> dict:
     """One process per rank: build ``MegaMoE`` from untransformed FP4 weights, call it on bf16 activations
     ``num_calls`` times and compare every output with the reference in the numerics it runs (the module quantises x
-    itself; on a GPU the default numerics is "hopper", on CPU ranks "exact")."""
+    itself; on a GPU the default numerics is "hopper_l2_per_block", on CPU ranks "exact")."""
     from megamoe.ops import MegaMoE
 
     sb = SymmBuffer(None, case.num_experts, case.max_tokens(), case.num_topk, case.hidden, case.intermediate,
@@ -42,8 +42,8 @@ def megamoe_layer_rank(rank: int, world_size: int, case: MoECase, num_calls: int
         l1, l2 = problem.weights_for_rank(rank)
         layer = MegaMoE(sb, l1, l2, activation_clamp=case.activation_clamp)
         stats = torch.zeros(problem.num_local_experts, dtype=torch.int32, device=dev)
-        # the default numerics="auto" runs "hopper" on a GPU's fused path, "exact" on CPU ranks: compare with the
-        # reference in the numerics the layer runs
+        # the default numerics="auto" runs a Hopper numerics on a GPU's fused path, "exact" on CPU ranks: compare
+        # with the reference in the numerics the layer runs
         ref = problem.reference(activation_clamp=case.activation_clamp,
                                 numerics=layer.resolved_numerics)[rank].cpu()
         bitwise, errors, failures = [], [], []

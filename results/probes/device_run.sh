@@ -215,18 +215,21 @@ step_gputests_wide() { $PY -m pytest -q -x -rfE tests/gpu/test_fp4_rs_gpu.py -k 
 
 step_host() { $PY results/probes/fp8_ws_probe.py host "${HOST_TOKENS:-8,128}" >>"$OUT/host.jsonl"; }
 
-_layer() {  # suite, result file
-    $PY -m megamoe.bench --suite "$1" --out "$OUT" || return 1
+_layer() {  # suite: the bench names its file for the GPU it ran on (layer_h200.json, layer_fp8_h100-80gb-hbm3.json,
+    # ...); the kit's rows are merged into the file it says it wrote
+    local written
+    written=$(set -o pipefail; $PY -m megamoe.bench --suite "$1" --out "$OUT" | tee /dev/stderr |
+              sed -n 's/^\[bench\] wrote //p' | tail -1) && [ -f "$written" ] || return 1
     if [ -f .peers/deepgemm_sm90/run.sh ]; then
         bash .peers/deepgemm_sm90/run.sh --out "$OUT/dg_$1.json" >"/tmp/dg_$1.log" 2>&1
         local rc=$?
         grep -E "^\[dg\] T=|rror" "/tmp/dg_$1.log"
-        [ -f "$OUT/dg_$1.json" ] && $PY -m megamoe.bench --merge-peer "$OUT/$2" "$OUT/dg_$1.json"
+        [ -f "$OUT/dg_$1.json" ] && $PY -m megamoe.bench --merge-peer "$written" "$OUT/dg_$1.json"
         return $rc
     fi
 }
-step_layer_fp8() { _layer layer_fp8 layer_fp8_h200.json; }
-step_layer() { _layer layer layer_h200.json; }
+step_layer_fp8() { _layer layer_fp8; }
+step_layer() { _layer layer; }
 
 step_profile() {
     local fmt env

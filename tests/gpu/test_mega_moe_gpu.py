@@ -56,7 +56,7 @@ def test_layer_wrapper_with_hopper_numerics(numerics):
     """``MegaMoE(..., numerics=..., check=False)``: the wrapper's calls run the fused kernel in that numerics (one EP8
     rank's share of V4-Pro at T = 128, twice), within the FP8-MMA tolerance of its reference model; the default
     ``"auto"`` resolves to the Hopper numerics here."""
-    from megamoe.ops import MegaMoE
+    from megamoe.ops import AUTO_GPU_NUMERICS, MegaMoE
     from megamoe.symm import SymmBuffer
     from megamoe.testing import assert_moe_close
 
@@ -66,7 +66,7 @@ def test_layer_wrapper_with_hopper_numerics(numerics):
     sb = SymmBuffer.local(1, 48, 128, 6, 7168, 3072, block_m=128, device="cuda")[0]
     try:
         layer = MegaMoE(sb, *problem.weights_for_rank(0), numerics=numerics, check=False)
-        assert layer.resolved_numerics == ("hopper" if numerics == "auto" else numerics)
+        assert layer.resolved_numerics == (AUTO_GPU_NUMERICS if numerics == "auto" else numerics)
         ref = problem.reference(numerics=layer.resolved_numerics)[0]
         for _ in range(2):
             y = layer(problem.x_bf16[0], problem.topk_idx[0], problem.topk_weights[0])

@@ -56,7 +56,7 @@ def test_staged_interrupt_at_every_step_boundary_is_repaired(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs sm_90")
-@pytest.mark.parametrize("numerics", ["exact", "auto"])  # (auto: "hopper", the default's launches)
+@pytest.mark.parametrize("numerics", ["exact", "auto"])  # (auto: the default Hopper numerics' launches)
 def test_fused_interrupt_after_the_launch_is_repaired(monkeypatch, numerics):
     sbs, ys, l1s, l2s = _ranks()
     good = _call(sbs, ys, l1s, l2s, "fused", numerics)
