@@ -181,6 +181,45 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
         assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
 
 
+def test_fp8_ws_probe_tiles_dry_run(monkeypatch, capsys):
+    """The probe's ``tiles`` mode on a CPU rank at a small shape (as the tests above), its thresholds moved so that
+    8 expected tokens take what T = 512 takes on V4-Pro (block 128, idle decode): each choice on its tile, both
+    routings, in the default GPU numerics, within the bench's tolerance of that model, the constants put back."""
+    import json
+
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+    from megamoe.ops import AUTO_GPU_NUMERICS
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
+                                             block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [16])  # 8 expected tokens per expert
+    monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", 4)
+    monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", 4)
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    idle = dict(mf.FP4_WS_IDLE_DECODE)
+    probe.probe_tiles()
+    assert (mf.FP4_RS_MAX_EXPECTED, mf.FP4_BLOCK64_MAX_EXPECTED, mf.FP4_WS_IDLE_DECODE) == (4, 4, idle)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    labels = [label for label, _ in probe.TILE_CHOICES]
+    assert [(r["routing"], r["choice"]) for r in rows] == [
+        (routing, label) for routing in ("uniform", "skewed") for _ in range(2) for label in labels]
+    tile = {"as is": (128, True, 0), "idle decode off": (128, False, 0), "block 64": (64, False, 0)}
+    for r in rows:
+        assert r["numerics"] == AUTO_GPU_NUMERICS and r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r
+        if r["choice"] in tile:
+            assert (r["block_m"], r["idle_decode"], r["rs_block_n"]) == tile[r["choice"]], r
+        else:
+            assert r["rs_block_n"] > 0, r  # (its chunk from the expected count: 16 here, 64 at T = 512)
+
+
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

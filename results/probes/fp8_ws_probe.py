@@ -36,6 +36,8 @@ with its L2 flush, as the bench).
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
 * ``as_is [T1,..]``: the FP8 x FP4 call as the host runs it, twice at each T, bits compared (``probe_as_is``).
+* ``tiles [T1,..]``: the FP8 x FP4 call in the default GPU numerics with the tile the host picks at T = 512 against
+  the other tiles there, both routings (``probe_tiles``).
 * (``blocked``, at 9c425dd only: the FP8 x FP4 call with its packed weights row-major or from a copy blocked by 256
   rows x 128 K, alternating, ``results/probes/blocked_runs/``; the blocked layout then became
   ``transform_weights_for_mega_moe``'s.)
@@ -216,12 +218,12 @@ def use_kernel(mod):
     mk.gemm_fp8_ws = mod
 
 
-def rank(T: int, fmt: str = "fp8", max_tokens: int = 0, numerics: str = "hopper"):
+def rank(T: int, fmt: str = "fp8", max_tokens: int = 0, numerics: str = "hopper", routing: str = "uniform"):
     """A fresh one-rank buffer (for ``max(T, max_tokens)`` tokens: the launch keywords are cached on it) with case
     ``T`` of format ``fmt`` placed in it: ``(buffer, problem, y, call)``, ``call`` the fused layer (``numerics``, by
     default "hopper", for ``fp8_fp4``). Without CUDA (``tests/test_probes.py``'s dry run of the modes) a one-process CPU
     rank, where the fused kernel runs under the interpreter."""
-    case = MoECase(num_tokens=T, format=fmt, **SHAPE)
+    case = MoECase(num_tokens=T, format=fmt, routing=routing, **SHAPE)
     shape = (case.num_experts, max(T, max_tokens), case.num_topk, case.hidden, case.intermediate)
     if torch.cuda.is_available():
         sb = SymmBuffer.local(1, *shape, block_m=case.block_m, device="cuda", format=fmt)[0]
@@ -325,12 +327,13 @@ def _timed(call) -> dict:
 
 
 def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflush: bool = False,
-                numerics: str = "hopper", want: torch.Tensor | None = None) -> torch.Tensor:
+                numerics: str = "hopper", want: torch.Tensor | None = None, routing: str = "uniform") -> torch.Tensor:
     """One row of a threshold probe: ``megamoe.fused``'s constants ``overrides`` (name -> value) set for the call and
     put back after it; the configuration the host picks under them, one call on a fresh buffer, its error against
     the format's reference (``numerics``, by default "hopper", for ``fp8_fp4``) and its timings (``noflush``: also
     ``us_noflush``, ``megamoe.bench._events_median_us`` of 20 calls; ``want``: an earlier row's output, compared
-    bit for bit, ``bitwise_equal_to_first``). Returns the call's output (a copy)."""
+    bit for bit, ``bitwise_equal_to_first``; ``routing``: the case's, as the bench's). Returns the call's output (a
+    copy)."""
     from megamoe.testing import moe_error_stats
 
     saved = {n: getattr(mf, n) for n in overrides}
@@ -338,14 +341,14 @@ def _choice_row(probe: str, T: int, label: str, fmt: str, overrides: dict, noflu
         setattr(mf, n, v)
     try:
         numerics = numerics if fmt == "fp8_fp4" else "exact"
-        sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0, numerics)
+        sb, problem, y, call = rank(T, fmt, FP4_MAX_TOKENS if fmt == "fp8_fp4" else 0, numerics, routing)
         cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, numerics)
         y.fill_(float("nan"))
         call()
         torch.cuda.synchronize()
         err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
-        emit(probe=probe, T=T, choice=label, numerics=numerics, kind=cfg.kind, block_m=cfg.block_m,
-             predecode=cfg.predecode,
+        emit(probe=probe, T=T, choice=label, numerics=numerics, routing=routing, kind=cfg.kind, block_m=cfg.block_m,
+             predecode=cfg.predecode, idle_decode=cfg.idle_decode,
              rs_block_n=cfg.rs_block_n, **_timed(call), **({"us_noflush": _events_median_us(call, 20)} if noflush else {}),
              rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"],
              **({} if want is None else {"bitwise_equal_to_first": bool(torch.equal(y, want))}))
@@ -517,6 +520,27 @@ def probe_l2_per_block(tokens=(128, 512, 2048, 8192)):
                                 {"FP4_RS_MAX_EXPECTED": -1}, numerics=numerics)
 
 
+#: ``tiles``: the T = 512 tile choices settled under "hopper", as overrides of ``megamoe.fused``'s constants.
+TILE_CHOICES = (("as is", {}), ("idle decode off", {"FP4_WS_IDLE_DECODE": {128: False, 64: False}}),
+                ("block 64", {"FP4_BLOCK64_MAX_EXPECTED": float("inf")}),
+                ("register-operand", {"FP4_RS_MAX_EXPECTED": float("inf")}))
+
+
+def probe_tiles(tokens=(512,)):
+    """The FP8 x FP4 call in the default GPU numerics (``megamoe.ops.AUTO_GPU_NUMERICS``: "hopper_l2_per_block"
+    since session 38) at T whose tile was chosen under "hopper" (T = 512: the decode-partition tile at block 128 with
+    the idle warpgroup decoding): the host's tile against idle decode off, pool block 64 and the register-operand tile
+    (at the chunk the expected count takes: 64 at T = 512) (:data:`TILE_CHOICES`), alternating twice, uniform and skewed routing, whole call with its error."""
+    from megamoe.ops import AUTO_GPU_NUMERICS
+
+    for T in _tokens(tokens):
+        for routing in ("uniform", "skewed"):
+            for _ in range(2):
+                for label, overrides in TILE_CHOICES:
+                    _choice_row("tiles", T, label, "fp8_fp4", overrides, numerics=AUTO_GPU_NUMERICS,
+                                routing=routing)
+
+
 def probe_rs_ctas(tokens=(128,)):
     """The register-operand tile at the token chunk each T takes (chunk 32 at T = 128: 16 expected tokens per expert)
     as is against that chunk's settings in ``megamoe.fused.FP4_RS_CANDIDATES`` (the measured alternatives, dropped
@@ -622,4 +646,5 @@ if __name__ == "__main__":
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
-         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is}[name]()
+         "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is,
+         "tiles": probe_tiles}[name]()
