@@ -59,6 +59,27 @@ def test_fold_decode_variants_fit_the_real_shapes():
     assert {key: getattr(fd, name) for key, name in probe.FOLD_DECODE_KNOBS.items()} == defaults  # restored
 
 
+def _dry_run_probe(monkeypatch, tokens: int, intermediate: int):
+    """``fp8_ws_probe`` set up for a dry run of its modes on one CPU rank: a small shape (H 256, ``intermediate``,
+    4 experts, top-2), every mode at T = ``tokens``, no timing (the bench's timers stubbed), no CUDA sync, and the
+    Gluon kinds' GEMM phase run by its torch model (the CPU stand-in)."""
+    import torch
+
+    import megamoe.bench as bench
+    import megamoe.fused as mf
+
+    probe = _load("fp8_ws_probe")
+    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=intermediate, num_experts=4,
+                                             num_topk=2, block_m=128))
+    monkeypatch.setattr(probe, "_tokens", lambda default: [tokens])
+    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    return probe
+
+
 @pytest.mark.slow
 def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     """The probe's ``threshold``, ``fp4_threshold``, ``host`` and ``pdl`` modes end to end on a CPU rank at a
@@ -68,21 +89,10 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
     timing fields -- so a bug in them costs no device call."""
     import json
 
-    import torch
-
-    import megamoe.bench as bench
     import megamoe.fused as mf
 
-    probe = _load("fp8_ws_probe")
-    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=128, num_experts=4, num_topk=2,
-                                             block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [16])
-    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    probe = _dry_run_probe(monkeypatch, tokens=16, intermediate=128)
     monkeypatch.setattr(probe, "HOST_PROFILE_CALLS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
     saved = {n: getattr(mf, n) for n in ("FP8_WS_MIN_EXPECTED", "FP8_SWAP_MAX_EXPECTED", "FP4_WS_MIN_EXPECTED",
                                          "FP4_BLOCK64_MAX_EXPECTED", "FP4_PREDECODE_MIN_EXPECTED")}
     probe.probe_threshold()
@@ -119,20 +129,9 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
     constants it overrides are put back."""
     import json
 
-    import torch
-
-    import megamoe.bench as bench
     import megamoe.fused as mf
 
-    probe = _load("fp8_ws_probe")
-    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=128, num_experts=4, num_topk=2,
-                                             block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [32])  # 16 expected: chunk 32
-    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
+    probe = _dry_run_probe(monkeypatch, tokens=32, intermediate=128)  # 16 expected: chunk 32
     names = ("FP4_RS_ROWS", "FP4_RS_CTAS_PER_SM", "FP4_RS_PAIR", "FP4_RS_LOAD_REGS")
     saved = {n: dict(getattr(mf, n)) for n in names}
     probe.probe_rs_ctas()
@@ -154,21 +153,10 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
     the bench's tolerance of its own numerics' model, the overridden constant put back."""
     import json
 
-    import torch
-
-    import megamoe.bench as bench
     import megamoe.fused as mf
 
-    probe = _load("fp8_ws_probe")
-    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
-                                             block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [16])  # 8 expected: the host's register-operand tile
+    probe = _dry_run_probe(monkeypatch, tokens=16, intermediate=256)  # 8 expected: the host's register-operand tile
     monkeypatch.setattr(probe, "L2PB_FORCED_T", 16)
-    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
     limit = mf.FP4_RS_MAX_EXPECTED
     probe.probe_l2_per_block()
     assert mf.FP4_RS_MAX_EXPECTED == limit
@@ -181,29 +169,19 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
         assert bool(r["rs_block_n"]) == r["choice"].endswith("host"), r
 
 
+@pytest.mark.slow
 def test_fp8_ws_probe_tiles_dry_run(monkeypatch, capsys):
     """The probe's ``tiles`` mode on a CPU rank at a small shape (as the tests above), its thresholds moved so that
     8 expected tokens take what T = 512 takes on V4-Pro (block 128, idle decode): each choice on its tile, both
     routings, in the default GPU numerics, within the bench's tolerance of that model, the constants put back."""
     import json
 
-    import torch
-
-    import megamoe.bench as bench
     import megamoe.fused as mf
     from megamoe.ops import AUTO_GPU_NUMERICS
 
-    probe = _load("fp8_ws_probe")
-    monkeypatch.setattr(probe, "SHAPE", dict(num_ranks=1, hidden=256, intermediate=256, num_experts=4, num_topk=2,
-                                             block_m=128))
-    monkeypatch.setattr(probe, "_tokens", lambda default: [16])  # 8 expected tokens per expert
+    probe = _dry_run_probe(monkeypatch, tokens=16, intermediate=256)  # 8 expected tokens per expert
     monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", 4)
     monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", 4)
-    monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
-    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
     idle = dict(mf.FP4_WS_IDLE_DECODE)
     probe.probe_tiles()
     assert (mf.FP4_RS_MAX_EXPECTED, mf.FP4_BLOCK64_MAX_EXPECTED, mf.FP4_WS_IDLE_DECODE) == (4, 4, idle)
