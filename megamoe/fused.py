@@ -1110,24 +1110,15 @@ def _fp4_row_maxima(c):
     181 + 146 us a call: ``results/probes/fp4_rs_profile_h200.jsonl``.)"""
     from megamoe.fold_decode import row_maxima
 
-    return _derived_per_weights(c, "_fp4_rmax", 1, lambda sf: torch.empty(
-        sf.shape[0] * sf.shape[1], dtype=torch.uint8, device=sf.device), lambda sf, out: row_maxima(sf, out=out))
-
-
-def _derived_per_weights(c, name: str, which: int, alloc, fill):
-    """Tensors derived from both of bound call ``c``'s weights (``which`` 0) or scales (1), one per GEMM, kept on
-    the buffer per weight set (``_weights_cache`` entry ``name``: ``alloc(t)`` makes each output once) and filled in
-    place by ``fill(t, out)`` (descriptors over them stay valid) when made and whenever a source changed in place
-    since (its torch version counter is the key; a tensor that tracks none is read on every call)."""
     def build(l1, l2):
-        return [alloc(w[which]) for w in (l1, l2)] + [None]
+        return [torch.empty(w[1].shape[0] * w[1].shape[1], dtype=torch.uint8, device=w[1].device)
+                for w in (l1, l2)] + [None]
 
-    entry = _weights_cache(c, name, None, build)
-    sources = (c.l1[which], c.l2[which])
-    key = tuple(_tensor_version(t) for t in sources)
+    entry = _weights_cache(c, "_fp4_rmax", None, build)
+    key = (_tensor_version(c.l1[1]), _tensor_version(c.l2[1]))
     if entry[2] != key or None in key:
-        for t, out in zip(sources, entry):
-            fill(t, out)
+        for w, out in zip((c.l1, c.l2), entry):
+            row_maxima(w[1], out=out)
         entry[2] = key
     return entry[0], entry[1]
 

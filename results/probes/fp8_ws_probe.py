@@ -530,7 +530,8 @@ def probe_tiles(tokens=(512,)):
     """The FP8 x FP4 call in the default GPU numerics (``megamoe.ops.AUTO_GPU_NUMERICS``: "hopper_l2_per_block"
     since session 38) at T whose tile was chosen under "hopper" (T = 512: the decode-partition tile at block 128 with
     the idle warpgroup decoding): the host's tile against idle decode off, pool block 64 and the register-operand tile
-    (at the chunk the expected count takes: 64 at T = 512) (:data:`TILE_CHOICES`), alternating twice, uniform and skewed routing, whole call with its error."""
+    (at the chunk the expected count takes: 64 at T = 512) (:data:`TILE_CHOICES`), alternating twice, uniform and
+    skewed routing, whole call with its error."""
     from megamoe.ops import AUTO_GPU_NUMERICS
 
     for T in _tokens(tokens):
