@@ -468,6 +468,18 @@ def _by_pieces(fn, w: torch.Tensor) -> torch.Tensor:
     return out.view(w.shape)
 
 
+def per_expert(fn, w: torch.Tensor) -> torch.Tensor:
+    """``fn`` (one expert's weights ``[1, N, X]`` -> a new tensor of that shape and dtype) over every expert of ``w``
+    ``[El, N, X]``, into one contiguous output of ``w``'s shape and dtype. The weight (un)transforms of both formats
+    run their steps through it, so their temporaries are one expert's: whole-tensor steps held ~3 extra copies of
+    the tensor at their peak (one EP8 rank's V4-Pro L1 FP8 weights are 15.75 GiB), and the real-size FP8 GPU tests
+    ran out of an 80 GB H100's memory in ``transform_weights_for_mega_moe_sm90`` (session 39)."""
+    out = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    for e in range(w.shape[0]):
+        out[e] = fn(w[e: e + 1])[0]
+    return out
+
+
 def _repack_rows(w: torch.Tensor) -> torch.Tensor:
     chunks = unpack_nibbles(w).long().unflatten(-1, (-1, 2, FP4_REPACK_K // 2 // 4, 4))  # [..., c, lo/hi, q, i]
     lo, hi = chunks[..., 0, :, :], chunks[..., 1, :, :]
@@ -620,9 +632,9 @@ def transform_weights_for_mega_moe(
     _check_untransformed(l1_weights, "l1_weights")
     _check_untransformed(l2_weights, "l2_weights")
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    l1 = TransformedWeights(block_fp4_weights(_repack_nibbles(_interleave_gate_up(w1))),
+    l1 = TransformedWeights(per_expert(lambda w: block_fp4_weights(_repack_nibbles(_interleave_gate_up(w))), w1),
                             _to_mn_major(_interleave_gate_up(sf1.contiguous())), "l1")
-    l2 = TransformedWeights(block_fp4_weights(_repack_nibbles(w2)), _to_mn_major(sf2), "l2")
+    l2 = TransformedWeights(per_expert(lambda w: block_fp4_weights(_repack_nibbles(w)), w2), _to_mn_major(sf2), "l2")
     return l1, l2
 
 
@@ -638,6 +650,7 @@ def untransform_weights_for_mega_moe(
                             f"got {type(pair).__name__}" + (f" of role {pair.role!r}"
                                                             if isinstance(pair, TransformedWeights) else ""))
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    l1 = (_deinterleave_gate_up(_unrepack_nibbles(unblock_fp4_weights(w1))), _deinterleave_gate_up(sf1.contiguous()))
-    l2 = (_unrepack_nibbles(unblock_fp4_weights(w2)).contiguous(), sf2.contiguous())
+    l1 = (per_expert(lambda w: _deinterleave_gate_up(_unrepack_nibbles(unblock_fp4_weights(w))), w1),
+          _deinterleave_gate_up(sf1.contiguous()))
+    l2 = (per_expert(lambda w: _unrepack_nibbles(unblock_fp4_weights(w)), w2), sf2.contiguous())
     return l1, l2

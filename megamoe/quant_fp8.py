@@ -63,6 +63,7 @@ from megamoe.quant import (
     _deinterleave_gate_up,
     _interleave_gate_up,
     _swap_block_axes,
+    per_expert,
 )
 
 FP8_BLOCK = 128
@@ -288,8 +289,8 @@ def transform_weights_for_mega_moe_sm90(
                             "rows. Use them directly")
     check_moe_weights_fp8(l1_weights, l2_weights)
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    return (TransformedWeightsSM90(block_weights(_interleave_fp8(w1)), sf1.contiguous(), "l1"),
-            TransformedWeightsSM90(block_weights(w2), sf2.contiguous(), "l2"))
+    return (TransformedWeightsSM90(per_expert(lambda w: block_weights(_interleave_fp8(w)), w1), sf1.contiguous(), "l1"),
+            TransformedWeightsSM90(per_expert(block_weights, w2), sf2.contiguous(), "l2"))
 
 
 def untransform_weights_for_mega_moe_sm90(
@@ -302,7 +303,8 @@ def untransform_weights_for_mega_moe_sm90(
                             f"transform_weights_for_mega_moe_sm90, got {type(pair).__name__}")
     check_moe_weights_fp8(l1_weights, l2_weights)
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-    return (_interleave_fp8(unblock_weights(w1), inverse=True), sf1.clone()), (unblock_weights(w2), sf2.clone())
+    return ((per_expert(lambda w: _interleave_fp8(unblock_weights(w), inverse=True), w1), sf1.clone()),
+            (per_expert(unblock_weights, w2), sf2.clone()))
 
 
 def l1_original_rows(two_i: int, device=None) -> torch.Tensor:
