@@ -9,12 +9,14 @@
 #   probes         fp8_ws_probe.py threshold / fp4_threshold / host: which tile kind each T should take and where
 #                  the host's enqueue time goes (-> $OUT/probes.jsonl, appended row by row; 22 buffers of V4-Pro
 #                  size and the kernels' first compiles: estimated 5-8 min, not yet timed -- run it in its own call)
-#   gputests       tests/gpu (the whole suite; failures in the output's tail). Longer than one call: session 14 ran
-#                  83 tests in 570 s and the rest (26) in ~170 s, so run its two halves in two calls:
-#   gputests_1     tests/gpu: the CuPy primitives and the FP8 x FP4 / FP8 files (~72 tests; with 11 more they took
-#                  570 s in session 14)
-#   gputests_2     tests/gpu: everything else (fused one-launch, staged, reliability, symm, PDL; ~38 tests: 27 of them
-#                  took ~170 s in session 14; 36 passed + 4 skipped in 320 s, session 17)
+#   gputests       tests/gpu (the whole suite; failures in the output's tail). Longer than one call: session 39 ran
+#                  it on an H100 in three calls of 531 / 291 / ~400 s, so run its three parts in three calls:
+#   gputests_1     tests/gpu: the CuPy primitives and both FP8 x FP4 Gluon tiles' files (97 tests in 531 s, H100,
+#                  session 39)
+#   gputests_2     tests/gpu: the FP8 x FP8 file, the one-launch fused kernel, the staged path, the transforms' memory
+#                  (~59 tests; 55 of them in 291 s, H100, session 39)
+#   gputests_3     tests/gpu: everything else (reliability, symm, weight cache, launch options, l2_per_block; the
+#                  notebooks only with papermill carried; not timed as one part)
 #   gputests_fp8   tests/gpu/test_fp8_gpu.py (the FP8 x FP8 format's staged and fused paths; not timed alone yet)
 #   gputests_quick the GPU tests of the kinds the bench times (fused FP8, both FP8 x FP4 tiles, graph capture; ~120 s
 #                  before the register-operand tile's were added; 31 tests in 440 s, session 29)
@@ -46,7 +48,7 @@
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
 #   clocks         clock_probe.py: SM clock, power, throttle reasons while the fused call runs eager / as a graph, with
 #                  and without the L2 flush, both formats at T = 2048 / 8192 (-> $OUT/clocks.jsonl; est. 2-3 min)
-#   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (gputests_1 without the FP8 file;
+#   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
 #                  fp4_rs.jsonl; ~15 s a run of 5 configs x 2 shapes, session 17)
@@ -153,11 +155,15 @@ step_probes() {
 
 step_gputests() { $PY -m pytest tests/gpu -q -rfE; }
 
-GPUTESTS_1="tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp8_gpu.py"
+GPUTESTS_1="tests/gpu/test_cupy_prims.py tests/gpu/test_fp4_ws_gpu.py tests/gpu/test_fp4_rs_gpu.py"
+GPUTESTS_2="tests/gpu/test_fp8_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_mega_moe_gpu.py
+            tests/gpu/test_transform_memory_gpu.py"
 # shellcheck disable=SC2086
 step_gputests_1() { $PY -m pytest -q -rfE $GPUTESTS_1; }
 # shellcheck disable=SC2086
-step_gputests_2() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $GPUTESTS_1); }
+step_gputests_2() { $PY -m pytest -q -rfE $GPUTESTS_2; }
+# shellcheck disable=SC2086
+step_gputests_3() { $PY -m pytest -q -rfE tests/gpu $(printf -- "--ignore=%s " $GPUTESTS_1 $GPUTESTS_2); }
 
 step_gputests_fp8() { $PY -m pytest -q -rfE tests/gpu/test_fp8_gpu.py; }
 
