@@ -39,7 +39,8 @@ def _transform_peak(fmt):
     """(bytes allocated at the transform's peak beyond its inputs and its outputs, the bound: four of the largest
     expert's weight bytes + 32 pieces of the FP4 nibble repack (``_by_pieces``; its int64 intermediates), inputs,
     outputs). Measured on an H100 (session 39): 399 MiB beyond the outputs (FP8 x FP4; bound 600) and 43 (FP8;
-    bound 168) per expert, 1418 and 3023 MiB with whole-tensor steps."""
+    bound 168) per expert, 1418 and 3023 MiB with whole-tensor steps
+    (``results/probes/gputests_h100_s39.json``)."""
     make, transform, _ = FORMATS[fmt]
     l1, l2 = make()
     torch.cuda.synchronize()
