@@ -118,6 +118,10 @@
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
 #                  timed: 7 compiles)
+#   knockout2      ws_variants_probe.py knockout2 at T = $KO2_TOKENS (512,2048), in the default GPU numerics: no packed-W
+#                  load in the decode warps, no packed-W TMA, both, no token TMA, half the wgmma, against the whole W
+#                  decode and wgmma knocked out (session 40: which shared-memory stream the decode and the MMA contend
+#                  for; -> $OUT/knockout2.jsonl; not timed: 8 compiles, each compiled offline first)
 #   profile        fused_fp8_ws_profile.py: front / Gluon phase / back launch times and the gaps, both formats at
 #                  T = 32, 128, 512, as they are and with 32 front programs / a quarter of the SMs in the back launch
 #                  (-> $OUT/profile.jsonl; 8 processes, each a V4-Pro buffer: not yet timed, est. 3 min)
@@ -436,6 +440,14 @@ step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKE
         >>"$OUT/knockout.jsonl"
     local rc=$?
     cut -c1-330 "$OUT/knockout.jsonl"
+    return $rc
+}
+
+step_knockout2() {  # session 40: the stage's shared-memory streams one at a time (ws_variants_probe.py knockout2)
+    timeout "${KO_TIMEOUT:-420}" $PY results/probes/ws_variants_probe.py knockout2 "${KO2_TOKENS:-512,2048}" \
+        >>"$OUT/knockout2.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/knockout2.jsonl"
     return $rc
 }
 

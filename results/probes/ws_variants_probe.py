@@ -23,10 +23,13 @@ kinds, on one EP8 rank's 48 experts of V4-Pro (world size 1, H 7168, I 3072, top
 * ``knockout [T1,..]``: the decode partition's stage piece by piece (``probe_knockout``): the fold tables computed
   (as is) or gathered (as before, bitwise compared), then knock-outs of the table, the fence, the W decode, the
   whole decode, the wgmma.
+* ``knockout2 [T1,..]`` (session 40, ``probe_knockout2``): in the default GPU numerics, the stage's shared-memory
+  streams one at a time: no packed-W load in the decode warps, no packed-W TMA, both, no token-row TMA, half the
+  wgmma, against session 36's whole-decode and whole-wgmma knock-outs.
 * ``fold_decode``: the decode pass alone at rows a program / warps / K-loop pipeline stages and the access-pattern
   variants of ``megamoe.kernels.fold_decode`` (``FOLD_DECODE_VARIANTS``), outputs compared bitwise with the first.
 
-    python results/probes/ws_variants_probe.py [fp4 [T1,..] | knockout [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
+    python results/probes/ws_variants_probe.py [fp4 [T1,..] | knockout [T1,..] | knockout2 [T1,..] | back | threshold | block [T1,..] | scale_words [T1,..] | predecode [T1,..] | fold_decode] \
         >> ws_variants_probe_h200.jsonl
 
 One JSON line per measurement (µs: median of ``triton.testing.do_bench`` with its L2 flush, as the bench).
@@ -119,6 +122,35 @@ PATCHES.update({
     # no wgmma: each math warpgroup waits for a decoded stage and releases it
     "nomma": [(MATH_AS_IS, "            mbarrier.arrive(empty.index(s), count=1)\n")],
 })
+# -- session 40's knock-outs (``knockout2``): which of the stage's shared-memory streams the decode and the wgmma
+# contend for. Each keeps the instructions of the rest of the stage; all give wrong results (timing only).
+W_LOAD_LO = "    g0, g1 = _decode_prmt(p.slice(0, 32, dim=1).load(D_LAYOUT), t00, t01, t10, t11)\n"
+W_LOAD_HI = "    g2, g3 = _decode_prmt(p.slice(32, 32, dim=1).load(D_LAYOUT), t20, t21, t30, t31)\n"
+# packed bytes made in registers from the rows' tables (no shared-memory load, the same PRMT work after it)
+_REG_BYTES = "_bc({} ^ {}, gl.full([ROWS, 32], 0, gl.int32, D_LAYOUT)).to(gl.uint8)"
+W_TMA_NBYTES = ("        nbytes: gl.constexpr = (a1_desc.block_type.nbytes + w1_desc.block_type.nbytes + "
+                "ws1_desc.block_type.nbytes\n")
+W_TMAS = tuple(" " * 16 + f"tma.async_copy_global_to_shared({d}, _w_coord(w_row, kb, KB, BKP, 0, W_BLOCKED), bar,\n"
+               + " " * 48 + "wp_bufs.index(s))\n" for d in ("w2_desc", "w1_desc"))
+A_TMAS = tuple(f"                tma.async_copy_global_to_shared({d}, [b * BM, kb * BK], bar, a_bufs.index(s))\n"
+               for d in ("a2_desc", "a1_desc"))
+MMA_HI = ("            dot = warpgroup_mma(a_s, w_hi.permute((1, 0)), d_lo, use_acc=False, is_async=True)\n"
+          "            d_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))\n")
+PATCHES.update({
+    # the decode warps load no packed bytes from shared memory (the PRMT work and the decoded stores stay)
+    "nowload": [(W_LOAD_LO, W_LOAD_LO.replace("p.slice(0, 32, dim=1).load(D_LAYOUT)", _REG_BYTES.format("t00", "t10"))),
+                (W_LOAD_HI, W_LOAD_HI.replace("p.slice(32, 32, dim=1).load(D_LAYOUT)",
+                                              _REG_BYTES.format("t20", "t30")))],
+    # the loader brings no packed weights (16 KB a stage less written by the TMA; the decode reads stale bytes)
+    "nowtma": [(W_TMA_NBYTES, W_TMA_NBYTES.replace("w1_desc.block_type.nbytes + ", ""))]
+    + [(t, "") for t in W_TMAS],
+    # the loader brings no token rows (16 KB a stage less written by the TMA; the wgmma reads stale rows)
+    "noatma": [(W_TMA_NBYTES, W_TMA_NBYTES.replace("a1_desc.block_type.nbytes + ", ""))]
+    + [(t, "") for t in A_TMAS],
+    # each math warpgroup multiplies the low half of the weights only (half the wgmma's shared-memory reads)
+    "mma_half": [(MMA_HI, "            d_hi = d_lo\n")],
+})
+PATCHES["nowtma+nowload"] = PATCHES["nowtma"] + PATCHES["nowload"]
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -200,18 +232,22 @@ def probe_fp4(tokens=(512, 2048, 8192)):
 
 #: ``knockout``'s variants in order (``as_is`` first and last; ``lut_gather`` is the exact one: compared bitwise).
 KNOCKOUTS = ("as_is", "lut_gather", "lut_const", "nofence", "nowdecode", "nodecode", "nomma", "as_is")
+#: ``knockout2``'s (session 40): the W stream's shared-memory load and TMA write, the A stream's TMA write, half the
+#: wgmma, against the whole W decode and the whole wgmma of session 36.
+KNOCKOUTS2 = ("as_is", "nowload", "nowtma", "nowtma+nowload", "noatma", "mma_half", "nowdecode", "nomma", "as_is")
 
 
-def probe_knockout(tokens=(512, 128, 2048)):
+def probe_knockout(tokens=(512, 128, 2048), variants=KNOCKOUTS, numerics="hopper", probe="knockout"):
     """Session 36: what each piece of the decode partition's stage costs the whole ``fp8_fp4_mega_moe`` call
     ("hopper", the host's tile: the decode-partition tile at block 128 from T = 512, its idle decode where a block
     has <= 64 rows), one buffer for the largest T (one compile a variant). ``KNOCKOUTS``: the kernel as it is (its
     fold tables computed, ``FOLD_TABLE_ASM``) with its error against ``reference(numerics="hopper")``; the tables
     gathered as before, output compared bitwise; then wrong-result knock-outs (``PATCHES``). Env ``KNOCKOUTS``
     (comma-separated) replaces the list. Where the host runs the register-operand tile (T <= 256), which decodes
-    through the same ``_fold_table``, only as is / gathered / as is."""
+    through the same ``_fold_table``, only as is / gathered / as is. ``numerics``: the call's (rows say which).
+    ``probe``: the rows' label."""
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else tokens
-    variants = tuple(os.environ.get("KNOCKOUTS", ",".join(KNOCKOUTS)).split(","))
+    variants = tuple(os.environ.get("KNOCKOUTS", ",".join(variants)).split(","))
     fmt = "fp8_fp4"
     case_max = MoECase(num_tokens=max(tokens), format=fmt, **SHAPE)
     sb = SymmBuffer.local(1, case_max.num_experts, max(tokens), case_max.num_topk, case_max.hidden,
@@ -219,8 +255,8 @@ def probe_knockout(tokens=(512, 128, 2048)):
     for T in tokens:
         problem = MoECase(num_tokens=T, format=fmt, **SHAPE).problem(device="cuda")
         y, l1, l2, _ = prepare_rank(sb, problem, 0)
-        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics="hopper", check=False)  # noqa: E731
-        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, "hopper")
+        call = lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)  # noqa: E731
+        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device, numerics)
         want = None
         for variant in variants if not cfg.rs_block_n else ("as_is", "lut_gather", "as_is"):
             use_kernel(kernel_module(variant))
@@ -229,19 +265,29 @@ def probe_knockout(tokens=(512, 128, 2048)):
                 call()
                 torch.cuda.synchronize()
             except Exception as exc:  # a variant that does not compile is reported, not fatal
-                emit(probe="knockout", T=T, variant=variant, error=repr(exc)[:300])
+                emit(probe=probe, T=T, numerics=numerics, variant=variant, error=repr(exc)[:300])
                 continue
-            row = dict(probe="knockout", T=T, kind=cfg.kind, block_m=cfg.block_m, rs_block_n=cfg.rs_block_n,
-                       idle_decode=cfg.idle_decode, variant=variant)
+            row = dict(probe=probe, T=T, numerics=numerics, kind=cfg.kind, block_m=cfg.block_m,
+                       rs_block_n=cfg.rs_block_n, idle_decode=cfg.idle_decode, variant=variant)
             if variant == "as_is" and want is None:
                 want = y.clone()
-                err = moe_error_stats(y, problem.reference(numerics="hopper")[0])
+                err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
                 row.update(rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
             if variant in ("as_is", "lut_gather"):
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
             emit(**row, us=_median_ms(call) * 1e3)
         use_kernel(kernel_module("as_is"))
     sb.destroy()
+
+
+def probe_knockout2(tokens=(512, 2048)):
+    """Session 40: ``KNOCKOUTS2`` in the default GPU numerics (``megamoe.ops.AUTO_GPU_NUMERICS``) -- which of the
+    decode-partition stage's shared-memory streams (the packed W's TMA write and load, the tokens' TMA write, the
+    wgmma's reads) the decode and the MMA contend for (session 36: 815 µs at T = 512 without either, 1058 with
+    both)."""
+    from megamoe.ops import AUTO_GPU_NUMERICS
+
+    probe_knockout(tokens, KNOCKOUTS2, AUTO_GPU_NUMERICS, "knockout2")
 
 
 def probe_back(cases=(("fp8", 2048), ("fp8", 8192), ("fp8_fp4", 8192))):
@@ -442,4 +488,4 @@ if __name__ == "__main__":
     for name in which:
         {"fp4": probe_fp4, "back": probe_back, "threshold": probe_threshold, "block": probe_block,
          "scale_words": probe_scale_words, "predecode": probe_predecode, "fold_decode": probe_fold_decode,
-         "knockout": probe_knockout}[name]()
+         "knockout": probe_knockout, "knockout2": probe_knockout2}[name]()
