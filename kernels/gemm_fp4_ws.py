@@ -572,6 +572,18 @@ def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl
 
 
 @gluon.jit
+def _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H: gl.constexpr, I: gl.constexpr):
+    """The largest exponents of tile ``nt``'s high-half weight rows ``[128, 256)`` of expert ``e`` (``rmax1`` /
+    ``rmax2``: ``megamoe.fused._fp4_row_maxima``'s uint8 per weight row of L1 / L2), int32 ``[128]`` in
+    ``SliceLayout(1, D_LAYOUT)``: what math warpgroup 1's decode of that half folds against."""
+    if is_l2:
+        rm_ptr = rmax2 + e * H + nt * TILE_N + HN
+    else:
+        rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
+    return gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
+
+
+@gluon.jit
 def _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES: gl.constexpr):
     """``IDLE_DECODE``: math warpgroup 1's part of a tile whose pool block has no row of its own (``valid <= 64``):
     per stage, the high half of the weights (rows ``[128, 256)``, ``_decode_values_rm`` with the rows' largest
@@ -762,22 +774,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             KB = H // BK
         KB_MMA = KB  # the K blocks this warpgroup multiplies
         if FULL_HI:  # the high half's row maxima, for this tile's decode whether it multiplies or not
-            if is_l2:
-                rm_ptr = rmax2 + e * H + nt * TILE_N + HN
-            else:
-                rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
-            rm_hi = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
+            rm_hi = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
             if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
                 it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm_hi, lut, it, KB,
                                        STAGES)
                 KB_MMA = 0
         elif IDLE:
             if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
-                if is_l2:
-                    rm_ptr = rmax2 + e * H + nt * TILE_N + HN
-                else:
-                    rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
-                rm = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
+                rm = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
                 it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES)
                 KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
