@@ -773,16 +773,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
         else:
             KB = H // BK
         KB_MMA = KB  # the K blocks this warpgroup multiplies
-        if FULL_HI:  # the high half's row maxima, for this tile's decode whether it multiplies or not
+        if FULL_HI:  # the high half's row maxima for every tile: its full tiles decode that half too
             rm_hi = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
+        if IDLE:
             if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
+                if not FULL_HI:
+                    rm_hi = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
                 it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm_hi, lut, it, KB,
                                        STAGES)
-                KB_MMA = 0
-        elif IDLE:
-            if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
-                rm = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
-                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES)
                 KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
@@ -808,10 +806,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             mbarrier.wait(ready.index(s), ph)
             mbarrier.wait(decoded.index(s), ph)
             if WAIT2:
-                if FULL_DECODE:  # warpgroup 1 decoded the stage's high half, in every tile
-                    mbarrier.wait(decoded2.index(s), (ph2 >> s) & 1)
-                    ph2 = ph2 ^ (1 << s)
-                elif valid <= WM:  # warpgroup 1 decoded the stage's high half
+                if FULL_DECODE or valid <= WM:  # warpgroup 1 decoded the stage's high half (every tile: FULL_DECODE)
                     mbarrier.wait(decoded2.index(s), (ph2 >> s) & 1)
                     ph2 = ph2 ^ (1 << s)
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)

@@ -1210,10 +1210,11 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     halves = FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm]
     # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
     fold_once = FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)
-    # (the idle warpgroup's decode takes a half of the two-halves stage; predecoded calls decode nothing)
-    idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and halves and not predecode and not fold_once
+    # (warpgroup 1's decode takes a half of the two-halves stage, block 128; predecoded calls decode nothing)
+    helper = halves and not predecode and not fold_once
+    idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and helper
     # (warpgroup 1 decoding the high halves of every tile: the idle tiles' decode with it, whatever the size)
-    full = FP4_WS_FULL_DECODE[bm] and bm == 128 and halves and not predecode and not fold_once
+    full = FP4_WS_FULL_DECODE[bm] and helper
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
