@@ -151,6 +151,120 @@ PATCHES.update({
     "mma_half": [(MMA_HI, "            d_hi = d_lo\n")],
 })
 PATCHES["nowtma+nowload"] = PATCHES["nowtma"] + PATCHES["nowload"]
+# -- session 41 (``lds_ahead``, exact): knockout2 put most of the decode's cost at T = 512 / 2048 in the decode
+# warps' packed-W loads from shared memory (``nowload``: -11 % / -9 % of the call on an H100). The block-128 decode
+# partition loads a stage's packed bytes after waiting for it and uses them at once: the load's latency (behind the
+# wgmmas' shared-memory reads) is exposed once a stage, with one decode warp a scheduler to hide it. Here the high
+# half's bytes are loaded first, the low half is decoded from bytes loaded during the previous stage, and the next
+# stage's low-half bytes are loaded (its ready wait first) before the high half is decoded. The bytes travel as int32
+# words (a uint8 tensor carried across the loop is one register a byte), decoded by the same PRMT asm a word at a
+# time (pack 1) and stored through an int32 view of the decoded stage (the same 128-byte swizzle, bytes in place).
+LDS_IMPORT = "from megamoe.kernels.numerics import _PRMT_LUT_ASM, FOLD_TABLE_ASM, FOLD_TABLE_MAX_SHIFT\n"
+LDS_FIRST = "        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n"
+LDS_HALVES = """                    if HALVES:
+                        _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE,
+                                            FULL_DECODE)
+"""
+LDS_HALVES_AHEAD = """                    if HALVES:
+                        if IDLE_DECODE:
+                            hi = valid > WM
+                        else:
+                            hi = valid >= 0
+                        if hi:  # this stage's high-half words, in flight during the low half's decode
+                            pc, pd = _packed_words(wp_bufs.index(s), HN)
+                        else:
+                            pc = gl.full([HN, 8], 0, gl.int32, I_LAYOUT)
+                            pd = gl.full([HN, 8], 0, gl.int32, I_LAYOUT)
+                        _store_words(wd_bufs.index(s), _decode_words(
+                            pa, pb, rmax_s.index(slot).slice(0, HN).load(gl.SliceLayout(1, I_LAYOUT)),
+                            wsf_bufs.index(s).slice(0, HN).load(gl.SliceLayout(1, I_LAYOUT)), lut))
+                        if kb + 1 < KB:  # the next stage's low-half words, in flight during the high half's decode
+                            s1 = (it + 1) % STAGES
+                            mbarrier.wait(ready.index(s1), ((it + 1) // STAGES) & 1)
+                            pa, pb = _packed_words(wp_bufs.index(s1), 0)
+                        if hi:
+                            _store_words(wd2_bufs.index(s), _decode_words(
+                                pc, pd, rmax_s.index(slot).slice(HN, HN).load(gl.SliceLayout(1, I_LAYOUT)),
+                                wsf_bufs.index(s).slice(HN, HN).load(gl.SliceLayout(1, I_LAYOUT)), lut))
+"""
+LDS_FIRST_AHEAD = LDS_FIRST + """        if HALVES and not PREDECODED:  # the tile's first stage's low-half words
+            mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+            pa, pb = _packed_words(wp_bufs.index(it % STAGES), 0)
+"""
+LDS_HELPER_AT = "@gluon.jit\ndef _decode_rows(wp, wd, rmax, word, lut, r0: gl.constexpr, ROWS: gl.constexpr):\n"
+LDS_HELPER = """I_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # D_LAYOUT's bytes as int32 words
+_PRMT_WORD_ASM = gl.constexpr("{\\n.reg .b32 m, t;\\n" + _PRMT_DECODE.format(lo0="$3", lo1="$4", hi0="$5", hi1="$6")
+                              + "}")
+
+
+@gluon.jit
+def _packed_words(wp, r0: gl.constexpr):
+    \"\"\"Rows ``[r0, r0 + 128)`` of the packed stage ``wp`` (uint8 ``[256, 64]``, unswizzled) as int32 words: bytes
+    ``[0, 32)`` and ``[32, 64)`` of each row, ``[128, 8]`` each in ``I_LAYOUT``.\"\"\"
+    w = wp._reinterpret(gl.int32, [TILE_N, 16], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                                        rank=2)).slice(r0, HN)
+    return w.slice(0, 8, dim=1).load(I_LAYOUT), w.slice(8, 8, dim=1).load(I_LAYOUT)
+
+
+@gluon.jit
+def _decode_words(pa, pb, rm, word, lut):
+    \"\"\"``_decode_values_rm`` on packed int32 words (``_packed_words``) -> the e4m3 rows as int32 words ``[R, 32]``
+    (bytes in K order).\"\"\"
+    t00, t01 = _fold_table(lut, word, rm, 0)
+    t10, t11 = _fold_table(lut, word, rm, 1)
+    g0, g1 = gl.inline_asm_elementwise(asm=_PRMT_WORD_ASM, constraints="=r,=r,r,r,r,r,r",
+                                       args=[pa, _bc(t00, pa), _bc(t01, pa), _bc(t10, pa), _bc(t11, pa)],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    t20, t21 = _fold_table(lut, word, rm, 2)
+    t30, t31 = _fold_table(lut, word, rm, 3)
+    g2, g3 = gl.inline_asm_elementwise(asm=_PRMT_WORD_ASM, constraints="=r,=r,r,r,r,r,r",
+                                       args=[pb, _bc(t20, pb), _bc(t21, pb), _bc(t30, pb), _bc(t31, pb)],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    return _cat(_cat(g0, g1), _cat(g2, g3))
+
+
+@gluon.jit
+def _store_words(wd, words):
+    \"\"\"``words`` (int32 ``[128, 32]``) into the decoded half ``wd`` (e4m3 ``[128, 128]``, 128-byte swizzle) through
+    an int32 view of the same bytes.\"\"\"
+    wd._reinterpret(gl.int32, [HN, 32], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                             rank=2)).store(words)
+
+
+""" + LDS_HELPER_AT
+PATCHES["lds_ahead"] = [(LDS_IMPORT, LDS_IMPORT.replace("_PRMT_LUT_ASM,", "_PRMT_DECODE, _PRMT_LUT_ASM,")),
+                        (LDS_FIRST, LDS_FIRST_AHEAD), (LDS_HALVES, LDS_HALVES_AHEAD), (LDS_HELPER_AT, LDS_HELPER)]
+# ``words``: the same int32-word decode (pack 1: 72 PRMT a stage where the byte path's repacking takes 108), loaded
+# where the kernel loads today (both halves' words at the stage's start, no look-ahead, nothing carried).
+WORDS_HALVES = """                    if HALVES:
+                        if IDLE_DECODE:
+                            if valid > WM:
+                                _decode_half_words(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),
+                                                   wsf_bufs.index(s), lut, 0)
+                                _decode_half_words(wp_bufs.index(s), wd2_bufs.index(s), rmax_s.index(slot),
+                                                   wsf_bufs.index(s), lut, HN)
+                            else:
+                                _decode_half_words(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),
+                                                   wsf_bufs.index(s), lut, 0)
+                        else:
+                            _decode_half_words(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot),
+                                               wsf_bufs.index(s), lut, 0)
+                            _decode_half_words(wp_bufs.index(s), wd2_bufs.index(s), rmax_s.index(slot),
+                                               wsf_bufs.index(s), lut, HN)
+"""
+WORDS_HELPER = LDS_HELPER.replace(LDS_HELPER_AT, """@gluon.jit
+def _decode_half_words(wp, wd, rmax, wsf, lut, r0: gl.constexpr):
+    \"\"\"Half ``r0`` (0 or 128) of a stage through ``_packed_words`` / ``_decode_words`` / ``_store_words``.\"\"\"
+    pa, pb = _packed_words(wp, r0)
+    _store_words(wd, _decode_words(pa, pb, rmax.slice(r0, HN).load(gl.SliceLayout(1, I_LAYOUT)),
+                                   wsf.slice(r0, HN).load(gl.SliceLayout(1, I_LAYOUT)), lut))
+
+
+""" + LDS_HELPER_AT)
+PATCHES["words"] = [PATCHES["lds_ahead"][0], (LDS_HALVES, WORDS_HALVES), (LDS_HELPER_AT, WORDS_HELPER)]
+#: The exact variants (same bits as the kernel: compared bitwise in ``probe_knockout``).
+EXACT_VARIANTS = ("as_is", "lut_gather", "lds_ahead", "words")
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -273,7 +387,7 @@ def probe_knockout(tokens=(512, 128, 2048), variants=KNOCKOUTS, numerics="hopper
                 want = y.clone()
                 err = moe_error_stats(y, problem.reference(numerics=numerics)[0])
                 row.update(rel_fro=err["rel_fro"], max_row_rel=err["max_row_rel"])
-            if variant in ("as_is", "lut_gather"):
+            if variant in EXACT_VARIANTS:
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
             emit(**row, us=_median_ms(call) * 1e3)
         use_kernel(kernel_module("as_is"))
