@@ -345,14 +345,19 @@ FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: ... 512 of one EP8 rank), off above.
 FP4_WS_IDLE_DECODE = {128: True, 64: False}
 FP4_WS_IDLE_MAX_EXPECTED = 64
-#: "fp4_ws" at block 128 (``FULL_DECODE`` of ``megamoe.kernels.gemm_fp4_ws``; session 40, built without a device and
-#: not yet measured: off): math warpgroup 1 decodes the high half of each stage's weights in *every* tile, in a full
+#: "fp4_ws" at block 128 (``FULL_DECODE`` of ``megamoe.kernels.gemm_fp4_ws``; session 40; measured slower in session
+#: 41, so off): math warpgroup 1 decodes the high half of each stage's weights in *every* tile, in a full
 #: one before its own wgmma of the stage (its accumulators live; offline sm_90a no spill in that K loop), so the
 #: decode partition decodes the low half only and no tile has a lone decoder. Why: the stage profile has a
 #: full tile's stage at ~2650 cycles, its decode partition's W decode of 256 rows ~1630 of them, while halving that
 #: partition's rows (the idle decode above) took its W decode to ~1070. Where ``IDLE_DECODE`` applies too: whatever
 #: the expected tokens (``fp4_ws_keywords``: it implies the idle warpgroup's decode in the tiles without its rows).
-#: Offline sm_90a (Triton 3.6): see ``tests/test_hopper_compile.py``.
+#: Offline sm_90a (Triton 3.6): see ``tests/test_hopper_compile.py``. Measured on an H100 (session 41,
+#: ``results/probes/full_decode_runs/full_decode_a506418_h100.jsonl``, whole calls, default GPU numerics, off / on /
+#: off / on, same bits): T = 512 995 / 1008 / 1002 / 1011 us, T = 2048 2554 / 2758 / 2555 / 2775 (+8 %), T = 512
+#: skewed 1124 / 1126 / 1125 / 1127. Warpgroup 1's decode sits in series before its own wgmma (and warpgroup 0
+#: waits for it), which costs more than the lone decode partition it relieves; session 41's knock-outs put the
+#: decode's cost in its shared-memory loads instead (``results/probes/README.md``).
 FP4_WS_FULL_DECODE = {128: False, 64: False}
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
