@@ -122,6 +122,9 @@
 #                  (test_ws_launch_options_gpu.py -k FULL_DECODE: same bits off and on, both Hopper numerics), then
 #                  fp8_ws_probe.py full_decode at T = $FULL_TOKENS (512,1024,2048; and 512 skewed): off / on / off / on,
 #                  whole calls, bits compared (-> $OUT/full_decode.jsonl; not timed: est. 3-4 min)
+#   words          ws_variants_probe.py knockout2 with KNOCKOUTS as_is,words,lds_ahead (twice) at T = $WORDS_TOKENS
+#                  (512,2048): session 41's exact int32-word decode variants, bits compared with as is
+#                  (-> $OUT/words.jsonl; not timed: ~1 min by knockout2's 44 s for 18 rows)
 #   knockout2      ws_variants_probe.py knockout2 at T = $KO2_TOKENS (512,2048), in the default GPU numerics: no packed-W
 #                  load in the decode warps, no packed-W TMA, both, no token TMA, half the wgmma, against the whole W
 #                  decode and wgmma knocked out (session 40: which shared-memory stream the decode and the MMA contend
@@ -460,6 +463,14 @@ step_knockout2() {  # session 40: the stage's shared-memory streams one at a tim
         >>"$OUT/knockout2.jsonl"
     local rc=$?
     cut -c1-330 "$OUT/knockout2.jsonl"
+    return $rc
+}
+
+step_words() {  # session 41: the exact int32-word decode variants (ws_variants_probe.py), as is / words / lds_ahead twice
+    KNOCKOUTS=as_is,words,lds_ahead,as_is,words,lds_ahead timeout "${KO_TIMEOUT:-300}" \
+        $PY results/probes/ws_variants_probe.py knockout2 "${WORDS_TOKENS:-512,2048}" >>"$OUT/words.jsonl"
+    local rc=$?
+    cut -c1-330 "$OUT/words.jsonl"
     return $rc
 }
 
