@@ -442,12 +442,16 @@ step_stage_profile() {
     return $rc
 }
 
-step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKENS (ws_variants_probe.py knockout)
-    timeout "${KO_TIMEOUT:-420}" $PY results/probes/ws_variants_probe.py knockout "${KO_TOKENS:-512,128,2048}" \
-        >>"$OUT/knockout.jsonl"
+_ws_variants() {  # ws_variants_probe.py MODE at T = TOKENS within LIMIT s -> $OUT/FILE.jsonl (appended), its rows shown
+    local mode=$1 file=$2 tokens=$3 limit=$4
+    timeout "$limit" $PY results/probes/ws_variants_probe.py "$mode" "$tokens" >>"$OUT/$file.jsonl"
     local rc=$?
-    cut -c1-330 "$OUT/knockout.jsonl"
+    cut -c1-330 "$OUT/$file.jsonl"
     return $rc
+}
+
+step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKENS (ws_variants_probe.py knockout)
+    _ws_variants knockout knockout "${KO_TOKENS:-512,128,2048}" "${KO_TIMEOUT:-420}"
 }
 
 step_full_decode() {  # session 40: FP4_WS_FULL_DECODE, its same-bits tests first, then off / on alternating
@@ -459,19 +463,12 @@ step_full_decode() {  # session 40: FP4_WS_FULL_DECODE, its same-bits tests firs
 }
 
 step_knockout2() {  # session 40: the stage's shared-memory streams one at a time (ws_variants_probe.py knockout2)
-    timeout "${KO_TIMEOUT:-420}" $PY results/probes/ws_variants_probe.py knockout2 "${KO2_TOKENS:-512,2048}" \
-        >>"$OUT/knockout2.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/knockout2.jsonl"
-    return $rc
+    _ws_variants knockout2 knockout2 "${KO2_TOKENS:-512,2048}" "${KO_TIMEOUT:-420}"
 }
 
 step_words() {  # session 41: the exact int32-word decode variants (ws_variants_probe.py), as is / words / lds_ahead twice
-    KNOCKOUTS=as_is,words,lds_ahead,as_is,words,lds_ahead timeout "${KO_TIMEOUT:-300}" \
-        $PY results/probes/ws_variants_probe.py knockout2 "${WORDS_TOKENS:-512,2048}" >>"$OUT/words.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/words.jsonl"
-    return $rc
+    KNOCKOUTS=as_is,words,lds_ahead,as_is,words,lds_ahead _ws_variants knockout2 words "${WORDS_TOKENS:-512,2048}" \
+        "${KO_TIMEOUT:-300}"
 }
 
 step_gputests_fp4_readers() {
