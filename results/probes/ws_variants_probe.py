@@ -235,8 +235,10 @@ def _store_words(wd, words):
 """ + LDS_HELPER_AT
 PATCHES["lds_ahead"] = [(LDS_IMPORT, LDS_IMPORT.replace("_PRMT_LUT_ASM,", "_PRMT_DECODE, _PRMT_LUT_ASM,")),
                         (LDS_FIRST, LDS_FIRST_AHEAD), (LDS_HALVES, LDS_HALVES_AHEAD), (LDS_HELPER_AT, LDS_HELPER)]
-# ``words``: the same int32-word decode (pack 1: 72 PRMT a stage where the byte path's repacking takes 108), loaded
-# where the kernel loads today (both halves' words at the stage's start, no look-ahead, nothing carried).
+# ``words``: the same int32-word decode (pack 1), loaded where the kernel loads today (both halves' words at the
+# stage's start, no look-ahead, nothing carried): ``lds_ahead``'s control, the same work a stage as the byte path
+# (offline sm_90a with IDLE_DECODE off: both decode loops 459 SASS, 72 PRMT; session 41's "694 -> 473" was the byte
+# path's two IDLE_DECODE arms kept apart).
 WORDS_HALVES = """                    if HALVES:
                         if IDLE_DECODE:
                             if valid > WM:
