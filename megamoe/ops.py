@@ -122,7 +122,7 @@ NUMERICS_ARGS = ("auto", *NUMERICS)
 #: with ``"hopper"`` twice in one call on an H100 (``results/probes/numerics_runs/l2_per_block_6d3f174_h100.jsonl``),
 #: same error (3.7-3.9e-3): T = 512 1057 / 1063 -> 1016 / 1020 µs, 2048 2756 / 2780 -> 2576 / 2575, 128 690 / 690
 #: -> 695 / 696, 8192 8224 / 8259 -> 8228 / 8264; the layer runs of that commit and the next on H100s
-#: (``results/probes/layer_variants/layer_h100_6d3f174.json``, ``results/layer_h100-80gb-hbm3.json``) 2-8 % faster
+#: (``results/probes/layer_variants/layer_h100_6d3f174.json`` / ``layer_h100_8f2be81.json``) 2-8 % faster
 #: at T = 8 / 32 / 512 / 2048 with both routings, within 1 % at 128 / 8192 (uniform). In the H200 file of 5996cc5
 #: it was faster at every T but 128 (+2.6 %). Until session 37 ``"hopper"``: the L2 A operand folded per token in
 #: the decode partition's every L2 stage, the work this removes.
