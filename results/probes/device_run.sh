@@ -124,7 +124,7 @@
 #                  whole calls, bits compared (-> $OUT/full_decode.jsonl; not timed: est. 3-4 min)
 #   words          ws_variants_probe.py knockout2 with KNOCKOUTS as_is,words,lds_ahead (twice) at T = $WORDS_TOKENS
 #                  (512,2048): session 41's exact int32-word decode variants, bits compared with as is
-#                  (-> $OUT/words.jsonl; not timed: ~1 min by knockout2's 44 s for 18 rows)
+#                  (-> $OUT/words.jsonl; 31 s on an H100, session 42: both slower, results/README.md)
 #   knockout2      ws_variants_probe.py knockout2 at T = $KO2_TOKENS (512,2048), in the default GPU numerics: no packed-W
 #                  load in the decode warps, no packed-W TMA, both, no token TMA, half the wgmma, against the whole W
 #                  decode and wgmma knocked out (session 40: which shared-memory stream the decode and the MMA contend
