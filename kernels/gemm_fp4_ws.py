@@ -553,34 +553,18 @@ def _fold_tile_smem(a_buf, smax, asf, valid, A0: gl.constexpr, NA: gl.constexpr,
 
 
 @gluon.jit
-def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl.constexpr,
-                        FULL_DECODE: gl.constexpr = False):
+def _decode_tile_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, valid, IDLE_DECODE: gl.constexpr):
     """The decode partition's ``_decode_stage_halves`` of a stage of a tile with ``valid`` pool rows: with
-    ``IDLE_DECODE`` and ``valid <= 64`` the low half only (math warpgroup 1 decodes the high one); with
-    ``FULL_DECODE`` the low half only in every tile. Two calls under one branch, not a branch between the halves:
-    each call's code stays one basic block, in which ptxas overlaps the high half's loads with the low half's
-    arithmetic (a branch inside cost ~3 % at T = 2048 on an H200)."""
-    if FULL_DECODE:
-        _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, False)
-    elif IDLE_DECODE:
+    ``IDLE_DECODE`` and ``valid <= 64`` the low half only (math warpgroup 1 decodes the high one). Two calls under
+    one branch, not a branch between the halves: each call's code stays one basic block, in which ptxas overlaps the
+    high half's loads with the low half's arithmetic (a branch inside cost ~3 % at T = 2048 on an H200)."""
+    if IDLE_DECODE:
         if valid > WM:
             _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut)
         else:
             _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut, False)
     else:
         _decode_stage_halves(wp, wd_lo, wd_hi, rmax, wsf, lut)
-
-
-@gluon.jit
-def _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H: gl.constexpr, I: gl.constexpr):
-    """The largest exponents of tile ``nt``'s high-half weight rows ``[128, 256)`` of expert ``e`` (``rmax1`` /
-    ``rmax2``: ``megamoe.fused._fp4_row_maxima``'s uint8 per weight row of L1 / L2), int32 ``[128]`` in
-    ``SliceLayout(1, D_LAYOUT)``: what math warpgroup 1's decode of that half folds against."""
-    if is_l2:
-        rm_ptr = rmax2 + e * H + nt * TILE_N + HN
-    else:
-        rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
-    return gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
 
 
 @gluon.jit
@@ -615,7 +599,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                       NR: gl.constexpr, A0: gl.constexpr, NA: gl.constexpr, PREFETCH: gl.constexpr,
                       SF_TMA: gl.constexpr, PREDECODED: gl.constexpr, HALVES: gl.constexpr,
                       FOLD_ONCE: gl.constexpr = False, L2_FOLDED: gl.constexpr = True,
-                      IDLE_DECODE: gl.constexpr = False, FULL_DECODE: gl.constexpr = False):
+                      IDLE_DECODE: gl.constexpr = False):
     """One FP4 decode partition (4 warps), see the module docstring: weight rows ``[R0, R0 + NR)`` of each tile's 256
     and, for L2, pool rows ``[A0, A0 + NA)`` of its ``BM`` (BM 128: one partition, all rows; BM 64: two, each half of
     both). Per tile: the slot ``j % 2`` of the row maxima (waits until the math warpgroups released it, ``rfree``), its
@@ -632,10 +616,8 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
     A fold, no pool-row maxima and no wait for the arrival mask either (the partition then reads nothing the L1
     epilogues wrote): an L2 stage is its W decode alone. ``IDLE_DECODE`` (``HALVES``): in a tile whose pool block has
     no row past the first 64 (``valid <= 64``) only the low half of each stage's weights (math warpgroup 1, idle
-    there, decodes the high half: ``_idle_decode_tile``). ``FULL_DECODE`` (with ``IDLE_DECODE``): the low half only
-    in every tile (math warpgroup 1 decodes the high half of full tiles too, ``_math_partition``)."""
+    there, decodes the high half: ``_idle_decode_tile``)."""
     gl.static_assert((not IDLE_DECODE) or (HALVES and not FOLD_ONCE), "IDLE_DECODE: DECODE_HALVES, no FOLD_ONCE")
-    gl.static_assert((not FULL_DECODE) or IDLE_DECODE, "FULL_DECODE extends IDLE_DECODE")
     gl.static_assert((not HALVES) or (SF_TMA and NR == TILE_N and not PREFETCH),
                      "DECODE_HALVES decodes a whole stage in one partition, its scale words TMA'd with it")
     RL: gl.constexpr = gl.BlockedLayout([KW_CHUNK, 1], [1, 32], [1, 4], [0, 1])  # [KW_CHUNK, 128 a tile] scale words
@@ -704,8 +686,7 @@ def _decode_partition(buf, w1_sf, w2_sf, rmax1, rmax2, lut, a_bufs, wp_bufs, wd_
                 if not PREDECODED:  # (predecoded weights came decoded: only the L2 A stage's fold was left)
                     if HALVES:
                         _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE,
-                                            FULL_DECODE)
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
                     elif SF_TMA:
                         _decode_stage_smem(wp_bufs.index(s), wd_bufs.index(s), rmax_s.index(slot), wsf_bufs.index(s),
                                            R0, NR, lut)
@@ -728,7 +709,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                     TWO_WD: gl.constexpr, arrival=None, FOLD_ONCE: gl.constexpr = False,
                     L2_FOLDED: gl.constexpr = True, asf_bufs=None, SF_TMA: gl.constexpr = False, state=None,
                     timeout_ns=None, IDLE_DECODE: gl.constexpr = False, decoded2=None, wp_bufs=None, wsf_bufs=None,
-                    rmax1=None, rmax2=None, lut=None, FULL_DECODE: gl.constexpr = False):
+                    rmax1=None, rmax2=None, lut=None):
     """One math warpgroup of ``NWG`` (BM 128: two, BM 64: one): rows ``[64 wg, 64 wg + 64)`` of every tile's ``BM``,
     its 256 weight rows as two halves of 128; per K block one wgmma into a fresh register tile per half, added into
     the half's float32 accumulator (no scale: the operands are folded). The halves: rows ``[0, 128)`` / ``[128,
@@ -745,10 +726,7 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     valid row, so it stores nothing (the scales it multiplies by may be read before the decode partition wrote the
     slot: zero times anything, in rows no store takes), releases the maxima slot and, for L1, publishes its rows'
     arrival bit. Warpgroup 0 then waits on ``decoded2[s]`` after ``decoded[s]``, its phase per ring slot in a bit
-    mask (``ph2``: the slot's idle stages so far, mod 2). ``FULL_DECODE`` (with ``IDLE_DECODE``): warpgroup 1 decodes
-    the high half in every tile -- in a full one before its own wgmma of each stage, its accumulators live (offline
-    sm_90a: no spill in that K loop), each lo wgmma then into a fresh zero tile so that no dead ``spare`` tile is
-    held across the decode -- and warpgroup 0 waits on ``decoded2[s]`` at every stage."""
+    mask (``ph2``: the slot's idle stages so far, mod 2)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -762,8 +740,6 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
     it = 0
     j = 0
     IDLE: gl.constexpr = IDLE_DECODE and wg == 1  # this warpgroup decodes where its rows are empty
-    FULL_HI: gl.constexpr = IDLE and FULL_DECODE  # ... and where it has rows, before multiplying them
-    WAIT2: gl.constexpr = IDLE_DECODE and wg == 0  # warpgroup 0 waits for warpgroup 1's decoded halves
     ph2 = 0  # IDLE_DECODE, warpgroup 0: the phase of decoded2[s] in bit s
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, nt, e, valid = _tile(tiles, t)
@@ -773,14 +749,14 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
         else:
             KB = H // BK
         KB_MMA = KB  # the K blocks this warpgroup multiplies
-        if FULL_HI:  # the high half's row maxima for every tile: its full tiles decode that half too
-            rm_hi = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
         if IDLE:
             if valid <= WM:  # no row of its own: decode the tile's high halves, multiply nothing
-                if not FULL_HI:
-                    rm_hi = _high_half_maxima(rmax1, rmax2, is_l2, e, nt, H, I)
-                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm_hi, lut, it, KB,
-                                       STAGES)
+                if is_l2:
+                    rm_ptr = rmax2 + e * H + nt * TILE_N + HN
+                else:
+                    rm_ptr = rmax1 + e * (2 * I) + nt * TILE_N + HN
+                rm = gl.load(rm_ptr + gl.arange(0, HN, layout=gl.SliceLayout(1, D_LAYOUT))).to(gl.int32)
+                it = _idle_decode_tile(wp_bufs, wd2_bufs, wsf_bufs, ready, decoded2, empty, rm, lut, it, KB, STAGES)
                 KB_MMA = 0  # (the epilogue below then stores nothing: no valid row; an L1 tile's bit is published)
         acc_lo = gl.zeros([WM, HN], gl.float32, mma)
         acc_hi = gl.zeros([WM, HN], gl.float32, mma)
@@ -796,17 +772,10 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
                 sk = sk_next & 0xFF
                 sk_next = gl.load(l2_sf + (kb + 1) * SP + b * BM + wg * WM + r,
                                   mask=row_ok & is_l2 & (kb + 1 < KB), other=127)
-            if FULL_HI:  # the stage's high half first (warpgroup 0 waits for it), then this warpgroup's own wgmma
-                mbarrier.wait(ready.index(s), ph)  # (again below: a completed phase passes at once)
-                word = wsf_bufs.index(s).slice(HN, HN).load(gl.SliceLayout(1, D_LAYOUT))
-                wd2_bufs.index(s).store(_decode_values_rm(wp_bufs.index(s), rm_hi, word, lut, HN, HN))
-                fence_async_shared()  # generic-proxy stores, then wgmma (both warpgroups) reads them
-                gl.thread_barrier()  # every warp has stored and fenced before the one arrive
-                mbarrier.arrive(decoded2.index(s), count=1)
             mbarrier.wait(ready.index(s), ph)
             mbarrier.wait(decoded.index(s), ph)
-            if WAIT2:
-                if FULL_DECODE or valid <= WM:  # warpgroup 1 decoded the stage's high half (every tile: FULL_DECODE)
+            if IDLE_DECODE and wg == 0:
+                if valid <= WM:  # warpgroup 1 decoded the stage's high half
                     mbarrier.wait(decoded2.index(s), (ph2 >> s) & 1)
                     ph2 = ph2 ^ (1 << s)
             if not L2_FOLDED and SF_TMA:  # this K block's token scales, landed with the stage (L1: 1)
@@ -818,8 +787,6 @@ def _math_partition(buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, read
             else:
                 w_lo = wd_bufs.index(s).slice(0, HN)
                 w_hi = wd_bufs.index(s).slice(HN, HN)
-            if FULL_HI:  # a fresh zero tile: the last stage's spare is dead across the decode above, not held
-                spare = gl.zeros([WM, HN], gl.float32, mma)
             dot = warpgroup_mma(a_s, w_lo.permute((1, 0)), spare, use_acc=False, is_async=True)
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             if L2_FOLDED:
@@ -878,8 +845,7 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                           KW2_PAD: gl.constexpr, PREFETCH: gl.constexpr, SF_TMA: gl.constexpr,
                           PDL: gl.constexpr = False, GROUP_SYNC: gl.constexpr = False,
                           DECODE_HALVES: gl.constexpr = False, FOLD_ONCE: gl.constexpr = False,
-                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False,
-                          FULL_DECODE: gl.constexpr = False):
+                          L2_FOLDED: gl.constexpr = True, IDLE_DECODE: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     e4m3, box [BM, 128] (BM 128 or 64: the pool block, module docstring); ``w1`` / ``w2`` the packed FP4
     bytes of ``[El*2I, H/2]`` / ``[El*H, I/2]`` (transformed: interleaved gate/up rows, register-order nibbles, blocked
@@ -920,10 +886,8 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
     wp_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, TILE_N, w1_desc.block_type.shape[1]], w1_desc.layout)
     gl.static_assert((not DECODE_HALVES) or (BM == 128 and SF_TMA), "DECODE_HALVES: BM 128, SF_TMA")
     TWO_WD: gl.constexpr = DECODE_HALVES and not PREDECODED  # the decoded stage as two [128, 128] halves
-    # math warpgroup 1 decodes the high halves of tiles without rows of its own (megamoe.fused.FP4_WS_IDLE_DECODE),
-    # with FULL_DECODE of every tile (megamoe.fused.FP4_WS_FULL_DECODE)
+    # math warpgroup 1 decodes the high halves of tiles without rows of its own (megamoe.fused.FP4_WS_IDLE_DECODE)
     IDLE: gl.constexpr = IDLE_DECODE and TWO_WD and BM == 128
-    FULL: gl.constexpr = FULL_DECODE and IDLE
     if PREDECODED:
         wd_bufs = wp_bufs
         wd2_bufs = wp_bufs
@@ -984,13 +948,12 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
-                           arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2,
-                           None, None, None, None, None, FULL)),
+                           arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2)),
         (_math_partition, (buf, buffer_ptrs, me, clamp, a_bufs, wd_bufs, wd2_bufs, ready, decoded, empty, rmax_s,
                            smax_s, rfree, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_SF, OFF_L1_W, OFF_L2,
                            OFF_L2_SF, OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, BM, NWG, TWO_WD,
                            arrival, FOLD_ONCE, L2_FOLDED, asf_bufs, SF_TMA, state, timeout_ns, IDLE, decoded2,
-                           wp_bufs, wsf_bufs, rmax1, rmax2, lut, FULL)),
+                           wp_bufs, wsf_bufs, rmax1, rmax2, lut)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc, as1_desc, as2_desc, a_bufs,
                            wp_bufs, wsf_bufs, asf_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, progress,
                            state, timeout_ns, H, I, SP, STAGES, SF_TMA, GROUP_SYNC, arrival, FOLD_ONCE,
@@ -999,5 +962,5 @@ def fp4_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, ws1_desc, ws2_desc
                              asf_bufs, ready, decoded, rmax_s, smax_s, rfree, tiles, num_l1, num_tiles, l2_mask,
                              state, timeout_ns, OFF_L2_SF, H, I, SP, STAGES,
                              KW2_PAD, BM, 0, TILE_N, 0, BM, PREFETCH, SF_TMA, PREDECODED, DECODE_HALVES,
-                             FOLD_ONCE, L2_FOLDED, IDLE, FULL)),
+                             FOLD_ONCE, L2_FOLDED, IDLE)),
     ], [4, 1, 4], [MATH_REGS, LOAD_REGS, DECODE_REGS])

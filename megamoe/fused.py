@@ -345,20 +345,12 @@ FP4_WS_FOLD_ONCE = {128: False, 64: False}
 #: ... 512 of one EP8 rank), off above.
 FP4_WS_IDLE_DECODE = {128: True, 64: False}
 FP4_WS_IDLE_MAX_EXPECTED = 64
-#: "fp4_ws" at block 128 (``FULL_DECODE`` of ``megamoe.kernels.gemm_fp4_ws``; session 40; measured slower in session
-#: 41, so off): math warpgroup 1 decodes the high half of each stage's weights in *every* tile, in a full
-#: one before its own wgmma of the stage (its accumulators live; offline sm_90a no spill in that K loop), so the
-#: decode partition decodes the low half only and no tile has a lone decoder. Why: the stage profile has a
-#: full tile's stage at ~2650 cycles, its decode partition's W decode of 256 rows ~1630 of them, while halving that
-#: partition's rows (the idle decode above) took its W decode to ~1070. Where ``IDLE_DECODE`` applies too: whatever
-#: the expected tokens (``fp4_ws_keywords``: it implies the idle warpgroup's decode in the tiles without its rows).
-#: Offline sm_90a (Triton 3.6): see ``tests/test_hopper_compile.py``. Measured on an H100 (session 41,
-#: ``results/probes/full_decode_runs/full_decode_a506418_h100.jsonl``, whole calls, default GPU numerics, off / on /
-#: off / on, same bits): T = 512 995 / 1008 / 1002 / 1011 us, T = 2048 2554 / 2758 / 2555 / 2775 (+8 %), T = 512
-#: skewed 1124 / 1126 / 1125 / 1127. Warpgroup 1's decode sits in series before its own wgmma (and warpgroup 0
-#: waits for it), which costs more than the lone decode partition it relieves; session 41's knock-outs put the
-#: decode's cost in its shared-memory loads instead (``results/probes/README.md``).
-FP4_WS_FULL_DECODE = {128: False, 64: False}
+#: (Math warpgroup 1 decoding the high half of every stage's weights in *every* tile -- in a full one before its own
+#: wgmma -- so that the decode partition decodes the low half only, ``FP4_WS_FULL_DECODE``, was built in session 40
+#: and measured slower on an H100 in session 41 with the same bits, whole calls off / on / off / on in the default
+#: GPU numerics (``results/probes/full_decode_runs/full_decode_a506418_h100.jsonl``): T = 512 995 / 1008 / 1002 /
+#: 1011 us, T = 2048 2554 / 2758 / 2555 / 2775 (+8 %). Warpgroup 1's decode sits in series before its own wgmma, and
+#: warpgroup 0 waits for it. Removed in session 42: check out 6813224 to re-run it.)
 #: "fp4_ws": largest expected tokens per local expert that takes pool block 64 (block 128 above), as
 #: FP8_WS_BLOCK64_MAX_EXPECTED for "fp8_ws" (until session 11): at T = 128 / 512 of one EP8 rank of V4-Pro (16 / 64
 #: expected) a 128-row block is mostly padding, and the second math warpgroup's registers go to a second decode
@@ -1193,7 +1185,7 @@ def _fp4_ws_constexprs(sb, bm: int, has_clamp: bool, predecode: bool, numerics: 
     buffer, as ``_ws_constexprs``. The key holds every module setting ``fp4_ws_keywords`` reads at ``bm``, so a probe
     or test that changes one on a live buffer gets new keywords."""
     settings = (FP4_WS_STAGES[bm], FP4_WS_REGS[bm], FP4_WS_PREFETCH[bm], FP4_WS_SF_TMA[bm], FP4_WS_DECODE_HALVES[bm],
-                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"], FP4_WS_FULL_DECODE[bm])
+                FP4_WS_FOLD_ONCE[bm], WS_GROUP_SYNC["fp4_ws"])  # (IDLE_DECODE: ``idle``, the config)
     key = ("fp4", bm, has_clamp, predecode, _ws_pdl(), settings, numerics, idle)
     return _buffer_cache(sb, "_ws_constexprs", key, lambda: direct_launch.FrozenKeywords(
         fp4_ws_keywords(sb.layout, bm, has_clamp, predecode, numerics, idle)))
@@ -1204,7 +1196,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp4_ws.fp4_gemm_phase_kernel`` for layout ``L``
     at pool block ``bm`` (64 or 128): the buffer offsets, shapes, ``FP4_WS_STAGES`` / ``FP4_WS_REGS`` /
     ``FP4_WS_PREFETCH`` / ``FP4_WS_SF_TMA`` / ``FP4_WS_DECODE_HALVES`` / ``FP4_WS_FOLD_ONCE`` /
-    ``FP4_WS_IDLE_DECODE`` / ``FP4_WS_FULL_DECODE`` at ``bm``, ``num_warps`` and ``maxnreg``.
+    ``FP4_WS_IDLE_DECODE`` at ``bm``, ``num_warps`` and ``maxnreg``.
     What a launch passes, and what ``megamoe.hopper_compile`` compiles offline. ``predecode``: the phase streams
     ``_predecode``'s e4m3 weights, so no weight scale words are prefetched (``PREFETCH`` off). ``numerics``:
     ``L2_FOLDED`` (:func:`megamoe.reference.l2_folded`). ``idle``: ``IDLE_DECODE`` (``FusedConfig.idle_decode``;
@@ -1215,11 +1207,8 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
     halves = FP4_WS_DECODE_HALVES[bm] and FP4_WS_SF_TMA[bm]
     # (the fold once is a fold of the L2 A operand: none to do where the numerics do not fold it)
     fold_once = FP4_WS_FOLD_ONCE[bm] and l2_folded(numerics)
-    # (warpgroup 1's decode takes a half of the two-halves stage, block 128; predecoded calls decode nothing)
-    helper = halves and not predecode and not fold_once
-    idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and helper
-    # (warpgroup 1 decoding the high halves of every tile: the idle tiles' decode with it, whatever the size)
-    full = FP4_WS_FULL_DECODE[bm] and helper
+    # (the idle warpgroup's decode takes a half of the two-halves stage; predecoded calls decode nothing)
+    idle = (FP4_WS_IDLE_DECODE[bm] if idle is None else idle) and halves and not predecode and not fold_once
     math_regs, load_regs, decode_regs, maxnreg = FP4_WS_REGS[bm]
     return dict(
         {k: offs[k] for k in _FP4_WS_OFFSETS + ("OFF_ARRIVAL",)}, T=L.num_max_tokens_per_rank, H=H, I=I,
@@ -1228,7 +1217,7 @@ def fp4_ws_keywords(L, bm: int, has_clamp: bool, predecode: bool = False, numeri
         PREFETCH=FP4_WS_PREFETCH[bm] and not predecode,
         SF_TMA=FP4_WS_SF_TMA[bm], GROUP_SYNC=WS_GROUP_SYNC["fp4_ws"], num_warps=4, maxnreg=maxnreg,
         DECODE_HALVES=halves, FOLD_ONCE=fold_once, L2_FOLDED=l2_folded(numerics),
-        IDLE_DECODE=bool(idle or full), FULL_DECODE=bool(full),
+        IDLE_DECODE=bool(idle),
         **_pdl_keywords())
 
 

@@ -198,29 +198,6 @@ def test_fp4_rs_wide_decodes_under_the_mma_without_touching_its_operand():
         "/*1*/ PRMT R90, R1, 0x7, R2 ;"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("numerics", ["hopper", "hopper_l2_per_block"])
-def test_fp4_ws_full_decode_compiles_without_a_spill_in_its_k_loops(numerics):
-    """``megamoe.fused.FP4_WS_FULL_DECODE`` (block 128: math warpgroup 1 decodes the high half of every stage, in a
-    full tile before its own wgmma, its float32 accumulators live): the host's register split, shared memory within
-    the limit, and no spill in any K loop -- the math warpgroups' (wgmma), the decode partition's (prmt) and
-    warpgroup 1's full-tile loop, which holds both. Its spill stores outside the K loops: 40 / 48 B (offline, Triton
-    3.6, session 40), against 16 / 28 B with the option off."""
-    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128)
-    r = compile_gluon_phase("fp4_ws", layout, 128, numerics=numerics,
-                            settings={"FP4_WS_FULL_DECODE": {128: True, 64: False}})
-    assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK, r.shared
-    math, load, worker, maxnreg = mf.FP4_WS_REGS[128]
-    assert {load, worker, math} <= {v for _, v in r.setmaxnreg} and r.registers <= maxnreg, r.setmaxnreg
-    assert r.spill_stores <= 56, r.spill_stores
-    inner = _innermost(r.loops)
-    both = [lp for lp in inner if lp[3].get("QGMMA") and lp[3].get("PRMT", 0) >= 32]
-    assert len(both) == 1, "warpgroup 1's full-tile loop: its decode (prmt) and its wgmma in one K loop"
-    for first, last, n, ops in inner:
-        if ops.get("QGMMA") or ops.get("PRMT", 0) >= 32:
-            assert not ops.get("STL") and not ops.get("LDL"), f"spill in the K loop {first:#x}-{last:#x}"
-
-
 def test_compile_settings_name_constants_of_the_fused_module():
     """A setting that is not a constant of ``megamoe.fused`` is an error naming it, before any compile."""
     with pytest.raises(ValueError, match=r"settings: \['FP4_RS_ROW'\]"):

@@ -198,32 +198,6 @@ def test_fp8_ws_probe_tiles_dry_run(monkeypatch, capsys):
             assert r["rs_block_n"] > 0, r  # (its chunk from the expected count: 16 here, 64 at T = 512)
 
 
-@pytest.mark.slow
-def test_fp8_ws_probe_full_decode_dry_run(monkeypatch, capsys):
-    """The probe's ``full_decode`` mode on a CPU rank at a small shape (as the tests above), its thresholds moved so
-    that 8 expected tokens take the block-128 decode-partition tile: off / on / off / on at T, then skewed, each row
-    on that tile in the default GPU numerics within the bench's tolerance, each compared with its run's first, and
-    the option put back."""
-    import json
-
-    import megamoe.fused as mf
-    from megamoe.ops import AUTO_GPU_NUMERICS
-
-    probe = _dry_run_probe(monkeypatch, tokens=16, intermediate=256)
-    monkeypatch.setattr(mf, "FP4_RS_MAX_EXPECTED", 4)
-    monkeypatch.setattr(mf, "FP4_BLOCK64_MAX_EXPECTED", 4)
-    full = dict(mf.FP4_WS_FULL_DECODE)
-    probe.probe_full_decode()
-    assert mf.FP4_WS_FULL_DECODE == full
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["routing"], r["choice"]) for r in rows] == [
-        (routing, f"full_decode {state}") for routing in ("uniform", "skewed") for _ in range(2)
-        for state in ("off", "on")]
-    for i, r in enumerate(rows):
-        assert r["numerics"] == AUTO_GPU_NUMERICS and (r["kind"], r["block_m"], r["rs_block_n"]) == ("fp4_ws", 128, 0)
-        assert r["rel_fro"] < 2e-2 and ("bitwise_equal_to_first" in r) == (i % 4 != 0), r
-
-
 def test_device_run_script_parses_and_defines_every_step_it_lists():
     """``results/probes/device_run.sh`` (run only on the device machine): bash parses it, and every step its header
     lists has its ``step_<name>`` function (a typo would surface only after a machine start)."""

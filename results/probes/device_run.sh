@@ -109,7 +109,7 @@
 #                  (-> $OUT/l2_per_block.jsonl; est. 2-3 min)
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
-#                  ws128_full, *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
+#                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
 #   gputests_fp4_readers  the GPU tests of every kernel that reads the transformed FP4 weights, smallest first: both
 #                  Gluon tiles' small cases (clamp, I = 640), fold_decode against the CPU pass, the one-launch and staged
 #                  kernels' small cases (H = 384: a shorter last 256-row block), predecoded / real-size calls, a CUDA
@@ -118,10 +118,6 @@
 #                  fold tables computed (as is; error against the model) / gathered (bits compared), then without the
 #                  table, the fence, the W decode, the decode, the wgmma ($KNOCKOUTS; -> $OUT/knockout.jsonl; not
 #                  timed: 7 compiles)
-#   full_decode    FP4_WS_FULL_DECODE (math warpgroup 1 decodes the high half of every stage): its GPU tests
-#                  (test_ws_launch_options_gpu.py -k FULL_DECODE: same bits off and on, both Hopper numerics), then
-#                  fp8_ws_probe.py full_decode at T = $FULL_TOKENS (512,1024,2048; and 512 skewed): off / on / off / on,
-#                  whole calls, bits compared (-> $OUT/full_decode.jsonl; not timed: est. 3-4 min)
 #   words          ws_variants_probe.py knockout2 with KNOCKOUTS as_is,words,lds_ahead (twice) at T = $WORDS_TOKENS
 #                  (512,2048): session 41's exact int32-word decode variants, bits compared with as is
 #                  (-> $OUT/words.jsonl; 31 s on an H100, session 42: both slower, results/README.md)
@@ -452,14 +448,6 @@ _ws_variants() {  # ws_variants_probe.py MODE at T = TOKENS within LIMIT s -> $O
 
 step_knockout() {  # session 36: the decode stage piece by piece at T = $KO_TOKENS (ws_variants_probe.py knockout)
     _ws_variants knockout knockout "${KO_TOKENS:-512,128,2048}" "${KO_TIMEOUT:-420}"
-}
-
-step_full_decode() {  # session 40: FP4_WS_FULL_DECODE, its same-bits tests first, then off / on alternating
-    $PY -m pytest -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k "FULL_DECODE and fp8_fp4" | tail -4 || return 1
-    timeout 360 $PY results/probes/fp8_ws_probe.py full_decode "${FULL_TOKENS:-512,1024,2048}" >>"$OUT/full_decode.jsonl"
-    local rc=$?
-    cut -c1-330 "$OUT/full_decode.jsonl"
-    return $rc
 }
 
 step_knockout2() {  # session 40: the stage's shared-memory streams one at a time (ws_variants_probe.py knockout2)

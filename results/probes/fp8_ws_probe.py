@@ -36,8 +36,6 @@ with its L2 flush, as the bench).
   off / on / off / on, and up to T = 512 the register-operand tile beside it (``probe_halves``).
 * ``l2_per_block [T1,..]``: the two Hopper numerics of the FP8 x FP4 call side by side (``probe_l2_per_block``).
 * ``as_is [T1,..]``: the FP8 x FP4 call as the host runs it, twice at each T, bits compared (``probe_as_is``).
-* ``full_decode [T1,..]``: ``FP4_WS_FULL_DECODE`` off / on alternating in the default GPU numerics, bits compared
-  (``probe_full_decode``; session 40).
 * ``tiles [T1,..]``: the FP8 x FP4 call in the default GPU numerics with the tile the host picks at T = 512 against
   the other tiles there, both routings (``probe_tiles``).
 * (``blocked``, at 9c425dd only: the FP8 x FP4 call with its packed weights row-major or from a copy blocked by 256
@@ -489,25 +487,6 @@ def probe_idle_decode(tokens=(512, 1024, 2048)):
     _block128_off_on("idle_decode", "FP4_WS_IDLE_DECODE", tokens, FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
 
 
-def probe_full_decode(tokens=(512, 1024, 2048)):
-    """Session 40: math warpgroup 1 decoding the high half of every stage of the block-128 decode-partition tile
-    (``FP4_WS_FULL_DECODE``; in full tiles before its own wgmma) off / on / off / on, whole call at each T with its
-    error, in the default GPU numerics (``megamoe.ops.AUTO_GPU_NUMERICS``) and the host's tile (the decode
-    partition at block 128 from T = 264 to 4095 of one EP8 rank, its idle decode up to 512), each output compared
-    bit for bit with the first ("off"); at the first T also with skewed routing. The bits off and on are also compared
-    in ``tests/gpu/test_ws_launch_options_gpu.py``."""
-    from megamoe.ops import AUTO_GPU_NUMERICS
-
-    runs = [(T, "uniform") for T in _tokens(tokens)]
-    for T, routing in runs + [(runs[0][0], "skewed")]:
-        want = None
-        for on in (False, True, False, True):
-            out = _choice_row("full_decode", T, f"full_decode {'on' if on else 'off'}", "fp8_fp4",
-                              {"FP4_WS_FULL_DECODE": {128: on, 64: False}}, numerics=AUTO_GPU_NUMERICS, want=want,
-                              routing=routing)
-            want = out if want is None else want
-
-
 def probe_as_is(tokens=(32, 128, 512, 2048)):
     """The FP8 x FP4 call as the host runs it (no constant changed: its tile, "hopper"), twice at each T, whole call
     with its error, the second output compared bit for bit with the first: the rows a layout or kernel change is
@@ -667,6 +646,6 @@ if __name__ == "__main__":
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
-         "idle_decode": probe_idle_decode, "full_decode": probe_full_decode,
+         "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is,
          "tiles": probe_tiles}[name]()

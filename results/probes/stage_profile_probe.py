@@ -211,10 +211,6 @@ CONFIGS = {  # name -> megamoe.fused constants to run under
 CONFIGS["ws128"]["FP4_WS_IDLE_DECODE"] = {128: False, 64: False}  # (as it was measured before the option)
 CONFIGS["ws128_idle"] = dict(CONFIGS["ws128"], FP4_WS_IDLE_DECODE={128: True, 64: False},
                              FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: ``ws128_full``: ws128 with math warpgroup 1 decoding the high half of every stage (``FP4_WS_FULL_DECODE``,
-#: session 40; in full tiles before its wgmma, outside its counters: warpgroup 1's total less its wait, MMA and
-#: epilogue is that decode)
-CONFIGS["ws128_full"] = dict(CONFIGS["ws128_idle"], FP4_WS_FULL_DECODE={128: True, 64: False})
 #: ``<config>_pb``: that config in ``numerics="hopper_l2_per_block"`` (no L2 A fold: its ``dec_fold`` slot then
 #: times nothing); every other config in "hopper".
 CONFIGS.update({f"{name}_pb": dict(settings) for name, settings in list(CONFIGS.items())})

@@ -80,7 +80,7 @@ _FOLD = "_fold_a_stage(a_bufs.index(s), smax_s.index(slot), l2_sf + kb * SP + b 
 _FOLD_SMEM = ("_fold_tile_smem(a_bufs.index(s), smax_s.index(slot), asf_bufs.index(s), valid, A0, NA,\n"
               + " " * 40 + "HALVES, IDLE_DECODE)\n")
 _HALVES_CALL = ("_decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),\n" + " " * 44
-                + "rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE,\n" + " " * 44 + "FULL_DECODE)\n")
+                + "rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)\n")
 # (each text starts at its line's start: "\n" + indentation, so that a deeper copy of the same call is not matched)
 DECODE_AS_IS = ("\n" + " " * 20 + "_fold_a_rows(a_bufs.index(s).slice(A0, NA), smax_s.index(slot).slice(A0, NA).load(\n"
                 + " " * 24 + "gl.SliceLayout(1, A_LAYOUT)), a_word)\n",
@@ -163,8 +163,7 @@ LDS_IMPORT = "from megamoe.kernels.numerics import _PRMT_LUT_ASM, FOLD_TABLE_ASM
 LDS_FIRST = "        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n"
 LDS_HALVES = """                    if HALVES:
                         _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE,
-                                            FULL_DECODE)
+                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
 """
 LDS_HALVES_AHEAD = """                    if HALVES:
                         if IDLE_DECODE:

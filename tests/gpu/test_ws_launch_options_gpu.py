@@ -6,7 +6,7 @@ for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PE
 and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
 with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) with
-per-block decode, and its decode in every tile (``FP4_WS_FULL_DECODE``, in both Hopper numerics).
+per-block decode.
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -37,16 +37,10 @@ OPTIONS["FP4_WS_FOLD_ONCE@predecoded"] = OPTIONS["FP4_WS_FOLD_ONCE"]
 #: the idle math warpgroup's decode (block 128, per-block decode only: predecoded calls decode nothing)
 OPTIONS["FP4_WS_IDLE_DECODE"] = tuple({128: v, 64: False} for v in (False, True))
 FORCE["FP4_WS_IDLE_DECODE"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_IDLE_MAX_EXPECTED=float("inf"))
-#: math warpgroup 1 decoding the high half of every stage (block 128, per-block decode), in both Hopper numerics
-#: (``@per_block``: "hopper_l2_per_block", whose math K loop differs)
-OPTIONS["FP4_WS_FULL_DECODE"] = OPTIONS["FP4_WS_IDLE_DECODE"]
-FORCE["FP4_WS_FULL_DECODE"] = FORCE["FP4_WS_IDLE_DECODE"]
-OPTIONS["FP4_WS_FULL_DECODE@per_block"] = OPTIONS["FP4_WS_FULL_DECODE"]
-FORCE["FP4_WS_FULL_DECODE@per_block"] = FORCE["FP4_WS_FULL_DECODE"]
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
 #: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
-CASES = {name: (0, 2, 3) for name in ("FP4_WS_IDLE_DECODE", "FP4_WS_FULL_DECODE", "FP4_WS_FULL_DECODE@per_block")}
+CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
@@ -60,7 +54,7 @@ def test_launch_option_on_and_off_give_the_same_bits(fmt, option, monkeypatch):
     monkeypatch.setattr(mf, "FP4_WS_MIN_EXPECTED", -1)
     for name, value in FORCE.get(option, {}).items():
         monkeypatch.setattr(mf, name, value)
-    numerics = "exact" if fmt == "fp8" else ("hopper_l2_per_block" if option.endswith("@per_block") else "hopper")
+    numerics = "exact" if fmt == "fp8" else "hopper"
     common = dict(format=fmt, block_m=128, impl="fused") if fmt == "fp8" else dict(block_m=128, impl="fused",
                                                                                     numerics=numerics)
     counts = []
