@@ -161,10 +161,7 @@ PATCHES["nowtma+nowload"] = PATCHES["nowtma"] + PATCHES["nowload"]
 # time (pack 1) and stored through an int32 view of the decoded stage (the same 128-byte swizzle, bytes in place).
 LDS_IMPORT = "from megamoe.kernels.numerics import _PRMT_LUT_ASM, FOLD_TABLE_ASM, FOLD_TABLE_MAX_SHIFT\n"
 LDS_FIRST = "        gl.thread_barrier()  # every warp's row maxima are in shared memory before any warp reads them back\n"
-LDS_HALVES = """                    if HALVES:
-                        _decode_tile_halves(wp_bufs.index(s), wd_bufs.index(s), wd2_bufs.index(s),
-                                            rmax_s.index(slot), wsf_bufs.index(s), lut, valid, IDLE_DECODE)
-"""
+LDS_HALVES = " " * 20 + "if HALVES:\n" + " " * 24 + _HALVES_CALL  # (the kernel's block-128 decode call)
 LDS_HALVES_AHEAD = """                    if HALVES:
                         if IDLE_DECODE:
                             hi = valid > WM
@@ -232,8 +229,9 @@ def _store_words(wd, words):
 
 
 """ + LDS_HELPER_AT
-PATCHES["lds_ahead"] = [(LDS_IMPORT, LDS_IMPORT.replace("_PRMT_LUT_ASM,", "_PRMT_DECODE, _PRMT_LUT_ASM,")),
-                        (LDS_FIRST, LDS_FIRST_AHEAD), (LDS_HALVES, LDS_HALVES_AHEAD), (LDS_HELPER_AT, LDS_HELPER)]
+LDS_IMPORT_PATCH = (LDS_IMPORT, LDS_IMPORT.replace("_PRMT_LUT_ASM,", "_PRMT_DECODE, _PRMT_LUT_ASM,"))
+PATCHES["lds_ahead"] = [LDS_IMPORT_PATCH, (LDS_FIRST, LDS_FIRST_AHEAD), (LDS_HALVES, LDS_HALVES_AHEAD),
+                        (LDS_HELPER_AT, LDS_HELPER)]
 # ``words``: the same int32-word decode (pack 1), loaded where the kernel loads today (both halves' words at the
 # stage's start, no look-ahead, nothing carried): ``lds_ahead``'s control, the same work a stage as the byte path
 # (offline sm_90a with IDLE_DECODE off: both decode loops 459 SASS, 72 PRMT; session 41's "694 -> 473" was the byte
@@ -263,7 +261,7 @@ def _decode_half_words(wp, wd, rmax, wsf, lut, r0: gl.constexpr):
 
 
 """ + LDS_HELPER_AT)
-PATCHES["words"] = [PATCHES["lds_ahead"][0], (LDS_HALVES, WORDS_HALVES), (LDS_HELPER_AT, WORDS_HELPER)]
+PATCHES["words"] = [LDS_IMPORT_PATCH, (LDS_HALVES, WORDS_HALVES), (LDS_HELPER_AT, WORDS_HELPER)]
 #: The exact variants (same bits as the kernel: compared bitwise in ``probe_knockout``).
 EXACT_VARIANTS = ("as_is", "lut_gather", "lds_ahead", "words")
 import megamoe.kernels.gemm_fp4_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
