@@ -11,11 +11,20 @@ call for ``SECONDS`` each, ``nvidia-smi`` sampling every 50 ms beside it:
   bench's ``us`` / ``graph_us``;
 * ``eager_loop`` / ``graph_loop``: calls back to back, no flush, mean over CUDA events.
 
+Two more "formats" are the board's ceiling for the same work, not the layer: ``dense`` is cuBLAS's FP8 GEMM
+(``torch._scaled_mm``, per-tensor scales, bf16 out) on the layer's two GEMMs as dense matrices (L1: ``[T * topk, H]
+x [H, 2I]``, L2: ``[T * topk, I] x [I, H]``, the same FLOPs as the layer, no routing, no dispatch, no SwiGLU, no
+combine), and ``dense_block`` the same with DeepGEMM's scales (fp32 per 1 x 128 of the rows, per 128 x 128 of the
+weights), where this torch has them on sm_90. Operands are randn quantised to span e4m3's range, as the layer's are
+(what the multipliers toggle sets the power drawn). Whether ~1000 TFLOP/s at T = 8192 is in reach of any FP8 kernel
+under the board's power cap is then read off its ``graph_loop`` / ``eager_loop`` rows.
+
 A row per (format, T, way): ``us``, ``tflops``, the samples' median / min SM clock (MHz), median power (W), median
 temperature, and the clock-event (throttle) reasons seen (bit mask as nvidia-smi prints it, with a count). The
 first row gives the board's ``power.limit`` and ``clocks.max.sm``.
 
     python results/probes/clock_probe.py [T1,..] [fmt1,..] >> clock_probe_h200.jsonl     (default 2048,8192 fp8,fp8_fp4)
+    python results/probes/clock_probe.py 8192 dense,dense_block,fp8                       (the ceiling beside the layer)
 
 Without CUDA it exits with a message (no GPU clock to read).
 """
@@ -120,9 +129,55 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
+def _e4m3_spanning(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """randn ``[rows, cols]`` quantised to e4m3 with one fp32 scale per tensor that maps its amax to 448:
+    ``(q [rows, cols] float8_e4m3fn, scale [] fp32)``."""
+    x = torch.randn(rows, cols, device="cuda")
+    scale = x.abs().amax() / 448.0
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
+def _dense_call(T: int, fmt: str, shape: dict):
+    """The layer's two GEMMs as dense cuBLAS FP8 GEMMs (module docstring): a zero-argument callable, or a string
+    saying why this torch cannot run ``fmt``."""
+    m, H, I = T * shape["num_topk"], shape["hidden"], shape["intermediate"]
+    a1, s_a1 = _e4m3_spanning(m, H)
+    w1, s_w1 = _e4m3_spanning(2 * I, H)
+    a2, s_a2 = _e4m3_spanning(m, I)
+    w2, s_w2 = _e4m3_spanning(H, I)
+    scales = [(s_a1, s_w1, s_a2, s_w2)]
+    if fmt == "dense_block":  # 1 x 128 activation scales, 128 x 128 weight scales: the layouts cuBLAS may want
+        def full(rows, cols, v):
+            return torch.full((rows, cols), float(v), device="cuda")
+        a_major = (full(H // 128, m, s_a1).t(), full(I // 128, m, s_a2).t())  # [M, K/128], M-major
+        a_row = (full(m, H // 128, s_a1), full(m, I // 128, s_a2))
+        w_kn = (full(H // 128, 2 * I // 128, s_w1), full(I // 128, H // 128, s_w2))  # [K/128, N/128]
+        w_nk = (full(2 * I // 128, H // 128, s_w1).t(), full(H // 128, I // 128, s_w2).t())
+        scales = [(a[0], w[0], a[1], w[1]) for a in (a_major, a_row) for w in (w_kn, w_nk)]
+    errors = []
+    for layout, (sa1, sw1, sa2, sw2) in enumerate(scales):
+        def call(sa1=sa1, sw1=sw1, sa2=sa2, sw2=sw2):
+            torch._scaled_mm(a1, w1.t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16)
+            torch._scaled_mm(a2, w2.t(), scale_a=sa2, scale_b=sw2, out_dtype=torch.bfloat16)
+        try:
+            call()
+            torch.cuda.synchronize()
+            call.scale_layout = layout  # index into ``scales``: which layout this torch took
+            return call
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return " | ".join(errors)
+
+
 def _case(probe, fmt: str, T: int, reason: str | None) -> None:
-    """The four ways of one (format, T) on a fresh buffer, a row each."""
-    sb, problem, y, call = probe.rank(T, fmt)
+    """The four ways of one (format, T) on a fresh buffer (``dense*``: fresh operands), a row each."""
+    if fmt.startswith("dense"):
+        call = _dense_call(T, fmt, probe.SHAPE)
+        if isinstance(call, str):
+            print(json.dumps({"fmt": fmt, "T": T, "error": call}), flush=True)
+            return
+    else:
+        sb, problem, y, call = probe.rank(T, fmt)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -139,6 +194,7 @@ def _case(probe, fmt: str, T: int, reason: str | None) -> None:
         s = Sampler(reason)
         us = timed()
         row = {"fmt": fmt, "T": T, "way": way, "us": round(us, 1),
+               **({"scale_layout": call.scale_layout} if hasattr(call, "scale_layout") else {}),
                "tflops": round(flops / (us * 1e-6) / 1e12, 1), **s.stop()}
         print(json.dumps(row), flush=True)
 

@@ -48,6 +48,10 @@
 #   notebooks      python -m megamoe.notebooks run (needs papermill from .whl)
 #   clocks         clock_probe.py: SM clock, power, throttle reasons while the fused call runs eager / as a graph, with
 #                  and without the L2 flush, both formats at T = 2048 / 8192 (-> $OUT/clocks.jsonl; est. 2-3 min)
+#   ceiling        clock_probe.py at T = 8192: cuBLAS's dense FP8 GEMMs of the layer's FLOPs (per-tensor and block
+#                  scales) beside the fused FP8 call, clocks and power sampled (-> $OUT/ceiling.jsonl; est. 2 min)
+#   exact_bisect   exact_bisect.py over the trees in .bisect (carry it), A B C twice, H200 only (-> $OUT/
+#                  exact_bisect.jsonl; est. 3-4 min)
 #   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
@@ -345,6 +349,21 @@ step_ncu_source() {  # see the header
 }
 
 step_clocks() { $PY results/probes/clock_probe.py 2048,8192 fp8,fp8_fp4 >>"$OUT/clocks.jsonl"; cat "$OUT/clocks.jsonl"; }
+
+step_ceiling() { $PY results/probes/clock_probe.py 8192 dense,dense_block,fp8 >>"$OUT/ceiling.jsonl"; cat "$OUT/ceiling.jsonl"; }
+
+# The exact-numerics bisect: .bisect/<commit>/megamoe trees (exact_bisect.py's docstring), A B C A B C, H200 only.
+step_exact_bisect() {
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in *H200*) ;; *) echo "not an H200: skipped"; return 0;; esac
+    local round tree
+    for round in 1 2; do
+        for tree in ${BISECT_TREES:-9c425dd 964d386 ad53dc3}; do
+            $PY results/probes/exact_bisect.py ".bisect/$tree" "$tree" ${BISECT_TOKENS:-32,128} exact,hopper \
+                >>"$OUT/exact_bisect.jsonl" || return 1
+        done
+    done
+    cat "$OUT/exact_bisect.jsonl"
+}
 
 step_fp4_rs() { $PY results/probes/fp4_rs_probe.py run >>"$OUT/fp4_rs.jsonl"; cat "$OUT/fp4_rs.jsonl"; }
 
