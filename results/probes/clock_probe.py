@@ -169,6 +169,15 @@ def _dense_call(T: int, fmt: str, shape: dict):
     return " | ".join(errors)
 
 
+def _kernel_names(fn) -> list[str]:
+    """The CUDA kernels one ``fn()`` launches (torch.profiler), by name: which cuBLAS kernel (tile, cluster) ran."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
 def _case(probe, fmt: str, T: int, reason: str | None) -> None:
     """The four ways of one (format, T) on a fresh buffer (``dense*``: fresh operands), a row each."""
     if fmt.startswith("dense"):
@@ -176,6 +185,7 @@ def _case(probe, fmt: str, T: int, reason: str | None) -> None:
         if isinstance(call, str):
             print(json.dumps({"fmt": fmt, "T": T, "error": call}), flush=True)
             return
+        print(json.dumps({"fmt": fmt, "T": T, "cuda_kernels": _kernel_names(call)}), flush=True)
     else:
         sb, problem, y, call = probe.rank(T, fmt)
     for _ in range(3):
