@@ -15,6 +15,11 @@ with its L2 flush, as the bench).
   - ``noepi``: no epilogue stores (the L1 tiles still publish their arrival bits);
   - ``noa`` / ``now``: the loader does not load the A (activation) / W (weight) box of each stage (the stage's
     expected bytes shrink with it): how much each operand's bytes cost.
+  - ``halfw``: the loader loads only the left 128-row half of W (the right half's MMA reads a stale stage): the
+    bytes a CTA would load if a 2-CTA cluster multicast each weight tile, half from each CTA (the same MMA work).
+
+  ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
+  ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock.
 
   At T = 512 also with 128-row tiles (``FP8_WS_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
 * ``fp4 [T1,..]``: the FP8 x FP4 Gluon phase ("fp4_ws", which imports this kernel's epilogues) with the epilogues
@@ -68,6 +73,7 @@ from megamoe.ops import fp8_fp4_mega_moe
 from megamoe.ops_fp8 import fp8_mega_moe
 from megamoe.symm import SymmBuffer
 
+REP_MS = float(os.environ.get("PROBE_REP_MS", 300))  #: each ``phase`` timing's window (ms)
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
 
 # -- the math loops' wgmma + promotion, as in the kernel (each old text must occur exactly once)
@@ -177,6 +183,9 @@ PATCHES = {
     "noepi": [*zip(EPI128, NOEPI128), *zip(EPI64, NOEPI64)],
     "noa": [(NBYTES, NBYTES.replace("a1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in A_LOADS],
     "now": [(NBYTES, NBYTES.replace("2 * w1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in W_LOADS],
+    # the bytes a CTA would load if a 2-CTA cluster multicast each weight tile (each CTA one half): W's right half
+    # not loaded, its MMA reads whatever the stage held (session 43)
+    "halfw": [(NBYTES, NBYTES.replace("2 * w1_desc", "w1_desc")), (W_LOADS[1], ""), (W_LOADS[3], "")],
 }
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
@@ -276,7 +285,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
-            emit(**row, us=_median_ms(call) * 1e3)
+            emit(**row, us=_median_ms(call, rep_ms=REP_MS) * 1e3)
             sb.destroy()
         use_kernel(AS_IS)
     mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]
