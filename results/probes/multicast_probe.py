@@ -225,7 +225,8 @@ def run_gpu(K: int, clusters: int) -> None:
         mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4)
         torch.cuda.synchronize()
         err = (out - want).abs().max().item()
-        ms = triton.testing.do_bench(lambda: mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4))
+        ms = triton.testing.do_bench(
+            lambda: mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4))  # noqa: B023
         print(json.dumps({"MC": mc, "K": K, "clusters": clusters, "rewritten": dict(LAST_COUNTS),
                           "max_abs_err": err, "ref_max_abs": want.abs().max().item(), "us": ms * 1e3,
                           "gpu": torch.cuda.get_device_name()}), flush=True)
