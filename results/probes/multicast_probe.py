@@ -198,8 +198,8 @@ def compile_offline() -> None:
             k = triton.compile(GluonASTSource(mc_gemm_kernel, sig, {"MC": mc}, {}), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": 4})
             lines = [ln.strip() for ln in k.asm["ptx"].splitlines() if "multicast::cluster" in ln or "mapa." in ln]
-            print(json.dumps({"MC": mc, "compiled": True, "rewritten": dict(LAST_COUNTS), "cubin_bytes": len(k.asm["cubin"]),
-                              "shared": k.metadata.shared, "lines": lines[:6]}))
+            print(json.dumps({"MC": mc, "compiled": True, "rewritten": dict(LAST_COUNTS),
+                              "cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared, "lines": lines[:6]}))
         except Exception as e:  # noqa: BLE001  (ptxas's message is the finding)
             print(json.dumps({"MC": mc, "compiled": False, "error": str(e)[-800:]}))
 
