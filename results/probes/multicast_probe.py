@@ -23,7 +23,9 @@ takes another way, all of it checkable here:
 The kernel (``mc_gemm_kernel``): CTA ``p`` computes ``out[64 p : 64 p + 64, :128] = A[64 p :, :K] @ W[:128, :K]^T``
 (e4m3 in, fp32 out) over a 2-stage ring of K blocks of 128; with ``MC`` each CTA of a pair loads its own A rows and
 one 64-row half of each W stage, multicast to both. Checked against torch on the GPU (``python
-results/probes/multicast_probe.py [K] [clusters]``: rows with the max abs error of MC = 0 / 1 and their times);
+results/probes/multicast_probe.py [K] [clusters]``: rows with the max abs error of MC = 0 / 1 against torch's fp32
+product -- the wgmma's own accumulation, no promotion here --, whether MC = 1's output is MC = 0's bit for bit, and
+their times: this toy's synchronous 2-stage ring is no measure of speed);
 without CUDA it compiles both for sm_90a and prints the rewritten PTX lines and ptxas's verdict.
 """
 import json
@@ -212,6 +214,7 @@ def run_gpu(K: int, clusters: int) -> None:
     a = (torch.randn(M, K, device="cuda") * 4).to(torch.float8_e4m3fn)
     w = (torch.randn(BN, K, device="cuda") * 4).to(torch.float8_e4m3fn)
     want = a.float() @ w.float().t()
+    first = None
     for mc in (0, 1):
         a_desc = TensorDescriptor.from_tensor(a, [BM, BK], _layout())
         w_desc = TensorDescriptor.from_tensor(w, [64 if mc else BN, BK], _layout())
@@ -225,10 +228,12 @@ def run_gpu(K: int, clusters: int) -> None:
         mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4)
         torch.cuda.synchronize()
         err = (out - want).abs().max().item()
+        first = out.clone() if first is None else first
         ms = triton.testing.do_bench(
             lambda: mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4))  # noqa: B023
         print(json.dumps({"MC": mc, "K": K, "clusters": clusters, "rewritten": dict(LAST_COUNTS),
-                          "max_abs_err": err, "ref_max_abs": want.abs().max().item(), "us": ms * 1e3,
+                          "max_abs_err": err, "ref_max_abs": want.abs().max().item(),
+                          "bitwise_equal_to_mc0": bool(torch.equal(out, first)), "us": ms * 1e3,
                           "gpu": torch.cuda.get_device_name()}), flush=True)
 
 
