@@ -52,6 +52,10 @@
 #                  scales) beside the fused FP8 call, clocks and power sampled (-> $OUT/ceiling.jsonl; est. 2 min)
 #   exact_bisect   exact_bisect.py over the trees in .bisect (carry it), A B C twice, H200 only (-> $OUT/
 #                  exact_bisect.jsonl; est. 3-4 min)
+#   halfw          fp8_ws_probe.py phase 8192 with 3 s windows: as is, halfw, now, nomma, noepi, nopromote (the FP8
+#                  phase's knock-outs at the power cap; -> $OUT/phase8192.jsonl; ~45 s on an H100, session 43)
+#   multicast      multicast_probe.py: the 2-CTA weight multicast toy against its unicast twin at three K
+#                  (-> $OUT/multicast.jsonl; ~25 s)
 #   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
@@ -363,6 +367,20 @@ step_exact_bisect() {
         done
     done
     cat "$OUT/exact_bisect.jsonl"
+}
+
+step_halfw() {
+    PROBE_REP_MS=3000 $PY results/probes/fp8_ws_probe.py phase 8192 as_is,halfw,now,nomma,noepi,nopromote,as_is,halfw \
+        >>"$OUT/phase8192.jsonl" && cat "$OUT/phase8192.jsonl"
+}
+
+step_multicast() {
+    local k
+    for k in "4096 66" "7168 66" "384 1"; do
+        # shellcheck disable=SC2086
+        $PY results/probes/multicast_probe.py $k >>"$OUT/multicast.jsonl" || return 1
+    done
+    cat "$OUT/multicast.jsonl"
 }
 
 step_fp4_rs() { $PY results/probes/fp4_rs_probe.py run >>"$OUT/fp4_rs.jsonl"; cat "$OUT/fp4_rs.jsonl"; }
