@@ -42,6 +42,24 @@ def test_fp8_ws_probe_patches_apply_once_and_parse():
         src = probe.patched_source(variant)  # asserts each old text occurs exactly once
         assert src != original
         ast.parse(src)
+def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(monkeypatch, tmp_path):
+    """The multicast probe's PTX pass still finds what it rewrites in Triton's PTX for sm_90a: with ``MC`` the W
+    descriptor's TMA loads (its two halves, in the prologue's two stages and the loop) become ``.multicast::cluster``
+    and the one count-2 arrive a local + peer arrive, and ptxas accepts the result; without ``MC`` nothing changes.
+    (A Triton whose PTX no longer matches would otherwise be found on the GPU, as a hang.)"""
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
+    probe = _load("multicast_probe")
+    probe.install_pass()
+    rows = {r["MC"]: r for r in probe.compile_offline()}
+    assert rows[0]["compiled"] and rows[0]["rewritten"] == {} and rows[0]["lines"] == []
+    assert rows[1]["compiled"], rows[1].get("error")
+    assert rows[1]["rewritten"] == {"multicast": 6, "peer_arrive": 1}
+    assert any("mapa.shared::cluster" in ln for ln in rows[1]["lines"])
+
+
 def test_fold_decode_variants_fit_the_real_shapes():
     """Every variant of the probe's ``fold_decode`` list names known knobs and divides both V4-Pro weights (L1: N =
     6144, K = 7168; L2: N = 7168, K = 3072), so none fails at launch on the GPU; the module's default is one of them

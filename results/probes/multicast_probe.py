@@ -34,15 +34,12 @@ import re
 import sys
 import tempfile
 
-os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="mc_probe_cache_"))  # the PTX pass is not in
-# Triton's cache key: a private cache keeps a rewritten binary from standing in for an unrewritten one
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton import knobs  # noqa: E402
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+import torch
+import triton
+from triton import knobs
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
@@ -106,7 +103,13 @@ def _hook(backend, stages, options, language, capability):
     stages["ptx"] = ptx_stage
 
 
-knobs.runtime.add_stages_inspection_hook = _hook
+def install_pass() -> None:
+    """Set the PTX pass as Triton's stages hook (process-wide: any other kernel's PTX passes through unchanged) and
+    a private cache directory: the pass is not in Triton's cache key, so a shared cache could hand a compile made
+    without it to a launch that needs it."""
+    knobs.runtime.add_stages_inspection_hook = _hook
+    if "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="mc_probe_cache_")
 
 
 @gluon.jit
@@ -185,11 +188,13 @@ def _layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
-def compile_offline() -> None:
-    """Both kernels for sm_90a on this machine: the PTX pass's counts, the rewritten lines, ptxas's verdict."""
+def compile_offline() -> list[dict]:
+    """Both kernels for sm_90a on this machine (the pass installed): the PTX pass's counts, the rewritten lines,
+    ptxas's verdict; printed, and returned as rows."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    rows = []
     for mc in (0, 1):
         lay = _layout()
         sig = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay!r}>",
@@ -200,10 +205,13 @@ def compile_offline() -> None:
             k = triton.compile(GluonASTSource(mc_gemm_kernel, sig, {"MC": mc}, {}), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": 4})
             lines = [ln.strip() for ln in k.asm["ptx"].splitlines() if "multicast::cluster" in ln or "mapa." in ln]
-            print(json.dumps({"MC": mc, "compiled": True, "rewritten": dict(LAST_COUNTS),
-                              "cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared, "lines": lines[:6]}))
+            row = {"MC": mc, "compiled": True, "rewritten": dict(LAST_COUNTS), "cubin_bytes": len(k.asm["cubin"]),
+                   "shared": k.metadata.shared, "lines": lines[:6]}
         except Exception as e:  # noqa: BLE001  (ptxas's message is the finding)
-            print(json.dumps({"MC": mc, "compiled": False, "error": str(e)[-800:]}))
+            row = {"MC": mc, "compiled": False, "error": str(e)[-800:]}
+        print(json.dumps(row))
+        rows.append(row)
+    return rows
 
 
 def run_gpu(K: int, clusters: int) -> None:
@@ -238,6 +246,7 @@ def run_gpu(K: int, clusters: int) -> None:
 
 
 if __name__ == "__main__":
+    install_pass()
     if torch.cuda.is_available():
         run_gpu(int(sys.argv[1]) if len(sys.argv) > 1 else 4096, int(sys.argv[2]) if len(sys.argv) > 2 else 66)
     else:
