@@ -17,9 +17,10 @@ x [H, 2I]``, L2: ``[T * topk, I] x [I, H]``, the same FLOPs as the layer, no rou
 combine), and ``dense_block`` the same with DeepGEMM's scales (fp32 per 1 x 128 of the rows, per 128 x 128 of the
 weights), where this torch has them on sm_90 (the first scale layout cuBLAS accepts; on an H100 in session 43 it
 ran ``nvjet_..._Ablk128_Bvec128``, i.e. the weights' scales as 128-element vectors, a finer grid than DeepGEMM's,
-promoted every 128 of K as DeepGEMM is; the row ``cuda_kernels`` names the kernel). Operands are randn quantised to span e4m3's range, as the layer's are
-(what the multipliers toggle sets the power drawn). Whether ~1000 TFLOP/s at T = 8192 is in reach of any FP8 kernel
-under the board's power cap is then read off its ``graph_loop`` / ``eager_loop`` rows.
+promoted every 128 of K as DeepGEMM is; the row ``cuda_kernels`` names the kernel). Operands are randn quantised
+to span e4m3's range, as the layer's are (what the multipliers toggle sets the power drawn). Whether ~1000 TFLOP/s
+at T = 8192 is in reach of any FP8 kernel under the board's power cap is then read off its ``graph_loop`` /
+``eager_loop`` rows.
 
 A row per (format, T, way): ``us``, ``tflops``, the samples' median / min SM clock (MHz), median power (W), median
 temperature, and the clock-event (throttle) reasons seen (bit mask as nvidia-smi prints it, with a count). The
