@@ -42,19 +42,25 @@ def test_fp8_ws_probe_patches_apply_once_and_parse():
         src = probe.patched_source(variant)  # asserts each old text occurs exactly once
         assert src != original
         ast.parse(src)
-def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(monkeypatch, tmp_path):
+def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(tmp_path):
     """The multicast probe's PTX pass still finds what it rewrites in Triton's PTX for sm_90a: with ``MC`` the W
     descriptor's TMA loads (its two halves, in the prologue's two stages and the loop) become ``.multicast::cluster``
     and the one count-2 arrive a local + peer arrive, and ptxas accepts the result; without ``MC`` nothing changes.
-    (A Triton whose PTX no longer matches would otherwise be found on the GPU, as a hang.)"""
-    from triton import knobs
+    (A Triton whose PTX no longer matches would otherwise be found on the GPU, as a hang.) Run as the probe runs
+    without CUDA, in a child process whose Triton does not interpret (this one may: ``megamoe.env``), with its own
+    cache directory."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
-    probe = _load("multicast_probe")
-    probe.install_pass()
-    rows = {r["MC"]: r for r in probe.compile_offline()}
-    assert rows[0]["compiled"] and rows[0]["rewritten"] == {} and rows[0]["lines"] == []
+    # no GPU in the child either: the probe then compiles offline (on a GPU machine too)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, str(PROBES / "multicast_probe.py")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["MC"]: r for r in (json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{"))}
+    assert rows[0]["compiled"] and rows[0]["rewritten"] == {} and rows[0]["lines"] == [], rows[0]
     assert rows[1]["compiled"], rows[1].get("error")
     assert rows[1]["rewritten"] == {"multicast": 6, "peer_arrive": 1}
     assert any("mapa.shared::cluster" in ln for ln in rows[1]["lines"])
