@@ -127,7 +127,10 @@ def test_keyboard_interrupt_from_a_timer_then_correct_calls():
     r = Ranks(MoECase(num_ranks=2, num_tokens=16, hidden=256, intermediate=128, num_experts=4, num_topk=2,
                       block_m=16), timeout_s=3)
 
+    fired = []
+
     def interrupt(signum, frame):
+        fired.append(signum)
         raise KeyboardInterrupt("timer")
 
     previous = signal.signal(signal.SIGALRM, interrupt)
@@ -137,11 +140,21 @@ def test_keyboard_interrupt_from_a_timer_then_correct_calls():
             # An alarm that lands in a finalizer (a weakref callback during garbage collection; seen once in CI) is
             # swallowed by Python ("Exception ignored in ...") and the call completes: then the same delay again.
             for _ in range(3):
+                fired.clear()
                 signal.setitimer(signal.ITIMER_REAL, delay)
                 try:
                     r.call()
                     time.sleep(delay + 1)  # only if the call finished first: the timer fires here instead
                 except KeyboardInterrupt:
+                    interrupted += 1
+                    break
+                except Exception:
+                    # The interrupt landed in C code that replaced it with its own error (session 43's CI: numpy's
+                    # shape converter turned it into "TypeError: expected a sequence of integers ...", which
+                    # Triton's interpreter wrapped). It is still this call interrupted by the timer; anything else
+                    # raised without the timer having fired is a failure.
+                    if not fired:
+                        raise
                     interrupted += 1
                     break
                 finally:
