@@ -2,7 +2,11 @@
 on a GPU, where a stale patch would cost a device call to find out)."""
 import ast
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -49,11 +53,6 @@ def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(tmp_path):
     (A Triton whose PTX no longer matches would otherwise be found on the GPU, as a hang.) Run as the probe runs
     without CUDA, in a child process whose Triton does not interpret (this one may: ``megamoe.env``), with its own
     cache directory."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     # no GPU in the child either: the probe then compiles offline (on a GPU machine too)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, str(PROBES / "multicast_probe.py")], capture_output=True, text=True,

@@ -33,6 +33,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+# fp8_ws_probe.SHAPE's values, written out: importing that probe would import this checkout's megamoe first
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
 
 

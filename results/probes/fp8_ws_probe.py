@@ -19,7 +19,9 @@ with its L2 flush, as the bench).
     bytes a CTA would load if a 2-CTA cluster multicast each weight tile, half from each CTA (the same MMA work).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
-  ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock.
+  ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
+  the clock and power nvidia-smi sampled during each timing to its row (session 43's rows in
+  ``knockout_runs/fp8_phase*_h100.jsonl`` merged an nvidia-smi log by timestamps instead: ``smi_samples``).
 
   At T = 512 also with 128-row tiles (``FP8_WS_BLOCK64_MAX_EXPECTED = -1``), and at 128-row tiles 3 ring stages.
 * ``fp4 [T1,..]``: the FP8 x FP4 Gluon phase ("fp4_ws", which imports this kernel's epilogues) with the epilogues
@@ -74,6 +76,9 @@ from megamoe.ops_fp8 import fp8_mega_moe
 from megamoe.symm import SymmBuffer
 
 REP_MS = float(os.environ.get("PROBE_REP_MS", 300))  #: each ``phase`` timing's window (ms)
+#: ``PROBE_CLOCKS=1``: each ``phase`` row also carries the SM clock / power / throttle reasons that nvidia-smi
+#: sampled during its timing (``clock_probe.py``'s ``Sampler``)
+CLOCKS = os.environ.get("PROBE_CLOCKS") == "1"
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
 
 # -- the math loops' wgmma + promotion, as in the kernel (each old text must occur exactly once)
@@ -134,6 +139,7 @@ A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
 W_LOADS = tuple(_tma(d, c, b) for d in ("w2_desc", "w1_desc")  # two blocked boxes a stage
                 for c, b in (("[w_lo, 0]", "w_bufs.index(s).slice(0, HN)"),
                              ("[w_hi, 0]", "w_bufs.index(s).slice(HN, HN)")))
+W_HI_LOADS = tuple(t for t in W_LOADS if "[w_hi, 0]" in t)  # each stage's right half of W, both GEMMs
 SWCVT = [("from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0\n",
           "from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, "
           "round_to_bf16\n"),
@@ -185,7 +191,7 @@ PATCHES = {
     "now": [(NBYTES, NBYTES.replace("2 * w1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in W_LOADS],
     # the bytes a CTA would load if a 2-CTA cluster multicast each weight tile (each CTA one half): W's right half
     # not loaded, its MMA reads whatever the stage held (session 43)
-    "halfw": [(NBYTES, NBYTES.replace("2 * w1_desc", "w1_desc")), (W_LOADS[1], ""), (W_LOADS[3], "")],
+    "halfw": [(NBYTES, NBYTES.replace("2 * w1_desc", "w1_desc")), *[(t, "") for t in W_HI_LOADS]],
 }
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
@@ -220,6 +226,22 @@ def kernel_module(variant: str):
     path = pathlib.Path(tempfile.mkdtemp(prefix="fp8_ws_probe_")) / f"gemm_fp8_ws_{variant}.py"
     path.write_text(patched_source(variant))
     return _import_file(f"gemm_fp8_ws_{variant}", path)
+
+
+@functools.cache
+def _clock_probe():
+    """``clock_probe.py`` beside this file, loaded once (it loads this module in turn, by file, for its own runs)."""
+    path = pathlib.Path(__file__).with_name("clock_probe.py")
+    spec = importlib.util.spec_from_file_location("clock_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, mod._reason_field()
+
+
+def _clock_sampler():
+    """An nvidia-smi sampler running from now until its ``stop()`` (``PROBE_CLOCKS``)."""
+    cp, reason = _clock_probe()
+    return cp.Sampler(reason)
 
 
 def use_kernel(mod):
@@ -285,7 +307,9 @@ def probe_phase(tokens=(512, 2048, 8192)):
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
-            emit(**row, us=_median_ms(call, rep_ms=REP_MS) * 1e3)
+            sampler = _clock_sampler() if CLOCKS else None
+            us = _median_ms(call, rep_ms=REP_MS) * 1e3
+            emit(**row, us=us, **(sampler.stop() if sampler else {}))
             sb.destroy()
         use_kernel(AS_IS)
     mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]

@@ -148,7 +148,7 @@ def mc_gemm_kernel(a_desc, w_desc, out_ptr, K, MC: gl.constexpr):
     r = _cluster_rank()
     row0 = pid * 64
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 128], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, 128, 128], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, 128, 128], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
