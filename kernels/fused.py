@@ -564,17 +564,63 @@ def _tile_entries(tiles, first, cta, G, n, blocks, cum, groups, num_tiles, N_T: 
 
 
 @triton.jit
+def _tile_pairs(pairs, cap, first_tile, first_pair, cta, G, blocks, N_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The pair words of one GEMM (``TILE_PAIR_WORDS``) for its tiles from ``first_tile`` (ordered expert, n-tile, pool
+    block, :func:`_tile_entries`): per expert and n-tile, the pool blocks two by two -- pair ``j`` of an expert's
+    n-tile ``nt`` holds its tiles of blocks ``2j`` and ``2j + 1`` (word ``2 t0 + 1``), or ``2j`` alone where the
+    expert's block count is odd (``2 t0``). At ``pairs + 2 + first_pair + p`` the word, ``cap`` words further the
+    pair's group word (the pairs of its weight tile, as the tiles'), ``2 cap`` further its group counter, zeroed.
+    Strided over the rank's programs; returns the number of pairs."""
+    CHUNK: tl.constexpr = 128
+    half = (blocks + 1) // 2  # pairs per (expert, n-tile) [BLOCK_E]
+    count = half * N_T
+    cum_p = tl.cumsum(count, axis=0)
+    cum_t = tl.cumsum(blocks * N_T, axis=0)
+    total = tl.max(cum_p, axis=0)
+    ev = tl.arange(0, BLOCK_E)
+    p0 = cta * CHUNK
+    while p0 < total:
+        p = p0 + tl.arange(0, CHUNK)
+        e = tl.sum((cum_p[None, :] <= p[:, None]).to(tl.int32), axis=1)
+        sel = ev[None, :] == e[:, None]
+        start = tl.sum(tl.where(sel, (cum_p - count)[None, :], 0), axis=1)
+        t_start = tl.sum(tl.where(sel, (cum_t - blocks * N_T)[None, :], 0), axis=1)
+        nb = tl.maximum(tl.sum(tl.where(sel, blocks[None, :], 0), axis=1), 1)
+        hp = (nb + 1) // 2
+        r = p - start
+        j = r % hp
+        t0 = first_tile + t_start + (r // hp) * nb + 2 * j
+        ok = p < total
+        w = pairs + 2 + first_pair + p
+        tl.store(w, 2 * t0 + (2 * j + 1 < nb).to(tl.int32), mask=ok)
+        tl.store(w + cap, (first_pair + p - j) * TILE_GROUP_SIZES + tl.minimum(hp, TILE_GROUP_SIZES - 1), mask=ok)
+        tl.store(w + 2 * cap, tl.zeros([CHUNK], tl.int32), mask=ok)
+        p0 += G * CHUNK
+    return total
+
+
+@triton.jit
 def _write_tile_table(tiles, cta, G, n, blocks, cum, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
-                      BLOCK_E: tl.constexpr):
+                      BLOCK_E: tl.constexpr, PAIRS: tl.constexpr = False):
     """The GEMM phase's tile table (:mod:`megamoe.kernels.gemm_fp8_ws`): header ``(L1 tiles, L2 tiles, pool blocks,
     word offset of the block table)``, the L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see
     :func:`_tile_entries`; then the block table: the valid rows of each pool block (what the GEMM phase's pull
-    copies and the L1 tiles of the block wait for); then the group words and counters (``TILE_GROUP_SIZES``)."""
+    copies and the L1 tiles of the block wait for); then the group words and counters (``TILE_GROUP_SIZES``);
+    with ``PAIRS`` then the pair table (``TILE_PAIR_WORDS``: L1 pairs, all pairs, then :func:`_tile_pairs`' words of
+    L1 and of L2)."""
     num_blocks = tl.max(cum, axis=0)
     blk = TILE_HEADER + num_blocks * (N1 + N2) * TILE_WORDS
     groups = tiles + blk + num_blocks
     num_l1 = _tile_entries(tiles, 0, cta, G, n, blocks, cum, groups, num_blocks * (N1 + N2), N1, BM, BLOCK_E)
     num_l2 = _tile_entries(tiles, num_l1, cta, G, n, blocks, cum, groups, num_blocks * (N1 + N2), N2, BM, BLOCK_E)
+    if PAIRS:
+        cap = num_blocks * (N1 + N2)
+        pairs = groups + 2 * cap
+        p1 = _tile_pairs(pairs, cap, 0, 0, cta, G, blocks, N1, BLOCK_E)
+        p2 = _tile_pairs(pairs, cap, num_l1, p1, cta, G, blocks, N2, BLOCK_E)
+        if cta == 0:
+            tl.store(pairs, p1)
+            tl.store(pairs + 1, p1 + p2)
     ev = tl.arange(0, BLOCK_E)
     b0 = cta * 128
     while b0 < num_blocks:
@@ -621,7 +667,7 @@ def fused_mega_moe_kernel(
         MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr, KW2_PAD: tl.constexpr, FOLDED: tl.constexpr,
         BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr, FP8W: tl.constexpr = False,
         FP8_SWAP: tl.constexpr = False, PHASE: tl.constexpr = 0, PDL: tl.constexpr = False,
-        L2_FOLDED: tl.constexpr = True):
+        L2_FOLDED: tl.constexpr = True, PAIRS: tl.constexpr = False):
     """One call of the layer for every local rank; see the module docstring. ``buf0 .. timeline0``: local rank 0's
     tensors; ``args``: int64 ``[local ranks, NUM_ARGS]``, per local rank the byte deltas of its tensors from rank
     0's (``ARG_NAMES`` order; the token count in its column); ``G`` programs per local rank.
@@ -636,6 +682,9 @@ def fused_mega_moe_kernel(
     host's ``megamoe.ops.guarded_call`` does it for the staged pipeline): program 0 of the rank adds 1 to the first
     word when the call starts (PHASE 0 / 1) and to the second after barrier 3 (PHASE 0 / 2), so a call whose launches
     did not all run leaves them unequal. Two torch launches fewer a call than marking from the host.
+
+    ``PAIRS`` (PHASE 1, ``megamoe.fused.FP8_WS_MULTICAST``): the tile table also gets the pair table of the GEMM
+    phase's 2-CTA clusters (``megamoe.kernels.formats.TILE_PAIR_WORDS``).
 
     ``PDL`` (GPU only; ``megamoe.fused.WS_PDL``): the front lets the GEMM phase's grid launch early and the back,
     launched as a programmatic dependent, waits at its first instruction for the GEMM phase to complete."""
@@ -685,7 +734,7 @@ def fused_mega_moe_kernel(
                       OFF_TOPK_IDX, OFF_TOPK_W, OFF_L1, OFF_L1_SF, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_COMBINE, R, E, El,
                       T, K, H, I, SP, LAYOUT_BM, LAYOUT_SF_BM, BM, BLOCK_R, BLOCK_E, BLOCK_J, BLOCK_H, BLOCK_W,
                       COUNT_BLOCK, HAS_CLAMP, PROMOTE_EVERY, PRMT_DECODE, HW_CVT, TIMED, TIMELINE, MAX_EVENTS,
-                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, L2_FOLDED)
+                      KW1_PAD, KW2_PAD, FOLDED, BN1, BN2, F64_EXP, FP8W, FP8_SWAP, PHASE, L2_FOLDED, PAIRS)
     # task_ctr back to 0 for the next call once every program has drawn its last task (past the end): after a grid
     # sync in the one launch; the back launch's program 0 at once (the front's programs have all exited); not in
     # the front (a grid sync fewer in each of the two launches around the Gluon phase: nothing else needs one here)
@@ -715,7 +764,8 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
            HAS_CLAMP: tl.constexpr, PROMOTE_EVERY: tl.constexpr, PRMT_DECODE: tl.constexpr, HW_CVT: tl.constexpr,
            TIMED: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr, KW1_PAD: tl.constexpr,
            KW2_PAD: tl.constexpr, FOLDED: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, F64_EXP: tl.constexpr,
-           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr, L2_FOLDED: tl.constexpr):
+           FP8W: tl.constexpr, FP8_SWAP: tl.constexpr, PHASE: tl.constexpr, L2_FOLDED: tl.constexpr,
+           PAIRS: tl.constexpr):
     """The call up to the end of the task loop (count, publish, barrier 1, tasks); returns the timeline count."""
     N1: tl.constexpr = I // BN1  # L1 N-blocks per pool block (= bits of its L2 arrival mask)
     N2: tl.constexpr = H // BN2
@@ -776,7 +826,7 @@ def _front(buf, buffer_ptrs, me, cta, G, num_tokens, timeline, tiles, grid_ctr, 
         # the rows only for the FP8 x FP4 phase with folded rows (megamoe.kernels.gemm_fp4_ws, no pull of its own);
         # the FP8 phase's pull partition copies raw rows itself, so for it they place rows (metadata, weights).
         if PHASE == 1:
-            _write_tile_table(tiles, cta, G, n, blocks, cum, I // 128, H // 256, BM, BLOCK_E)
+            _write_tile_table(tiles, cta, G, n, blocks, cum, I // 128, H // 256, BM, BLOCK_E, PAIRS)
             num_l1 = 0
             num_l2 = 0
         # Tasks are handed out in index order by an atomic counter (a work queue), not statically as cta, cta + G,

@@ -229,7 +229,7 @@ def _full_mask(N1: gl.constexpr):
 @gluon.jit
 def _wait_mask(ptr, need, state, timeout_ns):
     """Spin (acquire, gpu) until every bit of ``need`` is set in the int64 at ``ptr``; bounded: on expiry record
-    ``TAG_FUSED_INTERNAL_WAIT`` in ``state[1]`` and carry on (the call is failed; nothing may hang)."""
+    ``TAG_GEMM_PHASE_WAIT`` in ``state[1]`` and carry on (the call is failed; nothing may hang)."""
     seen = gl.atomic_or(ptr, 0, sem="acquire", scope="gpu")
     if (seen & need) != need:
         t0 = _globaltimer_ns()

@@ -47,9 +47,9 @@ for the largest block a call may pick:
   arrival-mask mechanism at the finest grain. Epilogue: bf16 rows into ``combine[slot][token]`` of each row's source
   rank (``sym_map`` arithmetic, rows past the block's valid count skipped).
 
-Waits are bounded (``timeout_ns`` on ``%globaltimer``): on expiry the loader records ``TAG_FUSED_INTERNAL_WAIT`` in
+Waits are bounded (``timeout_ns`` on ``%globaltimer``): on expiry the loader records ``TAG_GEMM_PHASE_WAIT`` in
 ``barrier_state[1]`` and carries on (the output is then garbage and the call raises), so nothing hangs. A launch
-that finds the state already failed (the front launch's barrier timed out) does no tile.
+that finds the state already failed by the front launch (a barrier or grid sync timed out) does no tile.
 
 Numerics: the model is the FP8 reference (:func:`megamoe.reference.reference_fp8_mega_moe`): per K block the
 float32 promotion ``acc += dot * (sa * sw)``; only the order of the float32 sums inside one 128-wide dot (the
@@ -81,14 +81,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_GROUP_SIZES, TILE_HEADER, TILE_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0
-from megamoe.kernels.symm import TAG_FUSED_INTERNAL_WAIT, _globaltimer_ns
+from megamoe.kernels.symm import TAG_GEMM_PHASE_WAIT, _globaltimer_ns
+from megamoe.multicast import CLUSTER_READY_ASM, Spec, register
 
 BK = gl.constexpr(128)  #: K block = scale block along K
 WM = gl.constexpr(64)  #: rows per math warpgroup (the wgmma M)
 TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups
 TILE_N = WS_TILE_N  #: weight rows per tile (two halves of 128)
 HN = gl.constexpr(128)  #: weight rows per half
-TAG_INTERNAL_WAIT = gl.constexpr(TAG_FUSED_INTERNAL_WAIT)
+TAG_INTERNAL_WAIT = gl.constexpr(TAG_GEMM_PHASE_WAIT)
+#: The PTX pass of ``MC`` (:mod:`megamoe.multicast`): the W descriptors ``w1_desc`` / ``w2_desc`` are the third and
+#: fourth TMA descriptor parameters; the default partition is math warpgroup 0 (``num_warps`` 4).
+register("fp8_gemm_phase_kernel", Spec(multicast_descs=(2, 3), default_threads=128))
+CLUSTER_READY = gl.constexpr(CLUSTER_READY_ASM)
 
 
 @gluon.jit
@@ -181,31 +186,88 @@ def _group_sync(tiles, t, num_tiles, state, timeout_ns):
     shorter (``fp8_2048_3df89c0.txt``; whole-call rows in ``megamoe.fused.WS_GROUP_SYNC``'s comment). Bounded: on
     expiry ``TAG_INTERNAL_WAIT``."""
     num_blocks = gl.load(tiles + 2)
-    groups = tiles + gl.load(tiles + 3) + num_blocks
-    word = gl.load(groups + t)
+    _sync_group(tiles + gl.load(tiles + 3) + num_blocks, num_tiles, t, gl.num_programs(0), 1, state, timeout_ns)
+
+
+@gluon.jit
+def _sync_group(groups, cap, i, step, per: gl.constexpr, state, timeout_ns):
+    """:func:`_group_sync` over any schedule: slot ``i`` of a schedule that hands slots ``i, i + step, ...`` to each
+    of ``step`` schedule places (programs, or clusters of ``per`` programs that all take the slot); the slots' group
+    words at ``groups``, their counters ``cap`` words further. Each program adds one; the group's slots of the wave
+    start once all ``per`` x their count have."""
+    word = gl.load(groups + i)
     first = word // TILE_GROUP_SIZES
-    G = gl.num_programs(0)
-    wave = t - t % G
+    wave = i - i % step
     lo = gl.maximum(first, wave)
-    size = gl.minimum(first + word % TILE_GROUP_SIZES, wave + G) - lo
+    size = gl.minimum(first + word % TILE_GROUP_SIZES, wave + step) - lo
     if size > 1:
-        ctr = groups + num_tiles + lo
+        ctr = groups + cap + lo
         seen = gl.atomic_add(ctr, 1, sem="relaxed", scope="gpu") + 1
-        if seen < size:
+        if seen < size * per:
             t0 = _globaltimer_ns()
             alive = True
-            while (seen < size) & alive:
+            while (seen < size * per) & alive:
                 seen = gl.atomic_add(ctr, 0, sem="relaxed", scope="gpu")
                 alive = (_globaltimer_ns() - t0) <= timeout_ns
-            if seen < size:
+            if seen < size * per:
                 gl.atomic_cas(state + 1, 0, TAG_INTERNAL_WAIT)
+
+
+@gluon.jit
+def _pairs(tiles, num_tiles):
+    """The pair table after the group counters (``TILE_PAIR_WORDS``, written by the front launch with ``PAIRS``): its
+    first word holds the L1 pairs, the second all pairs, then one pair word per pair."""
+    return tiles + gl.load(tiles + 3) + gl.load(tiles + 2) + 2 * num_tiles
+
+
+@gluon.jit
+def _schedule(tiles, num_tiles, MC: gl.constexpr):
+    """This program's slots as ``range(first, stop, step)``: tiles ``pid, pid + G, ...`` of ``G`` programs; with
+    ``MC`` the pairs ``c, c + G/2, ...`` of cluster ``c = pid // 2`` (both programs of a cluster take every pair)."""
+    if MC:
+        return gl.program_id(0) // 2, gl.load(_pairs(tiles, num_tiles) + 1), gl.num_programs(0) // 2
+    else:
+        return gl.program_id(0), num_tiles, gl.num_programs(0)
+
+
+@gluon.jit
+def _slot(tiles, num_tiles, i, MC: gl.constexpr):
+    """Slot ``i`` of the schedule -> ``(tile index, pool block, n-tile, local expert, valid rows)``. With ``MC``
+    pair ``i``'s word ``2 t0 + second``: rank 0 of the cluster takes tile ``t0``, rank 1 tile ``t0 + 1`` (the next
+    pool block on the same weight tile) if ``second``, else a **padding** slot: tile ``t0``'s entry with valid rows
+    -1 (the loader loads its half of the weights for rank 0, the math passes the stages through, nothing is
+    stored or published)."""
+    if MC:
+        word = gl.load(_pairs(tiles, num_tiles) + 2 + i)
+        second = word % 2
+        t = word // 2 + (gl.program_id(0) % 2) * second
+        b, nt, e, valid = _tile(tiles, t)
+        valid = gl.where((gl.program_id(0) % 2 == 1) & (second == 0), -1, valid)
+    else:
+        t = i
+        b, nt, e, valid = _tile(tiles, t)
+    return t, b, nt, e, valid
+
+
+@gluon.jit
+def _load_w(w_desc, w_lo, w_hi, bar, w_s, half, MC: gl.constexpr):
+    """W's two halves of 128 rows (box rows ``w_lo`` / ``w_hi``) into ring stage ``w_s`` [256, 128]; with ``MC``
+    only the half of this CTA's cluster rank ``half``, which the PTX pass multicasts to both CTAs."""
+    if MC:
+        if half == 0:
+            tma.async_copy_global_to_shared(w_desc, [w_lo, 0], bar, w_s.slice(0, HN))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
+    else:
+        tma.async_copy_global_to_shared(w_desc, [w_lo, 0], bar, w_s.slice(0, HN))
+        tma.async_copy_global_to_shared(w_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
 
 
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
                     tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_SYNC: gl.constexpr = False):
+                    GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
     two bits of the block's arrival mask.
@@ -213,22 +275,37 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
     The weights are blocked by 128 x 128 (``megamoe.quant_fp8.block_weights``): the descriptors see them as
     ``[El * N * K/128, 128]``, and W's two halves of 128 rows are two boxes of one 128 x 128 block each -- 16 KB in
     one run of memory, at box row ``(g * KB + kb) * 128`` for row block ``g`` (row-major, a [256, 128] box was 256
-    runs of 128 bytes ``K`` bytes apart; measured in ``megamoe.quant_fp8``'s docstring)."""
+    runs of 128 bytes ``K`` bytes apart; measured in ``megamoe.quant_fp8``'s docstring).
+
+    ``MC`` (the 2-CTA multicast, :mod:`megamoe.multicast`): this CTA loads only W's half of its cluster rank,
+    multicast into the same stage of both CTAs (the PTX pass), and still expects the whole stage's bytes (the
+    peer's half lands here too); ``empty[s]`` counts both CTAs' releases, so a stage is refilled only when both
+    are done with it. A padding slot (valid rows -1) waits for nothing. After the last stage the loader waits until
+    both CTAs released every stage: the peer's arrives on this CTA's barriers are then all done, and this CTA may
+    exit."""
     nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
     BM: gl.constexpr = a1_desc.block_type.shape[0]
+    half = gl.program_id(0) % 2
     it = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first, stop, step = _schedule(tiles, num_tiles, MC)
+    for i in range(first, stop, step):
         # the rank's heartbeat: a peer waiting in barrier 2 for this rank sees it move (it names only ranks whose
         # counter stood still for barrier_timeout_s), as the one-launch kernel's task loop does per task
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")
         if GROUP_SYNC:
-            _group_sync(tiles, t, num_tiles, state, timeout_ns)
-        b, nt, e, valid = _tile(tiles, t)
+            if MC:
+                _sync_group(_pairs(tiles, num_tiles) + 2 + num_tiles, num_tiles, i, step, 2, state, timeout_ns)
+            else:
+                _group_sync(tiles, i, num_tiles, state, timeout_ns)
+        t, b, nt, e, valid = _slot(tiles, num_tiles, i, MC)
         is_l2 = t >= num_l1
         if is_l2:
             KB = I // BK
             w_row = (e * H + nt * TILE_N)
-            mask_seen = gl.atomic_or(l2_mask + b, 0, sem="acquire", scope="gpu")
+            if valid < 0:  # a padding slot reads nothing of the block's L1 output: no wait
+                mask_seen = gl.to_tensor(-1).to(gl.int64)
+            else:
+                mask_seen = gl.atomic_or(l2_mask + b, 0, sem="acquire", scope="gpu")
         else:
             KB = H // BK
             w_row = (e * 2 * I + nt * TILE_N)
@@ -267,15 +344,16 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             w_hi = w_lo + KB * HN                 # is the next row block's
             if is_l2:
                 tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w2_desc, [w_lo, 0], bar, w_bufs.index(s).slice(0, HN))
-                tma.async_copy_global_to_shared(w2_desc, [w_hi, 0], bar, w_bufs.index(s).slice(HN, HN))
+                _load_w(w2_desc, w_lo, w_hi, bar, w_bufs.index(s), half, MC)
                 tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w1_desc, [w_lo, 0], bar, w_bufs.index(s).slice(0, HN))
-                tma.async_copy_global_to_shared(w1_desc, [w_hi, 0], bar, w_bufs.index(s).slice(HN, HN))
+                _load_w(w1_desc, w_lo, w_hi, bar, w_bufs.index(s), half, MC)
                 tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
             it += 1
+    if MC:  # drain: both CTAs released every stage (module docstring of megamoe.multicast: nothing remote after exit)
+        for j in range(it, it + STAGES):
+            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
 
 
 @gluon.jit
@@ -351,12 +429,13 @@ def _promote(acc, dot, sa, s_gate, s_up, gate_col):
 
 
 @gluon.jit
-def _retire(dot, empty, s, acc, sa, s_gate, s_up, gate_col):
+def _retire(dot, empty, s, acc, sa, s_gate, s_up, gate_col, ARRIVE: gl.constexpr = 1):
     """The end of a K block's last wgmma ``dot`` (async, ``[64, 128]`` float32 in the wgmma layout): wait for it,
-    release ring stage ``s`` (one arrive on ``empty[s]``), promote it into ``acc`` (:func:`_promote`). Returns the
-    new ``acc`` and the dot's register tile (the next block's ``use_acc=False`` target)."""
+    release ring stage ``s`` (an arrive of ``ARRIVE`` on ``empty[s]``: 2 is the multicast's marker, one arrive here
+    and one on the peer CTA's barrier, :mod:`megamoe.multicast`), promote it into ``acc`` (:func:`_promote`).
+    Returns the new ``acc`` and the dot's register tile (the next block's ``use_acc=False`` target)."""
     d = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
-    mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(s), count=ARRIVE)
     return _promote(acc, d, sa, s_gate, s_up, gate_col), d
 
 
@@ -629,8 +708,11 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
+
+    ``MC``: the slots of the cluster's pair schedule (:func:`_slot`); each stage released in both CTAs (the arrive
+    of count 2, :mod:`megamoe.multicast`); a padding slot passes its stages through and has no epilogue.
 
     ``LEAD`` > 0 (``megamoe.fused.FP8_WS_LEAD``): warpgroup 1 starts once warpgroup 0 has taken ``LEAD`` ring stages
     (one arrive on ``lead``, or at its end if it takes fewer). The two then stay about that many stages apart (the
@@ -644,10 +726,12 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
     gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
     spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes into it)
     it = 0
+    ARRIVE: gl.constexpr = 2 if MC else 1
     if LEAD > 0 and wg == 1:
         mbarrier.wait(lead.index(0), 0)
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        b, nt, e, valid = _tile(tiles, t)
+    first, stop, step = _schedule(tiles, num_tiles, MC)
+    for i in range(first, stop, step):
+        t, b, nt, e, valid = _slot(tiles, num_tiles, i, MC)
         is_l2 = t >= num_l1
         if is_l2:
             KB = I // BK
@@ -680,21 +764,22 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
             dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
-            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
+            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col, ARRIVE)
             it += 1
             _lead_step(lead, it, wg, LEAD)
         for kb in range(kb_mma, KB):
             mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
+            mbarrier.arrive(empty.index(it % STAGES), count=ARRIVE)
             it += 1
             _lead_step(lead, it, wg, LEAD)
-        if is_l2:
-            row0 = b * TILE_M + wg * WM
-            _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
-                         OFF_COMBINE, T, H, mma)
-        else:
-            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP, TILE_M, 2, False)
+        if valid >= 0:  # (always but for MC's padding slots)
+            if is_l2:
+                row0 = b * TILE_M + wg * WM
+                _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
+                             OFF_COMBINE, T, H, mma)
+            else:
+                _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I,
+                             SP, HAS_CLAMP, TILE_M, 2, False)
     if LEAD > 0 and wg == 0:
         if it < LEAD:  # fewer stages than LEAD in all: warpgroup 1 must not wait for more
             mbarrier.arrive(lead.index(0), count=1)
@@ -712,13 +797,19 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
-    int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer."""
+    int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer.
+
+    ``MC`` (pool block 128 only; ``megamoe.fused.FP8_WS_MULTICAST``): launched in clusters of two CTAs that take
+    the front launch's **pairs** of tiles on one weight tile (``TILE_PAIR_WORDS``) and stream each weight stage once
+    for both, half each, multicast (:mod:`megamoe.multicast`: the PTX pass this kernel is registered with, the
+    handshake after the barriers' init, the count-2 arrives of the math partitions, the loader's drain).
+    Same bits as without: each tile's math is unchanged."""
     if PDL:  # launched as a programmatic dependent of the front launch (megamoe.fused.WS_PDL): wait for it to finish
         gdc_wait()  # (and its writes to be visible) before reading anything it wrote; let the back launch be
         gdc_launch_dependents()  # scheduled as this grid's programs exit (it waits likewise)
@@ -729,8 +820,13 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     num_l1 = gl.load(tiles)
     num_tiles = num_l1 + gl.load(tiles + 1)
     num_blocks = gl.load(tiles + 2)
-    if gl.load(state + 1) != 0:  # the front launch failed (a barrier timed out): no tile, no pull (read once,
-        num_tiles = 0            # before the roles split, so every partition sees the same counts)
+    failed = gl.load(state + 1)
+    # the front launch failed (a barrier timed out): no tile, no pull (read once, before the roles split, so every
+    # partition sees the same counts). A failure this launch's own waits recorded (TAG_GEMM_PHASE_WAIT: a CTA that
+    # started late may see one) is not the front's: its tiles still run, so that the two CTAs of a cluster (MC)
+    # take the same slots and neither waits for a multicast half that never comes
+    if (failed != 0) & (failed != TAG_INTERNAL_WAIT):
+        num_tiles = 0
         num_blocks = 0
     BM: gl.constexpr = a1_desc.block_type.shape[0]  # pool rows per tile: 128, or 64 (_math_partition_m64)
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES, BM, BK], a1_desc.layout)
@@ -740,7 +836,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
-        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+        mbarrier.init(empty.index(i), count=4 if MC else 2)  # one arrive per math warpgroup (of both CTAs: MC)
     # BM = 64: the two math warpgroups' row maxima of an L1 tile (two slots) and the barriers of their exchange
     xch = gl.allocate_shared_memory(gl.float32, [4, WM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -749,6 +845,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     lead = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # BM = 128: LEAD's start signal
     mbarrier.init(lead.index(0), count=1)
     fence_async_shared()  # barrier inits visible to the async proxy before first use
+    if MC:  # the peer CTA's barriers are initialised before anything lands in or arrives on them
+        gl.inline_asm_elementwise(CLUSTER_READY, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if BM == 64:
         gl.warp_specialize([
             (_math_partition_m64, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
@@ -767,13 +865,13 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
                            empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
-                           I, SP, STAGES, GROUP_SYNC)),
+                           I, SP, STAGES, GROUP_SYNC, MC)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

@@ -48,6 +48,10 @@ TAG_BEFORE_COMBINE_REDUCE = 2
 TAG_AFTER_WORKSPACE_CLEAN = 3
 #: Recorded in ``barrier_state[1]`` by the fused kernel when one of its intra-rank waits times out (a bug).
 TAG_FUSED_INTERNAL_WAIT = 9
+#: Likewise by a Gluon GEMM phase (``megamoe.kernels.gemm_fp8_ws`` / ``gemm_fp4_ws``), the launch after the front: a
+#: GEMM phase that finds it already recorded (by one of its own programs) still runs its tiles, where one that finds
+#: any other failure (the front's) runs none.
+TAG_GEMM_PHASE_WAIT = 10
 
 #: Polls per wait launch under the interpreter; the host re-launches (after a short sleep) until the deadline.
 INTERPRETER_POLLS_PER_LAUNCH = 16
@@ -176,7 +180,7 @@ class BarrierTimeout(RuntimeError):
     """A barrier's wait ran out of time; ``missing_rank`` is the lowest rank whose signal never arrived."""
 
     def __init__(self, rank: int, tag: int, missing_rank: int, timeout_s: float):
-        if tag == TAG_FUSED_INTERNAL_WAIT:
+        if tag in (TAG_FUSED_INTERNAL_WAIT, TAG_GEMM_PHASE_WAIT):
             msg = (f"rank {rank}: an in-kernel wait of the fused kernel (grid sync, arrival count or mask) made no "
                    f"progress for {timeout_s} s -- a bug in the kernel, not a missing rank; call reset() to go on")
         else:

@@ -163,10 +163,13 @@ def _remember(memo: dict, obj, value):
     return entry
 
 
-def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+def launch(fn, grid: tuple, args: tuple, kwargs: dict, prepare=None) -> None:
     """``fn[grid](*args, **kwargs)`` (``fn`` a ``triton.jit`` / ``gluon.jit`` kernel; ``args`` its leading runtime
     arguments, positional; ``kwargs`` the constexprs and launch options), through the cached compiled kernel of
-    an earlier launch with the same key (module docstring)."""
+    an earlier launch with the same key (module docstring). ``prepare``: a function (hashable: part of the key) that
+    the compiled kernel passes through once, compiled but before its first launch -- e.g.
+    ``megamoe.multicast.as_cluster``, which makes it launch in clusters of two CTAs (``grid`` then counts
+    clusters)."""
     from megamoe.env import interpreting
 
     if not ENABLED or interpreting():
@@ -174,10 +177,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     grid3 = tuple(grid) + (1,) * (3 - len(grid))
     device = torch.cuda.current_device()
-    key = (id(fn), device, grid3, keywords_token(kwargs), _facts(args))
+    key = (id(fn), device, grid3, keywords_token(kwargs), _facts(args), prepare)
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not fn:
-        kernel = _first_launch(fn, grid, args, kwargs)
+        kernel = _first_launch(fn, grid, args, kwargs, prepare)
         names = fn.arg_names
         values = {**_defaults(fn), **kwargs}
         missing = [n for n in names[len(args):] if n not in values]
@@ -195,9 +198,14 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         runner(*args, *tail)
 
 
-def _first_launch(fn, grid, args, kwargs):
+def _first_launch(fn, grid, args, kwargs, prepare=None):
     """A key's first launch: ``JITFunction.run`` compiles or finds the binary and launches it; returns the
-    ``CompiledKernel`` (``megamoe.host_path`` stands in for it on a CPU)."""
+    ``CompiledKernel`` (``megamoe.host_path`` stands in for it on a CPU). With ``prepare`` (:func:`launch`) the
+    kernel is compiled without a launch first (``warmup``; the launch then finds the same compiled kernel in
+    ``JITFunction``'s cache) and passed to ``prepare``."""
+    if prepare is not None:
+        compiled = fn.warmup(*args, grid=grid, **kwargs)
+        prepare(compiled.result() if hasattr(compiled, "result") else compiled)
     kernel = fn[grid](*args, **kwargs)
     if hasattr(kernel, "result"):  # (an asynchronous compile's future)
         kernel = kernel.result()

@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from megamoe import direct_launch
+from megamoe import direct_launch, multicast
 from megamoe.env import compute_capability, interpreting, sm_count
 from megamoe.kernels import fused as kf
-from megamoe.kernels.formats import WS_TILE_M, WS_TILE_N
+from megamoe.kernels.formats import TILE_PAIR_WORDS, WS_TILE_M, WS_TILE_N
 from megamoe.layout import MIN_BLOCK_M
 from megamoe.ops import largest_pow2_tile
 from megamoe.quant import FP4_BLOCK_BYTES, fold_lut
@@ -215,6 +215,14 @@ FP8_WS_LEAD = False
 #: packed stream was at 14 % of DRAM, ``fp8_fp4_2048_193bd42.txt``; predecoded e4m3 at 8192): T = 512 1327 / 1336 /
 #: 1330 / 1338, T = 2048 3280 / 3301 / 3279 / 3301, T = 8192 8381 / 8426 / 8422 / 8418 -> off.
 WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
+#: "fp8_ws" at pool block 128: the GEMM phase runs in clusters of two CTAs that take pairs of tiles on one weight
+#: tile (two pool blocks of an expert; the front launch's pair table, ``megamoe.kernels.formats.TILE_PAIR_WORDS``)
+#: and stream each weight stage once for both, each CTA loading one half multicast to both (``MC`` of
+#: ``megamoe.kernels.gemm_fp8_ws``, by the PTX pass of ``megamoe.multicast``). Why: at T = 8192 the phase runs at the
+#: board's power cap, and loading half of each weight stage raised the SM clock 1440 -> 1665 MHz at the same 700 W
+#: (``results/probes/knockout_runs/fp8_phase8192_80c9104_h100.jsonl``, ``halfw``). Same bits. An expert with an odd
+#: number of pool blocks gets one padding slot an n-tile (the second CTA loads its half, computes nothing).
+FP8_WS_MULTICAST = True
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the
@@ -675,7 +683,14 @@ def kernel_meta(L, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, timeli
         BN1=TILE_N[kind][0], BN2=TILE_N[kind][1], F64_EXP=not gpu, FP8W=kind in FP8_KINDS,
         FP8_SWAP=kind == "fp8_swap",
         KW1_PAD=triton.next_power_of_2(L.hidden // 128), KW2_PAD=triton.next_power_of_2(L.intermediate_hidden // 128),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **({"PAIRS": True} if fp8_ws_multicast(kind, cfg.block_m) else {}))
+
+
+def fp8_ws_multicast(kind: str, block_m: int) -> bool:
+    """Whether a call of tile kind ``kind`` at pool block ``block_m`` runs the FP8 GEMM phase in 2-CTA clusters
+    (``FP8_WS_MULTICAST``; the front launch then writes the pair table, on a CPU rank too)."""
+    return FP8_WS_MULTICAST and kind == "fp8_ws" and block_m == 128
 
 
 def _buffer_cache(sb, name: str, key, build, limit: int = 8):
@@ -872,8 +887,8 @@ def _launch_metas(sb, cfg: FusedConfig, *, has_clamp: bool, has_stats: bool, tim
             out[phase] = (frozen, direct_launch.keywords_token(frozen))
         return out
 
-    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl), build,
-                         limit=64)
+    return _buffer_cache(sb, "_fused_metas", (cfg, has_clamp, has_stats, timeline, interpreting(), pdl,
+                                              FP8_WS_MULTICAST), build, limit=64)
 
 
 def _ws_pdl() -> bool:
@@ -890,14 +905,14 @@ def _pdl_keywords() -> dict:
 
 def _tile_table(sb) -> torch.Tensor:
     """The int32 tile table of the Gluon GEMM phase for ``sb``'s rank (``megamoe.kernels.formats.TILE_HEADER``
-    words, ``TILE_WORDS`` per tile, one word per pool block, a group word and a group counter per tile), sized for
-    the most pool blocks (of 64 rows); allocated once per buffer."""
+    words, ``TILE_WORDS`` per tile, one word per pool block, a group word and a group counter per tile, the pair
+    table: ``TILE_PAIR_WORDS``), sized for the most pool blocks (of 64 rows); allocated once per buffer."""
     def build():
         L = sb.layout
         blocks = L.num_max_pool_tokens // 64  # the smallest pool block the Gluon phase takes
         n = blocks * (L.intermediate_hidden // 128 + L.hidden // WS_TILE_N.value)
-        return torch.zeros(kf.TILE_HEADER.value + (kf.TILE_WORDS.value + 2) * n + blocks, dtype=torch.int32,
-                           device=sb.buffer.device)
+        return torch.zeros(kf.TILE_HEADER.value + (kf.TILE_WORDS.value + 2 + TILE_PAIR_WORDS) * n + blocks + 2,
+                           dtype=torch.int32, device=sb.buffer.device)
 
     return _buffer_cache(sb, "_ws_tiles", 0, build)
 
@@ -1063,11 +1078,31 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         return
     timeout_ns = int(calls[0].sb.barrier_timeout_s * 1e9)
     for lr, c in enumerate(calls):
-        direct_launch.launch(kws.fp8_gemm_phase_kernel, (sms,), (
-            *_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs, rank0 + lr,
-            float(c.clamp) if c.clamp is not None else 0.0, timeout_ns),
-            _ws_constexprs(c.sb, meta["BM"], c.clamp is not None))
+        args = (*_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs,
+                rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns)
+        kw = _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
+        if "MC" in kw:  # clusters of two (grid = clusters): as many as the GPU holds at once, at most one CTA an SM
+            direct_launch.launch(kws.fp8_gemm_phase_kernel, (_fp8_ws_clusters(args, kw, dev),), args, kw,
+                                 multicast.as_cluster)
+        else:
+            direct_launch.launch(kws.fp8_gemm_phase_kernel, (sms,), args, kw)
     direct_launch.launch(kf.fused_mega_moe_kernel, grid_back, args_back, back)
+
+
+_CLUSTERS: dict = {}
+
+
+def _fp8_ws_clusters(args, kw, dev) -> int:
+    """The FP8 GEMM phase's grid in 2-CTA clusters on ``dev``: half its SMs, or fewer where the GPU cannot hold that
+    many clusters at once (``cuOccupancyMaxActiveClusters``: the phase's CTAs wait on each other's pulls and L1
+    tiles, so every one must be resident). Asked once per (device, keywords)."""
+    from megamoe.kernels import gemm_fp8_ws as kws
+
+    key = (str(dev), direct_launch.keywords_token(kw))
+    if key not in _CLUSTERS:
+        kernel = kws.fp8_gemm_phase_kernel.warmup(*args, grid=(1,), **kw)
+        _CLUSTERS[key] = min(sm_count(dev) // multicast.CLUSTER, multicast.max_active_clusters(kernel))
+    return _CLUSTERS[key]
 
 
 def _launch_fp4_ws(calls, tiles, rank0, L, dev, bm: int = 128, predecode: bool = False,
@@ -1236,7 +1271,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"])
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST)
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: direct_launch.FrozenKeywords(fp8_ws_keywords(sb.layout, bm, has_clamp)))
 
@@ -1251,7 +1286,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        num_warps=4, maxnreg=maxnreg, **({"MC": True} if fp8_ws_multicast("fp8_ws", bm) else {}), **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -249,7 +249,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     128 (a full and a partial one); I = 384: three L1 tiles a block; H = 512: two L2 tiles. The tile table is
     checked against the pool schedule."""
     from megamoe.fused import FusedConfig
-    from megamoe.gemm_phase import tile_groups, tile_table
+    from megamoe.gemm_phase import tile_groups, tile_pairs, tile_table
 
     cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
@@ -289,6 +289,26 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
         assert first == 0 or first == num_l1 or key(first - 1) != key(i)
         assert first + size in (num_l1, len(entries)) or key(first + size) != key(i)
     assert max(s for _, s in groups) > 1  # some weight tile read by two pool blocks
+    # the pair table of the 2-CTA clusters (FP8_WS_MULTICAST, block 128 only): every entry in exactly one pair,
+    # the two entries of a pair consecutive blocks on one weight tile, an entry alone only as its weight tile's last
+    # of an odd count; L1 pairs first; the pairs' group words as the entries'
+    if block_m != 128:
+        return
+    pairs, l1_pairs, pair_groups, pair_counters = tile_pairs(tables[-1])
+    covered = [t for t0, second in pairs for t in ((t0, t0 + 1) if second else (t0,))]
+    assert sorted(covered) == list(range(len(entries))) and covered == sorted(covered)
+    assert all(t0 < num_l1 for t0, _ in pairs[:l1_pairs]) and all(t0 >= num_l1 for t0, _ in pairs[l1_pairs:])
+    for i, (t0, second) in enumerate(pairs):
+        first, size = groups[t0]
+        assert (t0 - first) % 2 == 0  # pairs start at even positions of their weight tile's run
+        if second:
+            assert groups[t0 + 1] == (first, size) and entries[t0 + 1][0] == entries[t0][0] + 1
+        else:
+            assert t0 == first + size - 1 and size % 2 == 1
+        p_first, p_size = pair_groups[i]
+        assert p_size == (size + 1) // 2 and pairs[p_first][0] == first
+    assert any(not second for _, second in pairs) and any(second for _, second in pairs)
+    assert pair_counters == [0] * len(pairs)
 
 
 def test_gluon_phase_weight_boxes_are_blocks_of_the_transformed_weights(monkeypatch):

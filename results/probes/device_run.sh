@@ -56,6 +56,9 @@
 #                  phase's knock-outs at the power cap; -> $OUT/phase8192.jsonl; ~45 s on an H100, session 43)
 #   multicast      multicast_probe.py: the 2-CTA weight multicast toy against its unicast twin at three K
 #                  (-> $OUT/multicast.jsonl; ~25 s)
+#   mc_tests       tests/gpu/test_ws_launch_options_gpu.py's FP8_WS_MULTICAST cases, FP8 (not timed)
+#   mc             fp8_ws_probe.py multicast at T = $MC_TOKENS (512,2048,8192): the 2-CTA weight multicast off / on
+#                  twice, bits compared (-> $OUT/mc.jsonl; not timed)
 #   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
@@ -381,6 +384,18 @@ step_multicast() {
         $PY results/probes/multicast_probe.py $k >>"$OUT/multicast.jsonl" || return 1
     done
     cat "$OUT/multicast.jsonl"
+}
+
+step_mc_tests() {  # FP8_WS_MULTICAST: the same bits on and off, small cases (one, two, many pool blocks an expert)
+    timeout 300 $PY -m pytest -x -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k "MULTICAST and not fp8_fp4"
+}
+
+step_mc() {  # FP8_WS_MULTICAST off / on / off / on at T = $MC_TOKENS (512,2048,8192), bits compared (-> $OUT/mc.jsonl)
+    timeout "${MC_TIMEOUT:-300}" $PY results/probes/fp8_ws_probe.py multicast "${MC_TOKENS:-512,2048,8192}" \
+        >>"$OUT/mc.jsonl"
+    local rc=$?
+    cut -c1-400 "$OUT/mc.jsonl"
+    return $rc
 }
 
 step_fp4_rs() { $PY results/probes/fp4_rs_probe.py run >>"$OUT/fp4_rs.jsonl"; cat "$OUT/fp4_rs.jsonl"; }

@@ -31,6 +31,8 @@ with its L2 flush, as the bench).
   bench (not yet run).
 * ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
+* ``multicast [T1,..]``: the FP8 phase's 2-CTA weight multicast (``FP8_WS_MULTICAST``) off / on / off / on
+  (``probe_multicast``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
@@ -444,6 +446,18 @@ def probe_lead(tokens=(2048, 8192)):
             _choice_row("lead", T, f"lead {'on' if lead else 'off'}", "fp8", {"FP8_WS_LEAD": lead})
 
 
+def probe_multicast(tokens=(512, 2048, 8192)):
+    """The FP8 phase at pool block 128 in 2-CTA clusters with the weight stream multicast (``FP8_WS_MULTICAST``,
+    ``megamoe.multicast``) off / on / off / on, whole call, rows as ``pdl``, each output compared bit for bit with
+    the first (the same bits either way: each tile's math is unchanged)."""
+    for T in _tokens(tokens):
+        want = None
+        for on in (False, True, False, True):
+            out = _choice_row("multicast", T, f"multicast {'on' if on else 'off'}", "fp8", {"FP8_WS_MULTICAST": on},
+                              want=want)
+            want = out if want is None else want
+
+
 def probe_group_sync(tokens=(512, 2048, 8192)):
     """The Gluon phases' programs that share a weight tile starting it together (``WS_GROUP_SYNC``) off / on / off /
     on, both formats, whole call, rows as ``pdl`` (error against the reference at the real size; the bits on / off
@@ -677,7 +691,7 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync, "rs_ctas": probe_rs_ctas,
+         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is,

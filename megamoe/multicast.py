@@ -1,0 +1,209 @@
+"""Two-CTA clusters with a multicast weight stream for Gluon kernels on Triton 3.6, which has no multicast TMA.
+
+Why: in the FP8 GEMM phase (``megamoe.kernels.gemm_fp8_ws``) every CTA streams its tile's whole weight box through
+TMA, and at T = 8192 the phase runs at the board's power cap. Loading only half of each weight stage (as a pair of
+CTAs sharing one weight tile would, each multicasting its half to both) raised the SM clock from 1440 to 1665 MHz at
+the same 700 W and took the phase from 6716 / 6860 to 5867 / 5931 us on an H100
+(``results/probes/knockout_runs/fp8_phase8192_80c9104_h100.jsonl``, ``halfw``) -- DeepGEMM SM90's 2-CTA multicast.
+
+Triton 3.6 cannot say it: Gluon's TMA lowering has no multicast ("NYI: Support multicast"), and a ``num_ctas=2``
+compile makes every layout one tensor over the cluster (stores predicated on CTA rank 0; mbarriers with a CTA layout
+abort the compiler). ``results/probes/multicast_probe.py`` showed the way this module takes (a toy GEMM, bit-equal
+to its unicast twin on an H100):
+
+* the kernel is compiled for **one CTA** (every CTA its own program) and **launched in clusters of two**: Triton's
+  C launcher takes the cluster size from the compiled kernel's ``packed_metadata`` (``num_warps, num_ctas,
+  shared``), launching ``grid x num_ctas`` CTAs with ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` (:func:`as_cluster`);
+* a **PTX pass** (:func:`rewrite_ptx`, installed as Triton's ``knobs.runtime.add_stages_inspection_hook`` around
+  the ``ptx`` stage by :func:`install`) rewrites, in the kernels registered here (:func:`register`) and only where
+  the kernel carries the marker below:
+
+  1. every TMA load through a registered descriptor parameter into its ``.multicast::cluster`` form, CTA mask
+     ``0b11``: the box lands at the same shared-memory offset in both CTAs and completes the bytes of the mbarrier at
+     the same offset in each;
+  2. every ``mbarrier.arrive`` **of count 2** (the marker: the kernel writes ``mbarrier.arrive(bar, count=2)`` where
+     it means "release this ring stage in both CTAs") into an arrive of 1 on the local barrier and one on the peer
+     CTA's barrier at the same offset (``mapa``, ``release.cluster``): a stage is free only when the consumers of
+     both CTAs released it;
+  3. with ``handshake``: at the kernel's entry, before the warp-specialised partitions branch apart, every thread
+     past the default partition (``default_threads``) arrives on the cluster barrier (``barrier.cluster.arrive
+     .relaxed``); the default partition arrives and waits after it initialised its mbarriers
+     (:data:`CLUSTER_READY_ASM`, inline in the kernel). ``gl.warp_specialize``'s worker warps never reach the
+     kernel's prologue, so a plain ``barrier.cluster`` there would wait for them forever; this way no thread of
+     either CTA touches the peer's barriers before both CTAs initialised theirs.
+
+The pass is not part of Triton's cache key: the kernel reads :data:`PASS_VERSION` (so an edit of this module is a
+new key), and :func:`as_cluster` checks the compiled PTX and refuses a compile that lacks the rewrite (one cached by a
+process in which another stages hook replaced this one) with a message that says what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+import re
+
+#: A digest of this module's text. Triton's cache key holds a kernel's source and the constexpr globals it reads,
+#: not the stages hook, so the kernel reads it (in :data:`CLUSTER_READY_ASM`): an edit of the pass compiles anew.
+PASS_VERSION = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+#: The default partition's side of the cluster handshake (module docstring, 3.): the mbarrier inits made visible to
+#: the cluster, then arrive and wait. Inline PTX in the kernel's prologue, after ``mbarrier.init`` and before
+#: ``gl.warp_specialize``.
+CLUSTER_READY_ASM = (f"// megamoe.multicast {PASS_VERSION}\n\tfence.mbarrier_init.release.cluster;\n\t"
+                     "barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;\n\tmov.u32 $0, 0;")
+#: CTAs a cluster (the pairs that share a weight tile).
+CLUSTER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the pass does to one kernel: the positions (0-based, among its 128-byte TMA descriptor parameters) of
+    the descriptors whose loads it multicasts, the threads of the default partition (the worker warps arrive on
+    the cluster barrier at the entry) and whether to insert that entry arrive at all."""
+    multicast_descs: tuple
+    default_threads: int = 128
+    handshake: bool = True
+
+
+_SPECS: dict = {}
+#: What the last rewrite of each kernel changed (entry name -> counts), for the compile checks.
+LAST_COUNTS: dict = {}
+
+_TMA = re.compile(r"(@%p\d+ )?cp\.async\.bulk\.tensor\.(\dd)\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
+                  r"\[(%r\d+)\], \[(%rd\d+), \{([^}]*)\}\], \[(%r\d+)\];")
+_ARRIVE2 = re.compile(r"(@%p\d+ )?mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], 2;")
+
+
+def register(entry: str, spec: Spec) -> None:
+    """Have the pass rewrite kernel ``entry`` (its PTX entry name, the Python function's name) by ``spec`` wherever
+    its PTX carries the count-2 arrive marker (module docstring); installs the pass (:func:`install`)."""
+    _SPECS[entry] = spec
+    install()
+
+
+def _entry_name(ptx: str) -> str | None:
+    m = re.search(r"\.entry (\w+)\(", ptx)
+    return m.group(1) if m else None
+
+
+_COPY = re.compile(r"(?:mov\.b64|cvta\.param\.u64)\s+(%rd\d+), (%?\w+);")
+
+
+def _descriptor_registers(ptx: str, params: set, name: str) -> set:
+    """The registers that hold the address of one of the descriptor parameters ``params``: copies of copies
+    (``mov.b64`` / ``cvta.param``) to a fixed point -- LLVM merges the loads of both GEMMs into one TMA instruction
+    on a register set from either weight descriptor. Refuses a register that is also set from anything else (a
+    load through it may be of another operand, which must not be multicast)."""
+    copies = _COPY.findall(ptx)
+    regs = set(params)
+    while True:
+        grown = regs | {dst for dst, src in copies if src in regs}
+        if grown == regs:
+            break
+        regs = grown
+    mixed = sorted({dst for dst, src in copies if dst in regs and src not in regs})
+    defined = set(re.findall(r"^\s*(?:@%p\d+ )?[a-z][\w.]* (%rd\d+),", ptx, re.M)) & (regs - set(params))
+    other = sorted(d for d in defined if d not in {dst for dst, _ in copies})
+    if mixed or other:
+        raise RuntimeError(f"{name}: the weight descriptors' registers {mixed + other} are also set from another "
+                           "value: the pass cannot tell which TMA loads read the weights")
+    return regs - set(params)
+
+
+def rewrite_ptx(ptx: str) -> tuple[str, dict]:
+    """The pass on one module's PTX: ``(new PTX, counts)`` where ``counts`` has ``multicast`` (TMA loads rewritten),
+    ``peer_arrive`` (count-2 arrives split) and ``entry_arrive`` (1 with the handshake); ``(ptx, {})`` unchanged for
+    a kernel not registered or without the marker (a launch that does not multicast)."""
+    name = _entry_name(ptx)
+    spec = _SPECS.get(name)
+    if spec is None or not _ARRIVE2.search(ptx):
+        return ptx, {}
+    descs = re.findall(r"\.param \.align 64 \.b8 (\w+)\[128\]", ptx)
+    if len(descs) <= max(spec.multicast_descs):
+        raise RuntimeError(f"{name}: expected at least {max(spec.multicast_descs) + 1} TMA descriptor parameters, "
+                           f"found {len(descs)}")
+    regs = _descriptor_registers(ptx, {descs[i] for i in spec.multicast_descs}, name)
+    counts = {"multicast": 0, "peer_arrive": 0, "entry_arrive": 0}
+
+    def tma_sub(m):
+        pred, dim, dst, desc, coords, bar = m.groups()
+        if desc not in regs:
+            return m.group(0)
+        counts["multicast"] += 1
+        return ("{ .reg .b16 %mcmask; mov.b16 %mcmask, 3; " + (pred or "")
+                + f"cp.async.bulk.tensor.{dim}.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                + f"[{dst}], [{desc}, {{{coords}}}], [{bar}], %mcmask; }}")
+
+    def arrive_sub(m):
+        pred, bar = m.groups()
+        counts["peer_arrive"] += 1
+        p = pred or ""
+        return ("{ .reg .b32 %mcpeer, %mcra; mov.u32 %mcpeer, %cluster_ctarank; xor.b32 %mcpeer, %mcpeer, 1; "
+                f"mapa.shared::cluster.u32 %mcra, {bar}, %mcpeer; {p}mbarrier.arrive.shared::cta.b64 _, [{bar}]; "
+                f"{p}mbarrier.arrive.shared::cluster.b64 _, [%mcra]; }}")
+
+    ptx = _TMA.sub(tma_sub, ptx)
+    ptx = _ARRIVE2.sub(arrive_sub, ptx)
+    if spec.handshake:
+        lines = ptx.split("\n")
+        start = next(i for i, ln in enumerate(lines) if ln.startswith(".visible .entry " + name + "("))
+        brace = next(i for i in range(start, len(lines)) if lines[i].strip() == "{")
+        at = brace + 1
+        while at < len(lines) and (not lines[at].strip() or lines[at].strip().startswith((".reg", ".local", ".shared",
+                                                                                         "//"))):
+            at += 1
+        lines.insert(at, "\t{ .reg .b32 %mctid; .reg .pred %mcw; mov.u32 %mctid, %tid.x; "
+                         f"setp.ge.u32 %mcw, %mctid, {spec.default_threads}; @%mcw barrier.cluster.arrive.relaxed; }}")
+        counts["entry_arrive"] = 1
+        ptx = "\n".join(lines)
+    LAST_COUNTS[name] = dict(counts)
+    return ptx, counts
+
+
+def _hook_for(previous):
+    def hook(backend, stages, options, language, capability):
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is None or getattr(make_ptx, "_megamoe_multicast", False):
+            return
+
+        def ptx_stage(src, metadata):
+            return rewrite_ptx(make_ptx(src, metadata))[0]
+        ptx_stage._megamoe_multicast = True
+        stages["ptx"] = ptx_stage
+    hook._megamoe_multicast = True
+    return hook
+
+
+def install() -> None:
+    """Put the pass into Triton's compile pipeline (once per process; a stages hook set before is kept and runs
+    first). Any kernel not registered, or without the marker, compiles as before."""
+    from triton import knobs
+
+    current = knobs.runtime.add_stages_inspection_hook
+    if not getattr(current, "_megamoe_multicast", False):
+        knobs.runtime.add_stages_inspection_hook = _hook_for(current)
+
+
+def as_cluster(kernel, cluster: int = CLUSTER):
+    """Make compiled kernel ``kernel`` (a ``CompiledKernel`` of a registered kernel, compiled for one CTA with the
+    pass installed) launch in clusters of ``cluster`` CTAs: its launcher then runs ``grid x cluster`` CTAs for a
+    grid of ``grid``. Refuses a compile that lacks the rewrite (cached by a process without :func:`install`)."""
+    name = getattr(kernel, "name", None) or _entry_name(kernel.asm["ptx"])
+    if "multicast::cluster" not in kernel.asm["ptx"]:
+        raise RuntimeError(f"{name}: this compile lacks megamoe.multicast's PTX pass (its disk-cache entry was made "
+                           "by a process that had not installed it); empty Triton's cache (TRITON_CACHE_DIR, "
+                           "~/.triton/cache) and call again")
+    nw, _, shared = kernel.packed_metadata
+    kernel.packed_metadata = (nw, cluster, shared)
+    return kernel
+
+
+def max_active_clusters(kernel, cluster: int = CLUSTER) -> int:
+    """Clusters of ``cluster`` CTAs of compiled kernel ``kernel`` that the current GPU holds at once
+    (``cuOccupancyMaxActiveClusters``, one CTA an SM): a persistent grid of clusters must not exceed it."""
+    from triton.runtime import driver
+
+    kernel._init_handles()
+    return int(driver.active.utils.cuOccupancyMaxActiveClusters(kernel.function, kernel.metadata.shared, cluster))
