@@ -57,11 +57,12 @@ TILE_WORDS = tl.constexpr(4)
 TILE_GROUP_SIZES = tl.constexpr(1024)
 #: The pair table after the group counters (``PAIRS`` of the front launch; the FP8 phase's 2-CTA clusters,
 #: ``megamoe.fused.FP8_WS_MULTICAST``): with ``n`` entries in the table, int32 words ``(L1 pairs, all pairs)``, then
-#: ``n`` words of room for one **pair word** a pair (``2 t0 + second``: the pair's first entry ``t0`` and whether
-#: entry ``t0 + 1`` -- the next pool block of the same expert, n-tile and GEMM -- is its second, else the pair is
-#: ``t0`` and a padding slot), ``n`` for the pairs' group words (as the entries', over pair indices) and ``n`` for
-#: their group counters. L1 pairs first; a pair never spans two weight tiles.
-TILE_PAIR_WORDS = 3
+#: room for ``n`` pairs of two words ``(4 t0 + kind, t1)`` -- the entries the cluster's CTAs 0 and 1 take, of one
+#: kind: 1 a **weight pair** (two pool blocks of an expert on one weight tile: the weights multicast), 2 a **token
+#: pair** (one pool block, two n-tiles: the pool rows multicast), 0 a **single** (CTA 1 pads) --, ``n`` words for
+#: the pairs' group words (as the entries', over pair indices) and ``n`` for their group counters. L1 pairs first.
+#: ``TILE_PAIR_WORDS``: the table's words per entry of room.
+TILE_PAIR_WORDS = 4
 #: The Gluon GEMM phase's tile: pool rows (one pool block, two math warpgroups of 64) x weight rows (two halves).
 WS_TILE_M = tl.constexpr(128)
 WS_TILE_N = tl.constexpr(256)

@@ -565,15 +565,18 @@ def _tile_entries(tiles, first, cta, G, n, blocks, cum, groups, num_tiles, N_T: 
 
 @triton.jit
 def _tile_pairs(pairs, cap, first_tile, first_pair, cta, G, blocks, N_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The pair words of one GEMM (``TILE_PAIR_WORDS``) for its tiles from ``first_tile`` (ordered expert, n-tile, pool
-    block, :func:`_tile_entries`): per expert and n-tile, the pool blocks two by two -- pair ``j`` of an expert's
-    n-tile ``nt`` holds its tiles of blocks ``2j`` and ``2j + 1`` (word ``2 t0 + 1``), or ``2j`` alone where the
-    expert's block count is odd (``2 t0``). At ``pairs + 2 + first_pair + p`` the word, ``cap`` words further the
-    pair's group word (the pairs of its weight tile, as the tiles'), ``2 cap`` further its group counter, zeroed.
-    Strided over the rank's programs; returns the number of pairs."""
+    """The pairs of one GEMM (``TILE_PAIR_WORDS``) for its tiles from ``first_tile`` (ordered expert, n-tile, pool
+    block, :func:`_tile_entries`), per expert: for each n-tile its pool blocks two by two (**weight pairs**: blocks
+    ``2j``, ``2j + 1``, one weight tile), then, where the expert's block count is odd, its last block's tiles two
+    n-tiles at a time (**token pairs**: n-tiles ``2q``, ``2q + 1``, one pool block), a last one alone (a **single**)
+    where the n-tiles are odd. At ``pairs + 2 + 2 (first_pair + p)`` the pair's words ``(4 t0 + kind, t1)`` (kind 0
+    single, 1 weight pair, 2 token pair; ``t1`` the second entry, ``t0`` for a single); ``2 cap`` words further its
+    group word (a weight pair: the pairs of its weight tile; else itself alone), ``3 cap`` further its group counter,
+    zeroed. Strided over the rank's programs; returns the number of pairs."""
     CHUNK: tl.constexpr = 128
-    half = (blocks + 1) // 2  # pairs per (expert, n-tile) [BLOCK_E]
-    count = half * N_T
+    wp = blocks // 2  # weight pairs per n-tile [BLOCK_E]
+    tp = (blocks % 2) * ((N_T + 1) // 2)  # token pairs (and a single) of the last block
+    count = wp * N_T + tp
     cum_p = tl.cumsum(count, axis=0)
     cum_t = tl.cumsum(blocks * N_T, axis=0)
     total = tl.max(cum_p, axis=0)
@@ -584,17 +587,25 @@ def _tile_pairs(pairs, cap, first_tile, first_pair, cta, G, blocks, N_T: tl.cons
         e = tl.sum((cum_p[None, :] <= p[:, None]).to(tl.int32), axis=1)
         sel = ev[None, :] == e[:, None]
         start = tl.sum(tl.where(sel, (cum_p - count)[None, :], 0), axis=1)
-        t_start = tl.sum(tl.where(sel, (cum_t - blocks * N_T)[None, :], 0), axis=1)
-        nb = tl.maximum(tl.sum(tl.where(sel, blocks[None, :], 0), axis=1), 1)
-        hp = (nb + 1) // 2
+        t_start = first_tile + tl.sum(tl.where(sel, (cum_t - blocks * N_T)[None, :], 0), axis=1)
+        nb = tl.sum(tl.where(sel, blocks[None, :], 0), axis=1)
+        w = tl.maximum(nb // 2, 1)
         r = p - start
-        j = r % hp
-        t0 = first_tile + t_start + (r // hp) * nb + 2 * j
+        weight = r < (nb // 2) * N_T
+        j = r % w
+        q = r - (nb // 2) * N_T  # token pairs: n-tiles 2q, 2q + 1 of the last block
+        has2 = 2 * q + 1 < N_T
+        t0 = tl.where(weight, t_start + (r // w) * nb + 2 * j, t_start + 2 * q * nb + nb - 1)
+        t1 = tl.where(weight, t0 + 1, tl.where(has2, t0 + nb, t0))
+        kind = tl.where(weight, 1, tl.where(has2, 2, 0))
+        group = tl.where(weight, (first_pair + p - j) * TILE_GROUP_SIZES + tl.minimum(nb // 2, TILE_GROUP_SIZES - 1),
+                         (first_pair + p) * TILE_GROUP_SIZES + 1)
         ok = p < total
-        w = pairs + 2 + first_pair + p
-        tl.store(w, 2 * t0 + (2 * j + 1 < nb).to(tl.int32), mask=ok)
-        tl.store(w + cap, (first_pair + p - j) * TILE_GROUP_SIZES + tl.minimum(hp, TILE_GROUP_SIZES - 1), mask=ok)
-        tl.store(w + 2 * cap, tl.zeros([CHUNK], tl.int32), mask=ok)
+        words = pairs + 2 + 2 * (first_pair + p)
+        tl.store(words, 4 * t0 + kind, mask=ok)
+        tl.store(words + 1, t1, mask=ok)
+        tl.store(pairs + 2 + 2 * cap + first_pair + p, group, mask=ok)
+        tl.store(pairs + 2 + 3 * cap + first_pair + p, tl.zeros([CHUNK], tl.int32), mask=ok)
         p0 += G * CHUNK
     return total
 
@@ -606,7 +617,7 @@ def _write_tile_table(tiles, cta, G, n, blocks, cum, N1: tl.constexpr, N2: tl.co
     word offset of the block table)``, the L1 tiles (``N1`` per pool block) and the L2 tiles (``N2``), see
     :func:`_tile_entries`; then the block table: the valid rows of each pool block (what the GEMM phase's pull
     copies and the L1 tiles of the block wait for); then the group words and counters (``TILE_GROUP_SIZES``);
-    with ``PAIRS`` then the pair table (``TILE_PAIR_WORDS``: L1 pairs, all pairs, then :func:`_tile_pairs`' words of
+    with ``PAIRS`` then the pair table (``TILE_PAIR_WORDS``: L1 pairs, all pairs, then :func:`_tile_pairs`' pairs of
     L1 and of L2)."""
     num_blocks = tl.max(cum, axis=0)
     blk = TILE_HEADER + num_blocks * (N1 + N2) * TILE_WORDS

@@ -90,9 +90,10 @@ TILE_M = WS_TILE_M  #: pool rows per tile: two math warpgroups
 TILE_N = WS_TILE_N  #: weight rows per tile (two halves of 128)
 HN = gl.constexpr(128)  #: weight rows per half
 TAG_INTERNAL_WAIT = gl.constexpr(TAG_GEMM_PHASE_WAIT)
-#: The PTX pass of ``MC`` (:mod:`megamoe.multicast`): the W descriptors ``w1_desc`` / ``w2_desc`` are the third and
-#: fourth TMA descriptor parameters; the default partition is math warpgroup 0 (``num_warps`` 4).
-register("fp8_gemm_phase_kernel", Spec(multicast_descs=(2, 3), default_threads=128))
+#: The PTX pass of ``MC`` (:mod:`megamoe.multicast`): the loads through ``w1_desc`` / ``w2_desc`` (the third and
+#: fourth TMA descriptor parameters) and ``a1m_desc`` / ``a2m_desc`` (seventh and eighth) are multicast; the default
+#: partition is math warpgroup 0 (``num_warps`` 4).
+register("fp8_gemm_phase_kernel", Spec(multicast_descs=(2, 3, 6, 7), default_threads=128))
 CLUSTER_READY = gl.constexpr(CLUSTER_READY_ASM)
 
 
@@ -216,7 +217,7 @@ def _sync_group(groups, cap, i, step, per: gl.constexpr, state, timeout_ns):
 @gluon.jit
 def _pairs(tiles, num_tiles):
     """The pair table after the group counters (``TILE_PAIR_WORDS``, written by the front launch with ``PAIRS``): its
-    first word holds the L1 pairs, the second all pairs, then one pair word per pair."""
+    first word holds the L1 pairs, the second all pairs, then two words a pair."""
     return tiles + gl.load(tiles + 3) + gl.load(tiles + 2) + 2 * num_tiles
 
 
@@ -232,40 +233,61 @@ def _schedule(tiles, num_tiles, MC: gl.constexpr):
 
 @gluon.jit
 def _slot(tiles, num_tiles, i, MC: gl.constexpr):
-    """Slot ``i`` of the schedule -> ``(tile index, pool block, n-tile, local expert, valid rows)``. With ``MC``
-    pair ``i``'s word ``2 t0 + second``: rank 0 of the cluster takes tile ``t0``, rank 1 tile ``t0 + 1`` (the next
-    pool block on the same weight tile) if ``second``, else a **padding** slot: tile ``t0``'s entry with valid rows
-    -1 (the loader loads its half of the weights for rank 0, the math passes the stages through, nothing is
-    stored or published)."""
+    """Slot ``i`` of the schedule -> ``(tile index, pool block, n-tile, local expert, valid rows, pair kind)``. With
+    ``MC`` pair ``i``'s words ``(4 t0 + kind, t1)``: cluster rank 0 takes tile ``t0``, rank 1 ``t1``; kind 1 a weight
+    pair (two pool blocks on one weight tile), 2 a token pair (one pool block, two n-tiles), 0 a single, where rank
+    1 takes a **padding** slot: tile ``t0``'s entry with valid rows -1 (the math passes its stages through, nothing
+    is stored or published). Without ``MC`` kind 0."""
     if MC:
-        word = gl.load(_pairs(tiles, num_tiles) + 2 + i)
-        second = word % 2
-        t = word // 2 + (gl.program_id(0) % 2) * second
+        words = _pairs(tiles, num_tiles) + 2 + 2 * i
+        word = gl.load(words)
+        rank = gl.program_id(0) % 2
+        t = gl.where(rank == 1, gl.load(words + 1), word // 4)
+        kind = word % 4
         b, nt, e, valid = _tile(tiles, t)
-        valid = gl.where((gl.program_id(0) % 2 == 1) & (second == 0), -1, valid)
+        valid = gl.where((rank == 1) & (kind == 0), -1, valid)
     else:
         t = i
+        kind = 0
         b, nt, e, valid = _tile(tiles, t)
-    return t, b, nt, e, valid
+    return t, b, nt, e, valid, kind
 
 
 @gluon.jit
-def _load_w(w_desc, w_lo, w_hi, bar, w_s, half, MC: gl.constexpr):
-    """W's two halves of 128 rows (box rows ``w_lo`` / ``w_hi``) into ring stage ``w_s`` [256, 128]; with ``MC``
-    only the half of this CTA's cluster rank ``half``, which the PTX pass multicasts to both CTAs."""
+def _load_stage(a_desc, am_desc, w_desc, wu_desc, sa_desc, a_row, kb, w_lo, w_hi, sa_at, bar, a_s, w_s, sa_s, half,
+                kind, MC: gl.constexpr):
+    """One ring stage's boxes: A ``[BM, 128]`` (pool rows ``a_row``.., K block ``kb``), W's two halves of 128 rows
+    (box rows ``w_lo`` / ``w_hi``) into ``w_s`` [256, 128], the ``BM`` A scales at ``sa_at``. With ``MC`` (the PTX
+    pass multicasts the loads through ``am_desc`` and ``w_desc`` to both CTAs, all others stay in this CTA): a
+    weight pair (``kind`` 1) loads only W's half ``half`` (this CTA's cluster rank) through ``w_desc``, a token pair
+    (2) only A's half of ``BM / 2`` rows through ``am_desc``, the rest through ``a_desc`` / ``wu_desc``."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
     if MC:
-        if half == 0:
-            tma.async_copy_global_to_shared(w_desc, [w_lo, 0], bar, w_s.slice(0, HN))
+        if kind == 2:
+            if half == 0:
+                tma.async_copy_global_to_shared(am_desc, [a_row, kb * BK], bar, a_s.slice(0, BM // 2))
+            else:
+                tma.async_copy_global_to_shared(am_desc, [a_row + BM // 2, kb * BK], bar, a_s.slice(BM // 2, BM // 2))
         else:
-            tma.async_copy_global_to_shared(w_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
+            tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK], bar, a_s)
+        if kind == 1:
+            if half == 0:
+                tma.async_copy_global_to_shared(w_desc, [w_lo, 0], bar, w_s.slice(0, HN))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
+        else:
+            tma.async_copy_global_to_shared(wu_desc, [w_lo, 0], bar, w_s.slice(0, HN))
+            tma.async_copy_global_to_shared(wu_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
     else:
+        tma.async_copy_global_to_shared(a_desc, [a_row, kb * BK], bar, a_s)
         tma.async_copy_global_to_shared(w_desc, [w_lo, 0], bar, w_s.slice(0, HN))
         tma.async_copy_global_to_shared(w_desc, [w_hi, 0], bar, w_s.slice(HN, HN))
+    tma.async_copy_global_to_shared(sa_desc, [sa_at], bar, sa_s)
 
 
 @gluon.jit
-def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready, empty,
-                    tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
+def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc, w2u_desc,
+                    a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
                     H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                     GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
@@ -277,12 +299,12 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
     one run of memory, at box row ``(g * KB + kb) * 128`` for row block ``g`` (row-major, a [256, 128] box was 256
     runs of 128 bytes ``K`` bytes apart; measured in ``megamoe.quant_fp8``'s docstring).
 
-    ``MC`` (the 2-CTA multicast, :mod:`megamoe.multicast`): this CTA loads only W's half of its cluster rank,
-    multicast into the same stage of both CTAs (the PTX pass), and still expects the whole stage's bytes (the
-    peer's half lands here too); ``empty[s]`` counts both CTAs' releases, so a stage is refilled only when both
-    are done with it. A padding slot (valid rows -1) waits for nothing. After the last stage the loader waits until
-    both CTAs released every stage: the peer's arrives on this CTA's barriers are then all done, and this CTA may
-    exit."""
+    ``MC`` (the 2-CTA multicast, :mod:`megamoe.multicast`): of a weight pair this CTA loads only W's half of its
+    cluster rank, of a token pair only A's half, multicast into the same stage of both CTAs (the PTX pass), and
+    still expects the whole stage's bytes (the peer's half lands here too, :func:`_load_stage`); ``empty[s]``
+    counts both CTAs' releases, so a stage is refilled only when both are done with it. A padding slot (valid rows
+    -1) waits for nothing. After the last stage the loader waits until both CTAs released every stage: the peer's
+    arrives on this CTA's barriers are then all done, and this CTA may exit."""
     nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes + sa1_desc.block_type.nbytes)
     BM: gl.constexpr = a1_desc.block_type.shape[0]
     half = gl.program_id(0) % 2
@@ -294,10 +316,10 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
         gl.atomic_add(progress, 1, sem="relaxed", scope="gpu")
         if GROUP_SYNC:
             if MC:
-                _sync_group(_pairs(tiles, num_tiles) + 2 + num_tiles, num_tiles, i, step, 2, state, timeout_ns)
+                _sync_group(_pairs(tiles, num_tiles) + 2 + 2 * num_tiles, num_tiles, i, step, 2, state, timeout_ns)
             else:
                 _group_sync(tiles, i, num_tiles, state, timeout_ns)
-        t, b, nt, e, valid = _slot(tiles, num_tiles, i, MC)
+        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)
         is_l2 = t >= num_l1
         if is_l2:
             KB = I // BK
@@ -343,13 +365,11 @@ def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bu
             w_lo = ((w_row // HN) * KB + kb) * HN  # box row of the left half's 128 x 128 block; the right half's
             w_hi = w_lo + KB * HN                 # is the next row block's
             if is_l2:
-                tma.async_copy_global_to_shared(a2_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                _load_w(w2_desc, w_lo, w_hi, bar, w_bufs.index(s), half, MC)
-                tma.async_copy_global_to_shared(sa2_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
+                _load_stage(a2_desc, a2m_desc, w2_desc, w2u_desc, sa2_desc, b * BM, kb, w_lo, w_hi, kb * SP + b * BM,
+                            bar, a_bufs.index(s), w_bufs.index(s), sa_bufs.index(s), half, kind, MC)
             else:
-                tma.async_copy_global_to_shared(a1_desc, [b * BM, kb * BK], bar, a_bufs.index(s))
-                _load_w(w1_desc, w_lo, w_hi, bar, w_bufs.index(s), half, MC)
-                tma.async_copy_global_to_shared(sa1_desc, [kb * SP + b * BM], bar, sa_bufs.index(s))
+                _load_stage(a1_desc, a1m_desc, w1_desc, w1u_desc, sa1_desc, b * BM, kb, w_lo, w_hi, kb * SP + b * BM,
+                            bar, a_bufs.index(s), w_bufs.index(s), sa_bufs.index(s), half, kind, MC)
             it += 1
     if MC:  # drain: both CTAs released every stage (module docstring of megamoe.multicast: nothing remote after exit)
         for j in range(it, it + STAGES):
@@ -731,7 +751,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
         mbarrier.wait(lead.index(0), 0)
     first, stop, step = _schedule(tiles, num_tiles, MC)
     for i in range(first, stop, step):
-        t, b, nt, e, valid = _slot(tiles, num_tiles, i, MC)
+        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)
         is_l2 = t >= num_l1
         if is_l2:
             KB = I // BK
@@ -786,7 +806,8 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
 
 
 @gluon.jit
-def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, buf, w1_sf, w2_sf, tiles,
+def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
+                          w2u_desc, buf, w1_sf, w2_sf, tiles,
                           buffer_ptrs, me, clamp, timeout_ns,
                           OFF_GRID: gl.constexpr, OFF_STATE: gl.constexpr, OFF_L2_MASK: gl.constexpr,
                           OFF_ARRIVAL: gl.constexpr,
@@ -801,7 +822,9 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
-    pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]. ``buf``: the rank's symmetric buffer (uint8);
+    pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]; ``a1m`` / ``a2m`` the pools again, box [BM/2, 128], and
+    ``w1u`` / ``w2u`` the weights again (``MC``: the loads the PTX pass multicasts are those through ``a*m`` and
+    ``w*``; those through ``a*`` and ``w*u`` stay in their CTA; without ``MC`` unused). ``buf``: the rank's symmetric buffer (uint8);
     ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
     int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer.
 
@@ -855,8 +878,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
             (_math_partition_m64, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty,
                                    xch, xbar, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF,
                                    OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
-            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
-                               empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
+            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
+                               w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
                                H, I, SP, STAGES, GROUP_SYNC)),
             (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
@@ -869,8 +892,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
                            H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
-        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a_bufs, w_bufs, sa_bufs, ready,
-                           empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
+        (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
+                           w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
                            I, SP, STAGES, GROUP_SYNC, MC)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),

@@ -946,7 +946,11 @@ def ws_descriptor_specs(kind: str, bm: int, predecode: bool = False, block_n: in
     w = ("fp8e4nv", [FP8_BLOCK, FP8_BLOCK], gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv))
     # the pools' scales are MN-major [K/128][SP]: one flat float32 run each (the kernel addresses kb * SP + row)
     sa = ("fp32", [bm], words)
-    return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, sa1_desc=sa, sa2_desc=sa)
+    # MC (FP8_WS_MULTICAST): the pools again, half a block's rows a box (a token pair's multicast half, into its half
+    # of the A stage: the same layout), and the weights again (the loads that stay in their CTA)
+    am = ("fp8e4nv", [bm // 2, 128], lay_a)
+    return dict(a1_desc=a, a2_desc=a, w1_desc=w, w2_desc=w, sa1_desc=sa, sa2_desc=sa, a1m_desc=am, a2m_desc=am,
+                w1u_desc=w, w2u_desc=w)
 
 
 def _ws_descriptors(c, L, bm: int):
@@ -961,9 +965,12 @@ def _ws_descriptors(c, L, bm: int):
         # the weights are blocked by 128 x 128 (megamoe.quant_fp8.block_weights): rows of 128 values, a box a block
         w1, w2 = l1[0].view(f8).reshape(-1, FP8_BLOCK), l2[0].view(f8).reshape(-1, FP8_BLOCK)
         tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
-        return tuple(TensorDescriptor.from_tensor(tensors[k], spec[k][1], spec[k][2]) for k in tensors) + tuple(
-            TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2]) for k, t in (("sa1_desc", sa1),
-                                                                                       ("sa2_desc", sa2)))
+        descs = {k: TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in tensors.items()}
+        descs.update({k: TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2])
+                      for k, t in (("sa1_desc", sa1), ("sa2_desc", sa2))})
+        tensors = dict(a1m_desc=tensors["a1_desc"], a2m_desc=tensors["a2_desc"], w1u_desc=w1, w2u_desc=w2)
+        descs.update({k: TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in tensors.items()})
+        return tuple(descs[k] for k in spec)
 
     return _weights_cache(c, "_ws_descs", ("fp8", bm), build)
 

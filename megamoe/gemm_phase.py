@@ -80,19 +80,20 @@ def tile_groups(tiles: torch.Tensor) -> tuple[list[tuple[int, int]], list[int]]:
     return [(w // g, w % g) for w in words], t[blk + num_blocks + n: blk + num_blocks + 2 * n].tolist()
 
 
-def tile_pairs(tiles: torch.Tensor) -> tuple[list[tuple[int, bool]], int, list[tuple[int, int]], list[int]]:
+def tile_pairs(tiles: torch.Tensor) -> tuple[list[tuple[int, int, int]], int, list[tuple[int, int]], list[int]]:
     """The pair table after the group counters (``megamoe.kernels.formats.TILE_PAIR_WORDS``, written by the front
-    launch with ``PAIRS``): ``([(first entry, whether entry first + 1 is the second)] per pair, number of L1 pairs,
-    [(first pair of the pair's weight tile, its pairs)] per pair, [group counter] per pair)``."""
+    launch with ``PAIRS``): ``([(first entry, kind, second entry)] per pair, number of L1 pairs, [(first pair of the
+    pair's group, its pairs)] per pair, [group counter] per pair)``; kind 1 a weight pair, 2 a token pair, 0 a
+    single."""
     t = tiles.cpu()
     num_l1, num_l2, num_blocks, blk = (int(v) for v in t[:4])
     n, g = num_l1 + num_l2, TILE_GROUP_SIZES.value
     base = blk + num_blocks + 2 * n
     l1_pairs, num_pairs = int(t[base]), int(t[base + 1])
-    words = t[base + 2: base + 2 + num_pairs].tolist()
-    groups = t[base + 2 + n: base + 2 + n + num_pairs].tolist()
-    return ([(w // 2, bool(w % 2)) for w in words], l1_pairs, [(w // g, w % g) for w in groups],
-            t[base + 2 + 2 * n: base + 2 + 2 * n + num_pairs].tolist())
+    words = t[base + 2: base + 2 + 2 * num_pairs].view(-1, 2).tolist()
+    groups = t[base + 2 + 2 * n: base + 2 + 2 * n + num_pairs].tolist()
+    return ([(w // 4, w % 4, t1) for w, t1 in words], l1_pairs, [(w // g, w % g) for w in groups],
+            t[base + 2 + 3 * n: base + 2 + 3 * n + num_pairs].tolist())
 
 
 def _l1_rows(e: int, nt: int, I: int, w1: torch.Tensor, sf1: torch.Tensor):

@@ -18,9 +18,10 @@ to its unicast twin on an H100):
   the ``ptx`` stage by :func:`install`) rewrites, in the kernels registered here (:func:`register`) and only where
   the kernel carries the marker below:
 
-  1. every TMA load through a registered descriptor parameter into its ``.multicast::cluster`` form, CTA mask
-     ``0b11``: the box lands at the same shared-memory offset in both CTAs and completes the bytes of the mbarrier at
-     the same offset in each;
+  1. every 2-D TMA load into its ``.multicast::cluster`` form, with the CTA mask ``0b11`` where it loads through
+     one of the registered descriptor parameters -- the box lands at the same shared-memory offset in both CTAs
+     and completes the bytes of the mbarrier at the same offset in each -- and this CTA alone otherwise (chosen at
+     run time, :func:`rewrite_ptx`);
   2. every ``mbarrier.arrive`` **of count 2** (the marker: the kernel writes ``mbarrier.arrive(bar, count=2)`` where
      it means "release this ring stage in both CTAs") into an arrive of 1 on the local barrier and one on the peer
      CTA's barrier at the same offset (``mapa``, ``release.cluster``): a stage is free only when the consumers of
@@ -58,7 +59,7 @@ CLUSTER = 2
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the pass does to one kernel: the positions (0-based, among its 128-byte TMA descriptor parameters) of
-    the descriptors whose loads it multicasts, the threads of the default partition (the worker warps arrive on
+    the descriptors whose loads it multicasts to both CTAs (its other 2-D loads stay in their CTA), the threads of the default partition (the worker warps arrive on
     the cluster barrier at the entry) and whether to insert that entry arrive at all."""
     multicast_descs: tuple
     default_threads: int = 128
@@ -86,34 +87,16 @@ def _entry_name(ptx: str) -> str | None:
     return m.group(1) if m else None
 
 
-_COPY = re.compile(r"(?:mov\.b64|cvta\.param\.u64)\s+(%rd\d+), (%?\w+);")
-
-
-def _descriptor_registers(ptx: str, params: set, name: str) -> set:
-    """The registers that hold the address of one of the descriptor parameters ``params``: copies of copies
-    (``mov.b64`` / ``cvta.param``) to a fixed point -- LLVM merges the loads of both GEMMs into one TMA instruction
-    on a register set from either weight descriptor. Refuses a register that is also set from anything else (a
-    load through it may be of another operand, which must not be multicast)."""
-    copies = _COPY.findall(ptx)
-    regs = set(params)
-    while True:
-        grown = regs | {dst for dst, src in copies if src in regs}
-        if grown == regs:
-            break
-        regs = grown
-    mixed = sorted({dst for dst, src in copies if dst in regs and src not in regs})
-    defined = set(re.findall(r"^\s*(?:@%p\d+ )?[a-z][\w.]* (%rd\d+),", ptx, re.M)) & (regs - set(params))
-    other = sorted(d for d in defined if d not in {dst for dst, _ in copies})
-    if mixed or other:
-        raise RuntimeError(f"{name}: the weight descriptors' registers {mixed + other} are also set from another "
-                           "value: the pass cannot tell which TMA loads read the weights")
-    return regs - set(params)
-
-
 def rewrite_ptx(ptx: str) -> tuple[str, dict]:
-    """The pass on one module's PTX: ``(new PTX, counts)`` where ``counts`` has ``multicast`` (TMA loads rewritten),
-    ``peer_arrive`` (count-2 arrives split) and ``entry_arrive`` (1 with the handshake); ``(ptx, {})`` unchanged for
-    a kernel not registered or without the marker (a launch that does not multicast)."""
+    """The pass on one module's PTX: ``(new PTX, counts)`` where ``counts`` has ``multicast`` (2-D TMA loads
+    rewritten), ``peer_arrive`` (count-2 arrives split) and ``entry_arrive`` (1 with the handshake); ``(ptx, {})``
+    unchanged for a kernel not registered or without the marker (a launch that does not multicast).
+
+    Every 2-D TMA load becomes a ``.multicast::cluster`` load whose CTA mask is chosen when it runs: ``0b11`` where
+    its descriptor register holds one of the registered descriptor parameters, else ``1 << %cluster_ctarank`` (this
+    CTA alone: an ordinary load). At run time, because LLVM merges the loads of different branches into one
+    instruction on a register set from either branch's descriptor (the L1 and L2 loads of the FP8 phase are one
+    instruction); the comparison is with each parameter's address, derived as the kernel derives it."""
     name = _entry_name(ptx)
     spec = _SPECS.get(name)
     if spec is None or not _ARRIVE2.search(ptx):
@@ -122,15 +105,19 @@ def rewrite_ptx(ptx: str) -> tuple[str, dict]:
     if len(descs) <= max(spec.multicast_descs):
         raise RuntimeError(f"{name}: expected at least {max(spec.multicast_descs) + 1} TMA descriptor parameters, "
                            f"found {len(descs)}")
-    regs = _descriptor_registers(ptx, {descs[i] for i in spec.multicast_descs}, name)
+    shared = [descs[i] for i in spec.multicast_descs]
     counts = {"multicast": 0, "peer_arrive": 0, "entry_arrive": 0}
 
     def tma_sub(m):
         pred, dim, dst, desc, coords, bar = m.groups()
-        if desc not in regs:
+        if dim != "2d":
             return m.group(0)
         counts["multicast"] += 1
-        return ("{ .reg .b16 %mcmask; mov.b16 %mcmask, 3; " + (pred or "")
+        pick = "".join(f"mov.b64 %mcd, {d}; cvta.param.u64 %mcd, %mcd; setp.eq.u64 %mcp, {desc}, %mcd; "
+                       "@%mcp mov.b32 %mcm, 3; " for d in shared)
+        return ("{ .reg .b64 %mcd; .reg .pred %mcp; .reg .b32 %mcr, %mcm; .reg .b16 %mcmask; "
+                "mov.u32 %mcr, %cluster_ctarank; shl.b32 %mcm, 1, %mcr; " + pick + "cvt.u16.u32 %mcmask, %mcm; "
+                + (pred or "")
                 + f"cp.async.bulk.tensor.{dim}.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
                 + f"[{dst}], [{desc}, {{{coords}}}], [{bar}], %mcmask; }}")
 

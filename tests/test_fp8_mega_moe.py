@@ -263,8 +263,10 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
     real_descs = megamoe.fused._ws_descriptors
     monkeypatch.setattr(megamoe.fused, "_ws_descriptors", lambda *a: descs.append(real_descs(*a)) or descs[-1])
     _check(run_case_local(case))
-    a1, a2, w1, w2, s1, s2 = descs[-1]  # the Gluon launch's TMA descriptors, built on CPU as on the GPU
-    assert [list(d.block_shape) for d in descs[-1]] == [[block_m, 128]] * 2 + [[128, 128]] * 2 + [[block_m]] * 2
+    a1, a2, w1, w2, s1, s2, a1m, a2m, w1u, w2u = descs[-1]  # the Gluon launch's TMA descriptors, built on CPU
+    assert [list(d.block_shape) for d in descs[-1]] == ([[block_m, 128]] * 2 + [[128, 128]] * 2 + [[block_m]] * 2
+                                                        + [[block_m // 2, 128]] * 2 + [[128, 128]] * 2)
+    assert a1m.base is a1.base and w1u.base is w1.base and w2u.base is w2.base  # the same tensors again
     assert list(w1.shape) == [6 * 2 * 384 * 4, 128] and list(w2.shape) == [6 * 512 * 3, 128]  # blocked weights
     entries, num_l1, block_rows = tile_table(tables[-1])
     l1, l2 = entries[:num_l1], entries[num_l1:]
@@ -290,24 +292,30 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
         assert first + size in (num_l1, len(entries)) or key(first + size) != key(i)
     assert max(s for _, s in groups) > 1  # some weight tile read by two pool blocks
     # the pair table of the 2-CTA clusters (FP8_WS_MULTICAST, block 128 only): every entry in exactly one pair,
-    # the two entries of a pair consecutive blocks on one weight tile, an entry alone only as its weight tile's last
-    # of an odd count; L1 pairs first; the pairs' group words as the entries'
+    # a weight pair two consecutive blocks on one weight tile, a token pair two n-tiles of an expert's last block
+    # where its count is odd; L1 pairs first; the weight pairs' group words as the entries'
     if block_m != 128:
         return
     pairs, l1_pairs, pair_groups, pair_counters = tile_pairs(tables[-1])
-    covered = [t for t0, second in pairs for t in ((t0, t0 + 1) if second else (t0,))]
-    assert sorted(covered) == list(range(len(entries))) and covered == sorted(covered)
-    assert all(t0 < num_l1 for t0, _ in pairs[:l1_pairs]) and all(t0 >= num_l1 for t0, _ in pairs[l1_pairs:])
-    for i, (t0, second) in enumerate(pairs):
+    covered = [t for t0, kind, t1 in pairs for t in ((t0, t1) if kind else (t0,))]
+    assert sorted(covered) == list(range(len(entries)))
+    assert all(t0 < num_l1 for t0, _, _ in pairs[:l1_pairs]) and all(t0 >= num_l1 for t0, _, _ in pairs[l1_pairs:])
+    for i, (t0, kind, t1) in enumerate(pairs):
         first, size = groups[t0]
-        assert (t0 - first) % 2 == 0  # pairs start at even positions of their weight tile's run
-        if second:
-            assert groups[t0 + 1] == (first, size) and entries[t0 + 1][0] == entries[t0][0] + 1
-        else:
-            assert t0 == first + size - 1 and size % 2 == 1
+        (b0, nt0, e0, _), (b1, nt1, e1, _) = entries[t0], entries[t1]
         p_first, p_size = pair_groups[i]
-        assert p_size == (size + 1) // 2 and pairs[p_first][0] == first
-    assert any(not second for _, second in pairs) and any(second for _, second in pairs)
+        if kind == 1:  # a weight pair: blocks 2j, 2j + 1 of one expert's weight tile (one GEMM)
+            assert t1 == t0 + 1 and (t0 - first) % 2 == 0 and groups[t1] == (first, size)
+            assert (e1, nt1, b1) == (e0, nt0, b0 + 1) and (t0 < num_l1) == (t1 < num_l1)
+            assert p_size == size // 2 and pairs[p_first][0] == first
+        else:  # a token pair (n-tiles 2q, 2q + 1) or a single: the last block of an expert with an odd count
+            assert t0 == first + size - 1 and size % 2 == 1 and p_size == 1 and p_first == i
+            if kind == 2:
+                assert (e1, b1, nt1) == (e0, b0, nt0 + 1) and nt0 % 2 == 0 and (t0 < num_l1) == (t1 < num_l1)
+            else:
+                assert t1 == t0
+    kinds = {kind for _, kind, _ in pairs}
+    assert kinds == {0, 1, 2}, kinds  # (I = 384: three L1 n-tiles, so an odd expert's last L1 tile is a single)
     assert pair_counters == [0] * len(pairs)
 
 
@@ -329,7 +337,7 @@ def test_gluon_phase_weight_boxes_are_blocks_of_the_transformed_weights(monkeypa
     case = MoECase(format="fp8", num_ranks=1, num_tokens=40, hidden=512, intermediate=384, num_topk=3,
                    num_experts=6, num_calls=1, block_m=128, impl="fused", seed=5)
     _check(run_case_local(case))
-    c, (_, _, w1d, w2d, _, _) = calls[-1], descs[-1]
+    c, (_, _, w1d, w2d, *_) = calls[-1], descs[-1]
     assert [list(w1d.block_shape), list(w2d.block_shape)] == [[128, 128]] * 2
     assert list(w1d.shape) == [6 * 2 * 384 * 512 // 128, 128] and list(w2d.shape) == [6 * 512 * 384 // 128, 128]
     for pair, desc in ((c.l1, w1d), (c.l2, w2d)):

@@ -448,14 +448,33 @@ def probe_lead(tokens=(2048, 8192)):
 
 def probe_multicast(tokens=(512, 2048, 8192)):
     """The FP8 phase at pool block 128 in 2-CTA clusters with the weight stream multicast (``FP8_WS_MULTICAST``,
-    ``megamoe.multicast``) off / on / off / on, whole call, rows as ``pdl``, each output compared bit for bit with
-    the first (the same bits either way: each tile's math is unchanged)."""
+    ``megamoe.multicast``) off / on / off / on, whole call: ``us`` over ``PROBE_REP_MS`` windows (with
+    ``PROBE_CLOCKS=1`` the clock and power sampled meanwhile), its error against the reference and each output
+    compared bit for bit with the first (the same bits either way: each tile's math is unchanged); then the grids
+    (clusters) the "on" rows launched. (The first run, at 5a7d2ee, timed ``pdl``'s way: ``us`` / ``graph_us`` /
+    ``host_us`` as the bench.)"""
+    from megamoe.testing import moe_error_stats
+
+    saved = mf.FP8_WS_MULTICAST
     for T in _tokens(tokens):
         want = None
         for on in (False, True, False, True):
-            out = _choice_row("multicast", T, f"multicast {'on' if on else 'off'}", "fp8", {"FP8_WS_MULTICAST": on},
-                              want=want)
-            want = out if want is None else want
+            mf.FP8_WS_MULTICAST = on
+            sb, problem, y, call = rank(T)
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+            y.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            err = moe_error_stats(y, problem.reference()[0])
+            want = y.clone() if want is None else want
+            sampler = _clock_sampler() if CLOCKS else None
+            us = _median_ms(call, rep_ms=REP_MS) * 1e3
+            emit(probe="multicast", T=T, multicast=on, kind=cfg.kind, block_m=cfg.block_m, rep_ms=REP_MS, us=us,
+                 rel_fro=err["rel_fro"], bitwise_equal_to_first=bool(torch.equal(y, want)),
+                 **(sampler.stop() if sampler else {}))
+            sb.destroy()
+    mf.FP8_WS_MULTICAST = saved
+    emit(probe="multicast", clusters=sorted(set(mf._CLUSTERS.values())))
 
 
 def probe_group_sync(tokens=(512, 2048, 8192)):
