@@ -287,8 +287,8 @@ def _load_stage(a_desc, am_desc, w_desc, wu_desc, sa_desc, a_row, kb, w_lo, w_hi
 
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc, w2u_desc,
-                    a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, N1: gl.constexpr,
-                    H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
+                    a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress,
+                    state, timeout_ns, N1: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
                     GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
@@ -824,14 +824,16 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
     pools' float32 scales, 1-D ``[K/128 * SP]``, box [128]; ``a1m`` / ``a2m`` the pools again, box [BM/2, 128], and
     ``w1u`` / ``w2u`` the weights again (``MC``: the loads the PTX pass multicasts are those through ``a*m`` and
-    ``w*``; those through ``a*`` and ``w*u`` stay in their CTA; without ``MC`` unused). ``buf``: the rank's symmetric buffer (uint8);
-    ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128, I/128]``; ``tiles``: the
-    int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every rank's buffer.
+    ``w*``; those through ``a*`` and ``w*u`` stay in their CTA; without ``MC`` unused). ``buf``: the rank's
+    symmetric buffer (uint8); ``w1_sf`` / ``w2_sf``: float32 weight scales ``[El, 2I/128, H/128]`` / ``[El, H/128,
+    I/128]``; ``tiles``: the int32 tile table (header + entries); ``buffer_ptrs``: int64 base addresses of every
+    rank's buffer.
 
     ``MC`` (pool block 128 only; ``megamoe.fused.FP8_WS_MULTICAST``): launched in clusters of two CTAs that take
-    the front launch's **pairs** of tiles on one weight tile (``TILE_PAIR_WORDS``) and stream each weight stage once
-    for both, half each, multicast (:mod:`megamoe.multicast`: the PTX pass this kernel is registered with, the
-    handshake after the barriers' init, the count-2 arrives of the math partitions, the loader's drain).
+    the front launch's **pairs** of tiles (``TILE_PAIR_WORDS``: two pool blocks on one weight tile, or one pool block
+    on two) and stream the shared operand of each stage once for both, half each, multicast
+    (:mod:`megamoe.multicast`: the PTX pass this kernel is registered with, the handshake after the barriers' init,
+    the count-2 arrives of the math partitions, the loader's drain).
     Same bits as without: each tile's math is unchanged."""
     if PDL:  # launched as a programmatic dependent of the front launch (megamoe.fused.WS_PDL): wait for it to finish
         gdc_wait()  # (and its writes to be visible) before reading anything it wrote; let the back launch be
@@ -879,8 +881,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                                    xch, xbar, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF,
                                    OFF_META, OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP)),
             (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
-                               w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128,
-                               H, I, SP, STAGES, GROUP_SYNC)),
+                               w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
+                               arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC)),
             (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
@@ -893,8 +895,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
                            H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
-                           w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress, state, timeout_ns, I // 128, H,
-                           I, SP, STAGES, GROUP_SYNC, MC)),
+                           w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
+                           arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),
         (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
                            OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])

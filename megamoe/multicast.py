@@ -59,8 +59,9 @@ CLUSTER = 2
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the pass does to one kernel: the positions (0-based, among its 128-byte TMA descriptor parameters) of
-    the descriptors whose loads it multicasts to both CTAs (its other 2-D loads stay in their CTA), the threads of the default partition (the worker warps arrive on
-    the cluster barrier at the entry) and whether to insert that entry arrive at all."""
+    the descriptors whose loads it multicasts to both CTAs (its other 2-D loads stay in their CTA), the threads of
+    the default partition (the worker warps arrive on the cluster barrier at the entry) and whether to insert that
+    entry arrive at all."""
     multicast_descs: tuple
     default_threads: int = 128
     handshake: bool = True
