@@ -288,8 +288,8 @@ def _load_stage(a_desc, am_desc, w_desc, wu_desc, sa_desc, a_row, kb, w_lo, w_hi
 @gluon.jit
 def _load_partition(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc, w2u_desc,
                     a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask, arrival, progress,
-                    state, timeout_ns, N1: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
+                    state, timeout_ns, N1: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """TMA producer (1 warp): per K block of each tile, A [128, 128] + W [256, 128] + sa [128] into the next ring
     stage (``ready[s]`` completes on the bytes); before an L2 tile's K block ``kb``, the wait for L1 tile ``kb``'s
     two bits of the block's arrival mask.
