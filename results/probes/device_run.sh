@@ -59,6 +59,8 @@
 #   mc_tests       tests/gpu/test_ws_launch_options_gpu.py's FP8_WS_MULTICAST cases, FP8 (not timed)
 #   mc             fp8_ws_probe.py multicast at T = $MC_TOKENS (512,2048,8192): the 2-CTA weight multicast off / on
 #                  twice, bits compared (-> $OUT/mc.jsonl; not timed)
+#   sync_fp8       fp8_ws_probe.py sync_fp8 at T = $SYNC_TOKENS (2048,8192): the FP8 phase's group sync off / on twice
+#                  (-> $OUT/sync_fp8.jsonl; not timed)
 #   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
 #                  48 tests in 278 s, session 17)
 #   fp4_rs         fp4_rs_probe.py run: the register-operand FP4 decode probe, its CONFIGS at both shapes (-> $OUT/
@@ -395,6 +397,14 @@ step_mc() {  # FP8_WS_MULTICAST off / on / off / on at T = $MC_TOKENS (512,2048,
         >>"$OUT/mc.jsonl"
     local rc=$?
     cut -c1-400 "$OUT/mc.jsonl"
+    return $rc
+}
+
+step_sync_fp8() {  # the FP8 phase's group sync off / on twice at T = $SYNC_TOKENS (2048,8192) (-> $OUT/sync_fp8.jsonl)
+    timeout "${SYNC_TIMEOUT:-300}" $PY results/probes/fp8_ws_probe.py sync_fp8 "${SYNC_TOKENS:-2048,8192}" \
+        >>"$OUT/sync_fp8.jsonl"
+    local rc=$?
+    cut -c1-400 "$OUT/sync_fp8.jsonl"
     return $rc
 }
 

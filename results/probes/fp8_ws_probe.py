@@ -32,7 +32,7 @@ with its L2 flush, as the bench).
 * ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``multicast [T1,..]``: the FP8 phase's 2-CTA weight multicast (``FP8_WS_MULTICAST``) off / on / off / on
-  (``probe_multicast``).
+  (``probe_multicast``); ``sync_fp8 [T1,..]``: its group sync likewise (``probe_sync_fp8``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
@@ -448,18 +448,31 @@ def probe_lead(tokens=(2048, 8192)):
 
 def probe_multicast(tokens=(512, 2048, 8192)):
     """The FP8 phase at pool block 128 in 2-CTA clusters with the weight stream multicast (``FP8_WS_MULTICAST``,
-    ``megamoe.multicast``) off / on / off / on, whole call: ``us`` over ``PROBE_REP_MS`` windows (with
-    ``PROBE_CLOCKS=1`` the clock and power sampled meanwhile), its error against the reference and each output
-    compared bit for bit with the first (the same bits either way: each tile's math is unchanged); then the grids
-    (clusters) the "on" rows launched. (The first run, at 5a7d2ee, timed ``pdl``'s way: ``us`` / ``graph_us`` /
-    ``host_us`` as the bench.)"""
+    ``megamoe.multicast``) off / on / off / on, whole call (:func:`_off_on`); then the grids (clusters) the "on"
+    rows launched. (The first run, at 5a7d2ee, timed ``pdl``'s way: ``us`` / ``graph_us`` / ``host_us`` as the
+    bench.)"""
+    _off_on("multicast", tokens, "FP8_WS_MULTICAST", (False, True))
+    emit(probe="multicast", clusters=sorted(set(mf._CLUSTERS.values())))
+
+
+def probe_sync_fp8(tokens=(2048, 8192)):
+    """The FP8 phase's group sync (``WS_GROUP_SYNC["fp8_ws"]``) off / on / off / on at the host's defaults (since
+    session 44 with ``FP8_WS_MULTICAST``: its weight pairs already load each weight tile once for two pool blocks),
+    whole call (:func:`_off_on`)."""
+    _off_on("sync_fp8", tokens, "WS_GROUP_SYNC", tuple({"fp8_ws": v, "fp4_ws": False} for v in (False, True)))
+
+
+def _off_on(probe: str, tokens, name: str, values) -> None:
+    """Rows ``probe``: ``megamoe.fused.<name>`` at ``values`` (off, on) alternating twice at each T, the FP8 call on a
+    fresh buffer each: ``us`` over ``PROBE_REP_MS`` windows (with ``PROBE_CLOCKS=1`` the clock and power sampled
+    meanwhile), its error against the reference, its output compared bit for bit with the first."""
     from megamoe.testing import moe_error_stats
 
-    saved = mf.FP8_WS_MULTICAST
+    saved = getattr(mf, name)
     for T in _tokens(tokens):
         want = None
-        for on in (False, True, False, True):
-            mf.FP8_WS_MULTICAST = on
+        for value in (*values, *values):
+            setattr(mf, name, value)
             sb, problem, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
             y.fill_(float("nan"))
@@ -469,12 +482,11 @@ def probe_multicast(tokens=(512, 2048, 8192)):
             want = y.clone() if want is None else want
             sampler = _clock_sampler() if CLOCKS else None
             us = _median_ms(call, rep_ms=REP_MS) * 1e3
-            emit(probe="multicast", T=T, multicast=on, kind=cfg.kind, block_m=cfg.block_m, rep_ms=REP_MS, us=us,
-                 rel_fro=err["rel_fro"], bitwise_equal_to_first=bool(torch.equal(y, want)),
+            emit(probe=probe, T=T, **{name: value}, on=value == values[1], kind=cfg.kind, block_m=cfg.block_m,
+                 rep_ms=REP_MS, us=us, rel_fro=err["rel_fro"], bitwise_equal_to_first=bool(torch.equal(y, want)),
                  **(sampler.stop() if sampler else {}))
             sb.destroy()
-    mf.FP8_WS_MULTICAST = saved
-    emit(probe="multicast", clusters=sorted(set(mf._CLUSTERS.values())))
+    setattr(mf, name, saved)
 
 
 def probe_group_sync(tokens=(512, 2048, 8192)):
@@ -710,7 +722,7 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "rs_ctas": probe_rs_ctas,
+         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is,
