@@ -47,6 +47,14 @@ for the largest block a call may pick:
   arrival-mask mechanism at the finest grain. Epilogue: bf16 rows into ``combine[slot][token]`` of each row's source
   rank (``sym_map`` arithmetic, rows past the block's valid count skipped).
 
+**2-CTA clusters** (``MC``, pool block 128, ``megamoe.fused.FP8_WS_MULTICAST``): the grid runs as clusters of two
+CTAs (:mod:`megamoe.multicast`) over the front launch's pair table instead of the tile stride: each cluster takes
+pairs ``c, c + G/2, ...``, its two CTAs one tile of the pair each (:func:`_slot`). A weight pair (two pool blocks on
+one weight tile) streams each weight stage once for both, each CTA loading one half multicast to both; a token
+pair (one pool block, two n-tiles) does so with the pool rows (:func:`_load_stage`). A stage is released in both
+CTAs (``empty`` counts four arrives: the count-2 arrive the PTX pass splits), so the pair moves in step; the
+math is each tile's own, so the bits are those of the single-CTA schedule.
+
 Waits are bounded (``timeout_ns`` on ``%globaltimer``): on expiry the loader records ``TAG_GEMM_PHASE_WAIT`` in
 ``barrier_state[1]`` and carries on (the output is then garbage and the call raises), so nothing hangs. A launch
 that finds the state already failed by the front launch (a barrier or grid sync timed out) does no tile.

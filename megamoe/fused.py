@@ -215,13 +215,18 @@ FP8_WS_LEAD = False
 #: packed stream was at 14 % of DRAM, ``fp8_fp4_2048_193bd42.txt``; predecoded e4m3 at 8192): T = 512 1327 / 1336 /
 #: 1330 / 1338, T = 2048 3280 / 3301 / 3279 / 3301, T = 8192 8381 / 8426 / 8422 / 8418 -> off.
 WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
-#: "fp8_ws" at pool block 128: the GEMM phase runs in clusters of two CTAs that take pairs of tiles on one weight
-#: tile (two pool blocks of an expert; the front launch's pair table, ``megamoe.kernels.formats.TILE_PAIR_WORDS``)
-#: and stream each weight stage once for both, each CTA loading one half multicast to both (``MC`` of
-#: ``megamoe.kernels.gemm_fp8_ws``, by the PTX pass of ``megamoe.multicast``). Why: at T = 8192 the phase runs at the
-#: board's power cap, and loading half of each weight stage raised the SM clock 1440 -> 1665 MHz at the same 700 W
-#: (``results/probes/knockout_runs/fp8_phase8192_80c9104_h100.jsonl``, ``halfw``). Same bits. An expert with an odd
-#: number of pool blocks gets one padding slot an n-tile (the second CTA loads its half, computes nothing).
+#: "fp8_ws" at pool block 128: the GEMM phase runs in clusters of two CTAs that take pairs of tiles (the front
+#: launch's pair table, ``megamoe.kernels.formats.TILE_PAIR_WORDS``) and stream their shared operand once for both,
+#: each CTA loading one half multicast to both (``MC`` of ``megamoe.kernels.gemm_fp8_ws``, by the PTX pass of
+#: ``megamoe.multicast``): weight pairs (two pool blocks of an expert on one weight tile) and, for the last block of
+#: an expert with an odd count, token pairs (one block on two n-tiles). Same bits. Why: at T = 8192 the phase runs at
+#: the board's power cap, and loading half of each weight stage had raised the SM clock 1440 -> 1665 MHz at the same
+#: 700 W (``results/probes/knockout_runs/fp8_phase8192_80c9104_h100.jsonl``, ``halfw``). Measured on an H100, whole
+#: call off / on alternating (``results/probes/multicast_runs/mc*_13f5a93_h100.jsonl``): T = 512 1208 / 1206 -> 1212 /
+#: 1206 us, 2048 2119 / 2115 -> 2103 / 2109, 8192 6845 / 6620 -> 6673 / 6590; in 3 s windows at T = 8192 6845 / 6814
+#: (1455 MHz) -> 6733 / 6732 (1470 MHz): ~1.5 %, the clock up 1 % (each SM's shared memory is still filled with the
+#: whole stage; the L2 reads the multicast halves are not where the power goes). On. (Its first version padded an
+#: odd expert's last block instead of the token pairs: 2-8 % slower, ``mc*_5a7d2ee_h100.jsonl``.)
 FP8_WS_MULTICAST = True
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024

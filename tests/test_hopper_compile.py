@@ -84,6 +84,33 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m, numeric
 
 
 @pytest.mark.slow
+def test_fp8_phase_multicast_is_in_the_sass_only_with_mc():
+    """``FP8_WS_MULTICAST`` (``MC``, the default at block 128) reaches the machine code through ``megamoe.multicast``'s
+    pass: every 2-D TMA load is a multicast one (the A and W loads of both GEMMs and pair kinds), the math
+    partitions' stage releases arrive on the peer CTA's barrier too, the workers' cluster arrive and the default
+    partition's arrive and wait are there; compiled without ``MC``, none of it (the same kernel as before the
+    pass). (A Triton whose PTX no longer matches the pass would otherwise be found on the GPU, as a hang.)"""
+    import shutil
+
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8")
+    sass = {}
+    for mc in (True, False):
+        r = compile_gluon_phase("fp8_ws", layout, 128, keep=True, overrides={"MC": mc})
+        with open(f"{r.directory}/k.sass") as f:
+            sass[mc] = f.read()
+        with open(f"{r.directory}/k.ptx") as f:
+            ptx = f.read()
+        shutil.rmtree(r.directory)
+        assert ptx.count("mapa.shared::cluster") == (4 if mc else 0)  # two releases in each math partition
+        assert ptx.count("barrier.cluster.arrive.relaxed") == (1 if mc else 0)
+    tma = [ln for ln in sass[True].splitlines() if "UTMALDG" in ln]
+    assert tma and all("MULTICAST" in ln for ln in tma if ".2D" in ln), tma
+    assert sum(".1D" in ln for ln in tma) == 1  # the A scales stay an ordinary load
+    assert "UCGABAR_ARV" in sass[True] and "UCGABAR_WAIT" in sass[True]
+    assert "MULTICAST" not in sass[False] and "UCGABAR" not in sass[False]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [8, 16, 32, 64, 128])
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's

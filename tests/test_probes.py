@@ -47,8 +47,9 @@ def test_fp8_ws_probe_patches_apply_once_and_parse():
         assert src != original
         ast.parse(src)
 def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(tmp_path):
-    """The multicast probe's PTX pass still finds what it rewrites in Triton's PTX for sm_90a: with ``MC`` the W
-    descriptor's TMA loads (its two halves, in the prologue's two stages and the loop) become ``.multicast::cluster``
+    """The multicast probe's PTX pass (``megamoe.multicast``'s) still finds what it rewrites in Triton's PTX for
+    sm_90a: with ``MC`` the TMA loads (W's two halves and A, in the prologue's two stages and the loop) become
+    ``.multicast::cluster``
     and the one count-2 arrive a local + peer arrive, and ptxas accepts the result; without ``MC`` nothing changes.
     (A Triton whose PTX no longer matches would otherwise be found on the GPU, as a hang.) Run as the probe runs
     without CUDA, in a child process whose Triton does not interpret (this one may: ``megamoe.env``), with its own
@@ -61,7 +62,8 @@ def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(tmp_path):
     rows = {r["MC"]: r for r in (json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{"))}
     assert rows[0]["compiled"] and rows[0]["rewritten"] == {} and rows[0]["lines"] == [], rows[0]
     assert rows[1]["compiled"], rows[1].get("error")
-    assert rows[1]["rewritten"] == {"multicast": 6, "peer_arrive": 1}
+    # every 2-D TMA load (W's halves and A) in its multicast form, the mask picked by descriptor at run time
+    assert rows[1]["rewritten"] == {"multicast": 9, "peer_arrive": 1, "entry_arrive": 0}
     assert any("mapa.shared::cluster" in ln for ln in rows[1]["lines"])
 
 

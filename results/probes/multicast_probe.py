@@ -11,9 +11,10 @@ takes another way, all of it checkable here:
   two: Triton's C launcher takes the cluster size from the compiled kernel's ``packed_metadata`` (``num_warps,
   num_ctas, shared``; grid x ``num_ctas`` CTAs, ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``), so the probe sets
   ``num_ctas`` there to 2 after an offline ``warmup``;
-* a PTX pass (``triton.knobs.runtime.add_stages_inspection_hook`` wrapping the ``ptx`` stage, only for the entry
-  named ``mc_gemm_kernel``) rewrites (1) every TMA load from the W descriptor (the kernel's second 128-byte
-  descriptor parameter) into its ``.multicast::cluster`` form with CTA mask 0b11, and (2) every
+* a PTX pass (``triton.knobs.runtime.add_stages_inspection_hook`` wrapping the ``ptx`` stage, for the entry
+  named ``mc_gemm_kernel``; since session 44 ``megamoe.multicast``'s, which the fused FP8 phase uses) rewrites (1)
+  every 2-D TMA load into its ``.multicast::cluster`` form, with CTA mask 0b11 for those from the W descriptor (the
+  kernel's second 128-byte descriptor parameter) and this CTA alone for the others (A), and (2) every
   ``mbarrier.arrive ... , 2`` (an arrive of count 2: the marker, nothing else in the kernel arrives twice) into an
   arrive of 1 on the local barrier and one on the peer CTA's barrier at the same offset (``mapa``), so that a ring
   stage is free only when both CTAs' consumers released it;
@@ -30,13 +31,11 @@ without CUDA it compiles both for sm_90a and prints the rewritten PTX lines and 
 """
 import json
 import os
-import re
 import sys
 import tempfile
 
 import torch
 import triton
-from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,70 +45,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
-ENTRY = "mc_gemm_kernel"
+from megamoe import multicast
+
 BM, BN, BK = 64, 128, 128
-_TMA = re.compile(r"(@%p\d+ )?cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
-                  r"\[(%r\d+)\], \[(%rd\d+), \{([^}]*)\}\], \[(%r\d+)\];")
-_ARRIVE2 = re.compile(r"(@%p\d+ )?mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\], 2;")
-
-
-def rewrite_ptx(ptx: str) -> tuple[str, dict]:
-    """The PTX pass (module docstring) on ``mc_gemm_kernel``'s PTX with ``MC`` (it has the count-2 arrive): ``(new
-    PTX, counts of what was rewritten)``; any other PTX unchanged."""
-    if not re.search(r"\.entry " + ENTRY + r"\(", ptx) or not _ARRIVE2.search(ptx):
-        return ptx, {}  # another kernel, or MC = 0 (no count-2 arrive)
-    descs = re.findall(r"\.param \.align 64 \.b8 (\w+)\[128\]", ptx)
-    if len(descs) < 2:
-        raise RuntimeError("mc_gemm_kernel: expected two descriptor parameters")
-    regs = set(re.findall(r"mov\.b64\s+(%rd\d+), " + descs[1] + ";", ptx))
-    for dst, src in re.findall(r"cvta\.param\.u64\s+(%rd\d+), (%rd\d+);", ptx):
-        if src in regs:
-            regs.add(dst)
-    counts = {"multicast": 0, "peer_arrive": 0}
-
-    def tma_sub(m):
-        pred, dst, desc, coords, bar = m.groups()
-        if desc not in regs:
-            return m.group(0)
-        counts["multicast"] += 1
-        return ("{ .reg .b16 %mcmask; mov.b16 %mcmask, 3; " + (pred or "")
-                + "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-                + f"[{dst}], [{desc}, {{{coords}}}], [{bar}], %mcmask; }}")
-
-    def arrive_sub(m):
-        pred, bar = m.groups()
-        counts["peer_arrive"] += 1
-        p = pred or ""
-        return ("{ .reg .b32 %mcpeer, %mcra; mov.u32 %mcpeer, %cluster_ctarank; xor.b32 %mcpeer, %mcpeer, 1; "
-                f"mapa.shared::cluster.u32 %mcra, {bar}, %mcpeer; {p}mbarrier.arrive.shared::cta.b64 _, [{bar}]; "
-                f"{p}mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%mcra]; }}")
-
-    ptx = _TMA.sub(tma_sub, ptx)
-    ptx = _ARRIVE2.sub(arrive_sub, ptx)
-    return ptx, counts
-
-
-LAST_COUNTS: dict = {}
-
-
-def _hook(backend, stages, options, language, capability):
-    make_ptx = stages["ptx"]
-
-    def ptx_stage(src, metadata):
-        new, counts = rewrite_ptx(make_ptx(src, metadata))
-        if counts:
-            LAST_COUNTS.update(counts)
-        return new
-    stages["ptx"] = ptx_stage
+#: The pass (``megamoe.multicast``, where the fused FP8 phase's pass now lives; this probe's own copy of it until
+#: session 44): the W descriptor is the kernel's second TMA descriptor; no warp specialisation, so the cluster barriers
+#: are plain inline PTX in the kernel (no entry arrive).
+multicast.register("mc_gemm_kernel", multicast.Spec(multicast_descs=(1,), handshake=False))
 
 
 def install_pass() -> None:
-    """Set the PTX pass as Triton's stages hook (process-wide: any other kernel's PTX passes through unchanged) and
-    a private cache directory: the pass is not in Triton's cache key, so a shared cache could hand a compile made
-    without it to a launch that needs it."""
-    knobs.runtime.add_stages_inspection_hook = _hook
+    """A private cache directory for this process: the pass is not in Triton's cache key, and this toy kernel does
+    not read ``megamoe.multicast.PASS_VERSION`` (the fused kernel does), so a shared cache could hand a compile made
+    without it (or with an older pass) to a launch that needs it. (The pass itself was installed by ``register``.)"""
     if "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="mc_probe_cache_")
+
+
+def _counts() -> dict:
+    return dict(multicast.LAST_COUNTS.pop("mc_gemm_kernel", {}))
 
 
 @gluon.jit
@@ -200,12 +154,12 @@ def compile_offline() -> list[dict]:
         sig = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay!r}>",
                "w_desc": f"tensordesc<fp8e4nv[{64 if mc else 128}, 128],{lay!r}>",
                "out_ptr": "*fp32", "K": "i32", "MC": "constexpr"}
-        LAST_COUNTS.clear()
+        _counts()
         try:
             k = triton.compile(GluonASTSource(mc_gemm_kernel, sig, {"MC": mc}, {}), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": 4})
             lines = [ln.strip() for ln in k.asm["ptx"].splitlines() if "multicast::cluster" in ln or "mapa." in ln]
-            row = {"MC": mc, "compiled": True, "rewritten": dict(LAST_COUNTS), "cubin_bytes": len(k.asm["cubin"]),
+            row = {"MC": mc, "compiled": True, "rewritten": _counts(), "cubin_bytes": len(k.asm["cubin"]),
                    "shared": k.metadata.shared, "lines": lines[:6]}
         except Exception as e:  # noqa: BLE001  (ptxas's message is the finding)
             row = {"MC": mc, "compiled": False, "error": str(e)[-800:]}
@@ -228,7 +182,7 @@ def run_gpu(K: int, clusters: int) -> None:
         w_desc = TensorDescriptor.from_tensor(w, [64 if mc else BN, BK], _layout())
         out = torch.zeros(M, BN, device="cuda")
         grid = (2 * clusters,) if not mc else (clusters,)
-        LAST_COUNTS.clear()
+        _counts()
         kernel = mc_gemm_kernel.warmup(a_desc, w_desc, out, K, MC=mc, grid=grid, num_warps=4)
         if mc:  # the launcher's cluster size (module docstring); a launch without it would mapa to no peer
             nw, _, shared = kernel.packed_metadata
@@ -239,7 +193,7 @@ def run_gpu(K: int, clusters: int) -> None:
         first = out.clone() if first is None else first
         ms = triton.testing.do_bench(
             lambda: mc_gemm_kernel[grid](a_desc, w_desc, out, K, MC=mc, num_warps=4))  # noqa: B023
-        print(json.dumps({"MC": mc, "K": K, "clusters": clusters, "rewritten": dict(LAST_COUNTS),
+        print(json.dumps({"MC": mc, "K": K, "clusters": clusters, "rewritten": _counts(),
                           "max_abs_err": err, "ref_max_abs": want.abs().max().item(),
                           "bitwise_equal_to_mc0": bool(torch.equal(out, first)), "us": ms * 1e3,
                           "gpu": torch.cuda.get_device_name()}), flush=True)
