@@ -1093,7 +1093,7 @@ def _run_ws(calls, args_for, G: int, metas, tiles, rank0, L, dev, kind: str = "f
         args = (*_ws_descriptors(c, L, meta["BM"]), c.sb.buffer, c.l1[1], c.l2[1], tiles[lr], c.sb.buffer_ptrs,
                 rank0 + lr, float(c.clamp) if c.clamp is not None else 0.0, timeout_ns)
         kw = _ws_constexprs(c.sb, meta["BM"], c.clamp is not None)
-        if "MC" in kw:  # clusters of two (grid = clusters): as many as the GPU holds at once, at most one CTA an SM
+        if kw["MC"]:  # clusters of two (grid = clusters): as many as the GPU holds at once, at most one CTA an SM
             direct_launch.launch(kws.fp8_gemm_phase_kernel, (_fp8_ws_clusters(args, kw, dev),), args, kw,
                                  multicast.as_cluster)
         else:
@@ -1298,7 +1298,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        num_warps=4, maxnreg=maxnreg, **({"MC": True} if fp8_ws_multicast("fp8_ws", bm) else {}), **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

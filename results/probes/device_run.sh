@@ -375,7 +375,7 @@ step_exact_bisect() {
 }
 
 step_halfw() {
-    PROBE_REP_MS=3000 PROBE_CLOCKS=1 $PY results/probes/fp8_ws_probe.py phase 8192 as_is,halfw,now,nomma,noepi,nopromote,as_is,halfw \
+    PROBE_MC=0 PROBE_REP_MS=3000 PROBE_CLOCKS=1 $PY results/probes/fp8_ws_probe.py phase 8192 as_is,halfw,now,nomma,noepi,nopromote,as_is,halfw \
         >>"$OUT/phase8192.jsonl" && cat "$OUT/phase8192.jsonl"
 }
 

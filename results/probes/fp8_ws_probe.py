@@ -14,7 +14,8 @@ with its L2 flush, as the bench).
     float32 promotion;
   - ``noepi``: no epilogue stores (the L1 tiles still publish their arrival bits);
   - ``noa`` / ``now``: the loader does not load the A (activation) / W (weight) box of each stage (the stage's
-    expected bytes shrink with it): how much each operand's bytes cost.
+    expected bytes shrink with it): how much each operand's bytes cost. These and ``halfw`` patch the single-CTA
+    loads: run them with ``PROBE_MC=0`` (below).
   - ``halfw``: the loader loads only the left 128-row half of W (the right half's MMA reads a stale stage): the
     bytes a CTA would load if a 2-CTA cluster multicast each weight tile, half from each CTA (the same MMA work).
 
@@ -81,6 +82,9 @@ REP_MS = float(os.environ.get("PROBE_REP_MS", 300))  #: each ``phase`` timing's 
 #: ``PROBE_CLOCKS=1``: each ``phase`` row also carries the SM clock / power / throttle reasons that nvidia-smi
 #: sampled during its timing (``clock_probe.py``'s ``Sampler``)
 CLOCKS = os.environ.get("PROBE_CLOCKS") == "1"
+#: ``PROBE_MC=0`` / ``1``: ``phase`` runs with ``megamoe.fused.FP8_WS_MULTICAST`` off / on (unset: the host's default,
+#: on since session 44). The load knock-outs (``noa``, ``now``, ``halfw``) patch the single-CTA loads: run them with 0.
+PROBE_MC = os.environ.get("PROBE_MC")
 SHAPE = dict(num_ranks=1, hidden=7168, intermediate=3072, num_experts=48, num_topk=6, block_m=128)
 
 # -- the math loops' wgmma + promotion, as in the kernel (each old text must occur exactly once)
@@ -89,7 +93,7 @@ MMA128 = """            dot = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)
             d_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dot, ))
             acc_lo = _pin(_promote(acc_lo, d_lo, sa, x, lo_u, gate_col))
             dot = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), d_lo, use_acc=False, is_async=True)
-            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col)
+            acc_hi, spare = _retire(dot, empty, s, acc_hi, sa, hi_g, y, gate_col, ARRIVE)
 """
 MMA64 = """            dot = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)), spare,
                                 use_acc=False, is_async=True)
@@ -97,10 +101,11 @@ MMA64 = """            dot = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slic
             acc, spare = _retire(dot, empty, s, acc, sa, x, y, gate_col)
 """
 RELEASE = "            mbarrier.arrive(empty.index(s), count=1)\n"
+RELEASE128 = "            mbarrier.arrive(empty.index(s), count=ARRIVE)\n"  # (2 with MC: this CTA's and the peer's)
 NOPROMOTE128 = """            acc_lo = warpgroup_mma(a_s, w_s.slice(0, HN).permute((1, 0)), acc_lo, is_async=True)
             acc_hi = warpgroup_mma(a_s, w_s.slice(HN, HN).permute((1, 0)), acc_hi, is_async=True)
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.arrive(empty.index(s), count=ARRIVE)
 """
 NOPROMOTE64 = """            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(wg * HN, HN).permute((1, 0)),
                                 acc, is_async=True)
@@ -108,16 +113,16 @@ NOPROMOTE64 = """            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s
             mbarrier.arrive(empty.index(s), count=1)
 """
 # -- the epilogues: kept alive behind a condition that never holds (so the accumulators are not dead code)
-EPI128 = ("""        if is_l2:
-            row0 = b * TILE_M + wg * WM
-""", """        else:
-            _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I, SP,
-                         HAS_CLAMP, TILE_M, 2, False)
+EPI128 = ("""            if is_l2:
+                row0 = b * TILE_M + wg * WM
+""", """            else:
+                _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I,
+                             SP, HAS_CLAMP, TILE_M, 2, False)
 """)
-NOEPI128 = ("""        if nt < 0:
-            row0 = b * TILE_M + wg * WM
-""", """        elif not is_l2:
-            _l1_publish(l2_mask, b, nt, wg, 1)
+NOEPI128 = ("""            if nt < 0:
+                row0 = b * TILE_M + wg * WM
+""", """            elif not is_l2:
+                _l1_publish(l2_mask, b, nt, wg, 1)
 """)
 EPI64 = ("""        if is_l2:
             v = _l2_values(acc)""", """        else:
@@ -133,14 +138,14 @@ NBYTES = ("nbytes: gl.constexpr = (a1_desc.block_type.nbytes + 2 * w1_desc.block
 
 
 def _tma(desc: str, coord: str, buf: str) -> str:
-    return f"                tma.async_copy_global_to_shared({desc}, {coord}, bar, {buf})\n"
+    """A TMA load of ``_load_stage``'s single-CTA branch (without ``MC``: run the load knock-outs with
+    ``PROBE_MC=0``), with its line's leading newline and indentation, so the text is that branch's alone."""
+    return f"\n        tma.async_copy_global_to_shared({desc}, {coord}, bar, {buf})"
 
 
-A_LOADS = (_tma("a2_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"),
-           _tma("a1_desc", "[b * BM, kb * BK]", "a_bufs.index(s)"))
-W_LOADS = tuple(_tma(d, c, b) for d in ("w2_desc", "w1_desc")  # two blocked boxes a stage
-                for c, b in (("[w_lo, 0]", "w_bufs.index(s).slice(0, HN)"),
-                             ("[w_hi, 0]", "w_bufs.index(s).slice(HN, HN)")))
+A_LOADS = (_tma("a_desc", "[a_row, kb * BK]", "a_s"), )
+W_LOADS = tuple(_tma("w_desc", c, b) for c, b in (("[w_lo, 0]", "w_s.slice(0, HN)"),  # two blocked boxes a stage
+                                                  ("[w_hi, 0]", "w_s.slice(HN, HN)")))
 W_HI_LOADS = tuple(t for t in W_LOADS if "[w_hi, 0]" in t)  # each stage's right half of W, both GEMMs
 SWCVT = [("from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0\n",
           "from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0, f32_to_bf16_bits, f32_to_e4m3_bits, "
@@ -186,7 +191,7 @@ PATCHES = {
     "guarded": GUARDED,  # SwiGLU and the bf16 rounding as before session 35 (ptxas's subnormal guards; same bits)
     "l2_rows_twice": L2_ROWS_TWICE,  # each L2 half makes its rows' destinations itself, as before session 35
     "noskip": [("kb_mma = gl.where(valid > wg * WM, KB, 0)", "kb_mma = gl.where(valid > -1, KB, 0)")],
-    "nomma": [(MMA128, RELEASE), (MMA64, RELEASE)],
+    "nomma": [(MMA128, RELEASE128), (MMA64, RELEASE)],
     "nopromote": [(MMA128, NOPROMOTE128), (MMA64, NOPROMOTE64)],
     "noepi": [*zip(EPI128, NOEPI128), *zip(EPI64, NOEPI64)],
     "noa": [(NBYTES, NBYTES.replace("a1_desc.block_type.nbytes + ", ""))] + [(t, "") for t in A_LOADS],
@@ -282,7 +287,9 @@ VARIANTS_128_AT_64 = ("as_is", "old_epilogue")
 
 
 def probe_phase(tokens=(512, 2048, 8192)):
-    saved = mf.FP8_WS_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES)
+    saved = mf.FP8_WS_BLOCK64_MAX_EXPECTED, dict(mf.FP8_WS_STAGES), mf.FP8_WS_MULTICAST
+    if PROBE_MC is not None:
+        mf.FP8_WS_MULTICAST = PROBE_MC == "1"
     runs = []  # (T, block-64 limit, stages at 128, variants)
     for T in _tokens(tokens):
         runs.append((T, saved[0], saved[1][128], VARIANTS))
@@ -304,7 +311,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
                 sb.destroy()
                 continue
             row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
-                       stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant)
+                       stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant,
+                       multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
             if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice")
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
@@ -316,6 +324,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
         use_kernel(AS_IS)
     mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]
     mf.FP8_WS_STAGES.update(saved[1])
+    mf.FP8_WS_MULTICAST = saved[2]
 
 
 def fp4_kernel_module(variant: str):

@@ -160,7 +160,7 @@ def compile_offline() -> list[dict]:
                                options={"num_warps": 4})
             lines = [ln.strip() for ln in k.asm["ptx"].splitlines() if "multicast::cluster" in ln or "mapa." in ln]
             row = {"MC": mc, "compiled": True, "rewritten": _counts(), "cubin_bytes": len(k.asm["cubin"]),
-                   "shared": k.metadata.shared, "lines": lines[:6]}
+                   "shared": k.metadata.shared, "lines": lines[:12]}
         except Exception as e:  # noqa: BLE001  (ptxas's message is the finding)
             row = {"MC": mc, "compiled": False, "error": str(e)[-800:]}
         print(json.dumps(row))
