@@ -63,6 +63,8 @@ class Spec:
     the default partition (the worker warps arrive on the cluster barrier at the entry) and whether to insert that
     entry arrive at all."""
     multicast_descs: tuple
+    #: the compile's ``num_warps`` x 32 (a warp-specialised kernel's compiled metadata holds its total warps instead,
+    #: so nothing at launch can check this: keep it in step with the launch's ``num_warps``)
     default_threads: int = 128
     handshake: bool = True
 
