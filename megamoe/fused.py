@@ -969,13 +969,16 @@ def _ws_descriptors(c, L, bm: int):
         sa1, sa2 = (c.sb.view(name).t().view(-1) for name in ("l1_acts_sf", "l2_acts_sf"))
         # the weights are blocked by 128 x 128 (megamoe.quant_fp8.block_weights): rows of 128 values, a box a block
         w1, w2 = l1[0].view(f8).reshape(-1, FP8_BLOCK), l2[0].view(f8).reshape(-1, FP8_BLOCK)
-        tensors = dict(a1_desc=c.sb.view("l1_acts"), a2_desc=c.sb.view("l2_acts"), w1_desc=w1, w2_desc=w2)
-        descs = {k: TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in tensors.items()}
-        descs.update({k: TensorDescriptor(t, [t.numel()], [1], spec[k][1], spec[k][2])
-                      for k, t in (("sa1_desc", sa1), ("sa2_desc", sa2))})
-        tensors = dict(a1m_desc=tensors["a1_desc"], a2m_desc=tensors["a2_desc"], w1u_desc=w1, w2u_desc=w2)
-        descs.update({k: TensorDescriptor.from_tensor(t, spec[k][1], spec[k][2]) for k, t in tensors.items()})
-        return tuple(descs[k] for k in spec)
+        a1, a2 = c.sb.view("l1_acts"), c.sb.view("l2_acts")  # (a*m / w*u: the same tensors again, MC's boxes)
+        tensors = dict(a1_desc=a1, a2_desc=a2, w1_desc=w1, w2_desc=w2, sa1_desc=sa1, sa2_desc=sa2, a1m_desc=a1,
+                       a2m_desc=a2, w1u_desc=w1, w2u_desc=w2)
+        def desc(k):  # (the scales: one flat run, 1-D)
+            t, (_, box, layout) = tensors[k], spec[k]
+            if t.dim() == 1:
+                return TensorDescriptor(t, [t.numel()], [1], box, layout)
+            return TensorDescriptor.from_tensor(t, box, layout)
+
+        return tuple(desc(k) for k in spec)
 
     return _weights_cache(c, "_ws_descs", ("fp8", bm), build)
 

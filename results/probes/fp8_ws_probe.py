@@ -731,7 +731,8 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
+         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast,
+         "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
          "fold_once": probe_fold_once, "l2_per_block": probe_l2_per_block, "as_is": probe_as_is,
