@@ -195,6 +195,10 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
+#: Whether the FP8 phase's 128-row tiles run each K block as a sliding pipeline of four N = 64 wgmmas a math
+#: warpgroup, each issued before the previous one is waited for (``_slide_tile`` of
+#: ``megamoe.kernels.gemm_fp8_ws``), instead of two N = 128 wgmmas each waited for before its promotion. Same bits.
+FP8_WS_SLIDE = False
 # Tried and removed (session 25, e546abb): the math warpgroups reading a K block's 64 token rows into registers once
 # for both halves' wgmmas ("RS", ``A_REGS``) instead of from shared memory per half ("SS"), at 224 math registers
 # (216 spilled in the K loop). The question: is the phase bound by shared-memory bandwidth (SS: 48 KB in by TMA and
@@ -1301,7 +1305,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), SLIDE=FP8_WS_SLIDE if bm == 128 else 0, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.
