@@ -723,112 +723,6 @@ def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_buf
             k1 += 1
 
 
-QN = gl.constexpr(64)  #: weight rows per wgmma of the sliding pipeline (``SLIDE``: four a K block)
-
-
-@gluon.jit
-def _quarter_mma(a_s, w_s, q: gl.constexpr, d):
-    """The async wgmma of weight rows ``[64 q, +64)`` of stage tile ``w_s`` against ``a_s``, into the (free)
-    register tile ``d`` (``use_acc=False``): ``[64, 64]`` float32 in the N = 64 wgmma layout."""
-    return warpgroup_mma(a_s, w_s.slice(q * QN, QN).permute((1, 0)), d, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _join_quarters(a, b, L: gl.constexpr):
-    """Two ``[64, 64]`` quarters (N = 64 wgmma layout) -> ``[64, 128]`` (columns of ``a`` then ``b``) in the N = 128
-    wgmma layout ``L``: the same registers renamed (a thread holds the same rows and column pairs of each 8)."""
-    j = gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [WM, 2 * QN])
-    return gl.convert_layout(j, L)
-
-
-@gluon.jit
-def _slide_block(a_bufs, w_bufs, sa_bufs, ready, empty, sw_a, sw_b, is_l2, kb, it, q0, q1, q2, q3, d_a, d_b, prev,
-                 wg: gl.constexpr, STAGES: gl.constexpr, ARRIVE: gl.constexpr, PENDING: gl.constexpr,
-                 CLOSE: gl.constexpr):
-    """K block ``kb`` (ring stage ``it``) of :func:`_slide_tile`: four N = 64 wgmmas into the dot register tiles
-    ``d_a`` / ``d_b`` by turns, each issued before the one before it is waited for (``wait(1)``), each promoted into
-    its quarter ``q0`` .. ``q3`` of the accumulator.
-
-    ``PENDING``: the block before's last quarter is still in flight in ``d_b``; it is waited for, promoted with
-    ``prev`` (its ``(sa, hi_g, y, stage)``) and its stage released once this block's first wgmma is issued.
-    ``CLOSE``: this block's last quarter is waited for (``wait(0)``), its stage released and promoted here; else it
-    is left in flight. Returns the quarters, the dot tiles and this block's ``(sa, hi_g, y, stage)``."""
-    mq: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-    cols = gl.arange(0, QN, layout=gl.SliceLayout(0, mq))
-    gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
-    s = it % STAGES
-    x = gl.load(sw_a + kb)
-    y = gl.load(sw_b + kb)
-    lo_u = gl.where(is_l2, x, y)  # L1: gate x and up y in both halves; L2: x left, y right
-    hi_g = gl.where(is_l2, y, x)
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    a_s = a_bufs.index(s).slice(wg * WM, WM)
-    w_s = w_bufs.index(s)
-    d_a = _quarter_mma(a_s, w_s, 0, d_a)
-    if PENDING:
-        sa_p, g_p, u_p, s_p = prev
-        d_b = warpgroup_mma_wait(num_outstanding=1, deps=(d_b, ))
-        mbarrier.arrive(empty.index(s_p), count=ARRIVE)
-        q3 = _pin(_promote(q3, d_b, sa_p, g_p, u_p, gate_col))
-    d_b = _quarter_mma(a_s, w_s, 1, d_b)
-    sa = sa_bufs.index(s).slice(wg * WM, WM).load(gl.SliceLayout(1, mq))
-    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(d_a, ))
-    q0 = _pin(_promote(q0, d_a, sa, x, lo_u, gate_col))
-    d_a = _quarter_mma(a_s, w_s, 2, d_a)
-    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(d_b, ))
-    q1 = _pin(_promote(q1, d_b, sa, x, lo_u, gate_col))
-    d_b = _quarter_mma(a_s, w_s, 3, d_b)
-    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(d_a, ))
-    q2 = _pin(_promote(q2, d_a, sa, hi_g, y, gate_col))
-    if CLOSE:
-        d_b = warpgroup_mma_wait(num_outstanding=0, deps=(d_b, ))
-        mbarrier.arrive(empty.index(s), count=ARRIVE)
-        q3 = _pin(_promote(q3, d_b, sa, hi_g, y, gate_col))
-    return q0, q1, q2, q3, d_a, d_b, (sa, hi_g, y, s)
-
-
-@gluon.jit
-def _slide_tile(a_bufs, w_bufs, sa_bufs, ready, empty, lead, sw_a, sw_b, is_l2, kb_mma, it, wg: gl.constexpr,
-                STAGES: gl.constexpr, LEAD: gl.constexpr, ARRIVE: gl.constexpr, SLIDE: gl.constexpr):
-    """A warpgroup's ``kb_mma`` K blocks of one tile as a sliding pipeline of N = 64 wgmmas (:func:`_slide_block`):
-    so that each promotion but the last of ``SLIDE`` blocks overlaps the warpgroup's own next MMA. ``SLIDE`` 1:
-    every block's last quarter is waited for (``wait(0)``) before the next block; 2: blocks in pairs, the first's
-    last quarter promoted after the second's first wgmma is issued (an odd last block alone). No wgmma is in flight
-    across the loop's back edge: ptxas serialises every wgmma of the kernel (C7514) when a wgmma's registers are
-    read after a ``wait(1)`` it cannot match across one. Same promotion per element as the step-by-step loop: same
-    bits. Returns ``acc_lo`` / ``acc_hi`` (``[64, 128]`` float32, N = 128 wgmma layout) and the ring counter."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    mq: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-    q0 = gl.zeros([WM, QN], gl.float32, mq)
-    q1 = gl.zeros([WM, QN], gl.float32, mq)
-    q2 = gl.zeros([WM, QN], gl.float32, mq)
-    q3 = gl.zeros([WM, QN], gl.float32, mq)
-    d_a = gl.zeros([WM, QN], gl.float32, mq)  # the two dot register tiles (use_acc=False targets)
-    d_b = gl.zeros([WM, QN], gl.float32, mq)
-    none = (gl.zeros([WM], gl.float32, gl.SliceLayout(1, mq)), 0.0, 0.0, 0)
-    for kp in range(kb_mma // SLIDE):
-        kb = kp * SLIDE
-        q0, q1, q2, q3, d_a, d_b, prev = _slide_block(a_bufs, w_bufs, sa_bufs, ready, empty, sw_a, sw_b, is_l2, kb,
-                                                      it, q0, q1, q2, q3, d_a, d_b, none, wg, STAGES, ARRIVE,
-                                                      False, SLIDE == 1)
-        it += 1
-        _lead_step(lead, it, wg, LEAD)
-        if SLIDE == 2:
-            q0, q1, q2, q3, d_a, d_b, prev = _slide_block(a_bufs, w_bufs, sa_bufs, ready, empty, sw_a, sw_b, is_l2,
-                                                          kb + 1, it, q0, q1, q2, q3, d_a, d_b, prev, wg, STAGES,
-                                                          ARRIVE, True, True)
-            it += 1
-            _lead_step(lead, it, wg, LEAD)
-    if SLIDE == 2:
-        if kb_mma % 2 == 1:
-            q0, q1, q2, q3, d_a, d_b, prev = _slide_block(a_bufs, w_bufs, sa_bufs, ready, empty, sw_a, sw_b, is_l2,
-                                                          kb_mma - 1, it, q0, q1, q2, q3, d_a, d_b, none, wg, STAGES,
-                                                          ARRIVE, False, True)
-            it += 1
-            _lead_step(lead, it, wg, LEAD)
-    return _join_quarters(q0, q1, mma), _join_quarters(q2, q3, mma), it
-
-
 @gluon.jit
 def _lead_step(lead, it, wg: gl.constexpr, LEAD: gl.constexpr):
     """Warpgroup 0, once it has taken ``LEAD`` ring stages: let warpgroup 1 start (:func:`_math_partition`)."""
@@ -842,8 +736,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False,
-                    SLIDE: gl.constexpr = 0):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
 
     ``MC``: the slots of the cluster's pair schedule (:func:`_slot`); each stage released in both CTAs (the arrive
@@ -883,12 +776,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
         # a warpgroup whose 64 rows are all padding (a block's last tile) issues no MMA: it passes the ring's
         # stages through (below); its epilogue then stores nothing (every row masked) but still publishes its bit
         kb_mma = gl.where(valid > wg * WM, KB, 0)
-        kb_step = kb_mma  # the K blocks of the step-by-step loop below
-        if SLIDE > 0:
-            acc_lo, acc_hi, it = _slide_tile(a_bufs, w_bufs, sa_bufs, ready, empty, lead, sw_a, sw_b, is_l2, kb_mma,
-                                             it, wg, STAGES, LEAD, ARRIVE, SLIDE)
-            kb_step = 0
-        for kb in range(kb_step):
+        for kb in range(kb_mma):
             s = it % STAGES
             ph = (it // STAGES) & 1
             x = gl.load(sw_a + kb)  # issued before the wait: its latency hides behind it
@@ -938,8 +826,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False,
-                          SLIDE: gl.constexpr = 0):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -1011,10 +898,10 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, SLIDE)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, SLIDE)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
                            w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
                            arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),

@@ -195,16 +195,18 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
-#: Whether the FP8 phase's 128-row tiles run each K block as a sliding pipeline of four N = 64 wgmmas a math
-#: warpgroup, each issued before the previous one is waited for (``_slide_tile`` of
-#: ``megamoe.kernels.gemm_fp8_ws``), instead of two N = 128 wgmmas each waited for before its promotion. Same bits.
-FP8_WS_SLIDE = False
 # Tried and removed (session 25, e546abb): the math warpgroups reading a K block's 64 token rows into registers once
 # for both halves' wgmmas ("RS", ``A_REGS``) instead of from shared memory per half ("SS"), at 224 math registers
 # (216 spilled in the K loop). The question: is the phase bound by shared-memory bandwidth (SS: 48 KB in by TMA and
 # 96 KB out to the tensor cores per ~1024 MMA cycles)? Same bits; whole call, as is / RS at three register splits,
 # alternating twice (``a_regs`` rows of ``results/probes/fp8_ws_probe_h200.jsonl``): T = 2048 2041 / 2054 us against
 # 2095 - 2116, T = 8192 6773 / 6758 against 6992 - 7016 -- RS 3 % slower, so shared memory is not what binds.
+# Tried and removed (session 45, 3edfd15, ``FP8_WS_SLIDE``): each K block as four N = 64 wgmmas into two dot tiles by
+# turns, each issued before the one before it was waited for (``wait(1)``), so that a promotion overlapped the
+# warpgroup's own next MMA (same 192 registers, same bits). H100, whole call, off / on: T = 2048 2099 - 2112 against
+# 2110 - 2143 us, T = 8192 6510 - 6583 against 6524 - 6579 (``results/probes/slide_runs/``): the MMA issue is not
+# what binds at T = 8192 (the power cap is). A wgmma in flight across the K loop's back edge whose registers are read
+# after the next wait makes ptxas serialise every wgmma of the kernel (C7514).
 
 #: By tile kind: whether the Gluon phase's programs whose tiles of one wave share a weight tile start them together
 #: (``GROUP_SYNC`` of ``megamoe.kernels.gemm_fp8_ws._group_sync``, on the group words and counters the front launch
@@ -1305,8 +1307,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), SLIDE=FP8_WS_SLIDE if bm == 128 else 0,
-        num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -59,9 +59,6 @@
 #   mc_tests       tests/gpu/test_ws_launch_options_gpu.py's FP8_WS_MULTICAST cases, FP8 (not timed)
 #   mc             fp8_ws_probe.py multicast at T = $MC_TOKENS (512,2048,8192): the 2-CTA weight multicast off / on
 #                  twice, bits compared (-> $OUT/mc.jsonl; not timed)
-#   slide_tests    tests/gpu/test_ws_launch_options_gpu.py's FP8_WS_SLIDE cases, FP8 (not timed)
-#   slide          fp8_ws_probe.py slide at T = $SLIDE_TOKENS (512,2048,8192): the FP8 math loop's sliding pipeline
-#                  0 / 1 / 2 twice, bits compared (-> $OUT/slide.jsonl; not timed)
 #   sync_fp8       fp8_ws_probe.py sync_fp8 at T = $SYNC_TOKENS (2048,8192): the FP8 phase's group sync off / on twice
 #                  (-> $OUT/sync_fp8.jsonl; not timed)
 #   gputests_fp4   tests/gpu: the CuPy primitives and the FP8 x FP4 Gluon file (the decode-partition tile only;
@@ -400,18 +397,6 @@ step_mc() {  # FP8_WS_MULTICAST off / on / off / on at T = $MC_TOKENS (512,2048,
         >>"$OUT/mc.jsonl"
     local rc=$?
     cut -c1-400 "$OUT/mc.jsonl"
-    return $rc
-}
-
-step_slide_tests() {  # FP8_WS_SLIDE 1 and 2: the same bits as 0, small cases (one, two, many pool blocks an expert)
-    timeout 300 $PY -m pytest -x -q -rfE tests/gpu/test_ws_launch_options_gpu.py -k "SLIDE and not fp8_fp4"
-}
-
-step_slide() {  # FP8_WS_SLIDE 0 / 1 / 2 twice at T = $SLIDE_TOKENS (512,2048,8192), bits compared (-> $OUT/slide.jsonl)
-    timeout "${SLIDE_TIMEOUT:-400}" $PY results/probes/fp8_ws_probe.py slide "${SLIDE_TOKENS:-512,2048,8192}" \
-        >>"$OUT/slide.jsonl"
-    local rc=$?
-    cut -c1-400 "$OUT/slide.jsonl"
     return $rc
 }
 
