@@ -204,9 +204,10 @@ FP8_WS_LEAD = False
 # Tried and removed (session 45, 3edfd15, ``FP8_WS_SLIDE``): each K block as four N = 64 wgmmas into two dot tiles by
 # turns, each issued before the one before it was waited for (``wait(1)``), so that a promotion overlapped the
 # warpgroup's own next MMA (same 192 registers, same bits). H100, whole call, off / on: T = 2048 2099 - 2112 against
-# 2110 - 2143 us, T = 8192 6510 - 6583 against 6524 - 6579 (``results/probes/slide_runs/``): the MMA issue is not
-# what binds at T = 8192 (the power cap is). A wgmma in flight across the K loop's back edge whose registers are read
-# after the next wait makes ptxas serialise every wgmma of the kernel (C7514).
+# 2110 - 2143 us, T = 8192 6510 - 6583 against 6524 - 6579; in 3 s windows at T = 8192 ~2 % fewer cycles at a 2-3 %
+# lower clock, no faster (``results/probes/slide_runs/``): under the power cap the MMA issue is not what binds. A
+# wgmma in flight across the K loop's back edge whose registers are read after the next wait makes ptxas serialise
+# every wgmma of the kernel (C7514).
 
 #: By tile kind: whether the Gluon phase's programs whose tiles of one wave share a weight tile start them together
 #: (``GROUP_SYNC`` of ``megamoe.kernels.gemm_fp8_ws._group_sync``, on the group words and counters the front launch
