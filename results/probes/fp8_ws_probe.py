@@ -18,6 +18,9 @@ with its L2 flush, as the bench).
     loads: run them with ``PROBE_MC=0`` (below).
   - ``halfw``: the loader loads only the left 128-row half of W (the right half's MMA reads a stale stage): the
     bytes a CTA would load if a 2-CTA cluster multicast each weight tile, half from each CTA (the same MMA work).
+  - ``dupw`` / ``dupa``: each W (A) box of a stage loaded twice into the same place (twice the bytes into each SM,
+    the same operand data: same bits); ``samew``: every W box read from the weights' first block (the same bytes
+    into each SM, one constant W operand). With ``halfw``: is the power the bytes delivered or the MMA's data?
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -199,6 +202,14 @@ PATCHES = {
     # the bytes a CTA would load if a 2-CTA cluster multicast each weight tile (each CTA one half): W's right half
     # not loaded, its MMA reads whatever the stage held (session 43)
     "halfw": [(NBYTES, NBYTES.replace("2 * w1_desc", "w1_desc")), *[(t, "") for t in W_HI_LOADS]],
+    # session 45: whether the power at T = 8192 is the bytes each SM receives or the tensor cores' operand data.
+    # dupw / dupa: every W (A) box of a stage loaded twice into the same place -- twice the bytes delivered, the same
+    # data in the stage (same bits); samew: every W box read from the weights' first 128 x 128 block -- the same bytes
+    # delivered, one constant W operand (and an L2-resident one)
+    "dupw": [(NBYTES, NBYTES.replace("2 * w1_desc", "4 * w1_desc")), *[(t, t + t) for t in W_LOADS]],
+    "dupa": [(NBYTES, NBYTES.replace("a1_desc.block_type.nbytes + ", "2 * a1_desc.block_type.nbytes + ")),
+             *[(t, t + t) for t in A_LOADS]],
+    "samew": [(t, t.replace("[w_lo, 0]", "[0, 0]").replace("[w_hi, 0]", "[0, 0]")) for t in W_LOADS],
 }
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
@@ -313,7 +324,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
             row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
                        stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant,
                        multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
-            if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice")
+            if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
+                            "dupw", "dupa")
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
