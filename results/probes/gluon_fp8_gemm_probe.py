@@ -78,6 +78,7 @@ Offline (here)::
 """
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -90,7 +91,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -98,6 +98,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BK = gl.constexpr(128)  #: K block = scale block along K (and along N for the weights)
 WM = gl.constexpr(64)  #: rows per math warpgroup (the wgmma M)
@@ -638,8 +639,31 @@ def _provenance(argv):
             "probe_modified": bool(dirty), "command": " ".join([os.path.basename(sys.executable)] + argv)}
 
 
-def _bench(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")  # ms; L2 flushed between runs
+#: ``PROBE_REP_MS`` (default 300): each timing's window; ~3000 times a power-capped GEMM at the limiter's steady clock
+#: (as ``clock_probe.py``). ``PROBE_CLOCKS=1``: each row also carries the SM clock / power nvidia-smi sampled
+#: meanwhile (``clock_probe.Sampler``), so that rows compare in cycles (us x MHz) as well as in time.
+#: ``PROBE_SKIP_TRITON=1``: no plain Triton tile rows.
+REP_MS = float(os.environ.get("PROBE_REP_MS", 300))
+CLOCKS = os.environ.get("PROBE_CLOCKS") == "1"
+SKIP_TRITON = os.environ.get("PROBE_SKIP_TRITON") == "1"
+
+
+def _sampler():
+    """``clock_probe.py``'s nvidia-smi sampler (the file beside this one), started now."""
+    spec = importlib.util.spec_from_file_location("clock_probe", os.path.join(os.path.dirname(__file__),
+                                                                             "clock_probe.py"))
+    cp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cp)
+    return cp.Sampler(cp._reason_field())
+
+
+def _bench(fn, row: dict) -> float:
+    """Median ms of ``fn`` over ``REP_MS`` (L2 flushed between runs); the clocks into ``row`` with ``CLOCKS``."""
+    sampler = _sampler() if CLOCKS else None
+    ms = triton.testing.do_bench(fn, warmup=50, rep=REP_MS, return_mode="median")
+    if sampler is not None:
+        row.update(sampler.stop(), rep_ms=REP_MS)
+    return ms
 
 
 def _scaled_grouped_mm_fn(A, W, E, M, N, K):
@@ -678,12 +702,12 @@ def run_gpu(args):
                 row.update(rel_fro_err=err, bound=bound, ok=bool(err <= bound),
                            rel_fro_err_vs_bf16_ref=rel_fro(C.to(torch.bfloat16), ref_bf16) if cfg["out"] == "bf16"
                            else None)
-                ms = _bench(fn)
+                ms = _bench(fn, row)
                 row.update(us=ms * 1e3, tflops=flop / (ms * 1e-3) / 1e12)
             except Exception as ex:  # report and continue with the next configuration
                 row.update(error=f"{type(ex).__name__}: {str(ex)[:400]}")
             rows.append(row)
-        for bn, nw, ns in [(128, 8, 3), (128, 8, 4)]:  # plain Triton tile, same numerics
+        for bn, nw, ns in [] if SKIP_TRITON else [(128, 8, 3), (128, 8, 4)]:  # plain Triton tile, same numerics
             row = {"kind": "triton_tile", "config": f"BN{bn}_w{nw}_s{ns}", "E": E, "M": M, "N": N, "K": K}
             try:
                 C = torch.empty(E * M, N, dtype=torch.bfloat16, device="cuda")
@@ -691,7 +715,7 @@ def run_gpu(args):
                 fn()
                 torch.cuda.synchronize()
                 row.update(rel_fro_err=rel_fro(C, ref))
-                ms = _bench(fn)
+                ms = _bench(fn, row)
                 row.update(us=ms * 1e3, tflops=flop / (ms * 1e-3) / 1e12)
             except Exception as ex:
                 row.update(error=f"{type(ex).__name__}: {str(ex)[:400]}")
@@ -702,7 +726,7 @@ def run_gpu(args):
             fn = _scaled_grouped_mm_fn(A, W, E, M, N, K)
             fn()
             torch.cuda.synchronize()
-            ms = _bench(fn)
+            ms = _bench(fn, row)
             row.update(us=ms * 1e3, tflops=flop / (ms * 1e-3) / 1e12)
         except Exception as ex:
             row.update(error=f"{type(ex).__name__}: {str(ex)[:400]}")
