@@ -40,7 +40,7 @@ def test_ws_variants_patch_check_can_fail(monkeypatch):
 def test_fp8_ws_probe_patches_apply_once_and_parse():
     probe = _load("fp8_ws_probe")
     assert set(probe.PATCHES) >= {"noskip", "nomma", "nopromote", "noepi", "noa", "now", "halfw", "swcvt",
-                                  "uncoalesced", "dupw", "dupa", "samew"}
+                                  "uncoalesced", "dupw", "dupa", "samew", "nopull"}
     original = pathlib.Path(probe.AS_IS.__file__).read_text()
     for variant in probe.PATCHES:
         src = probe.patched_source(variant)  # asserts each old text occurs exactly once
