@@ -115,6 +115,9 @@ FP8_SWAP_BLOCK_M = 32
 MAX_BLOCK_M = 32
 #: Pairs per pull task.
 PULL_BLOCK_PAIRS = 16
+#: Pairs per task of a front launch that only places rows (metadata and top-k weights; the FP8 format's Gluon phase
+#: copies the bytes itself): a task is a few dependent loads and an atomic, not a copy, so larger than a pull task.
+PLACE_BLOCK_PAIRS = 128
 #: Columns of a pool row that the front launch of a Gluon kind moves per step of its row copy (``BLOCK_H`` of PHASE
 #: 1; the one-launch kernel keeps 256, as its pull shares registers with its GEMM tiles). Each step is a dependent
 #: load -> fold -> store round trip, so the copy's speed is the bytes a step has in flight: at 256 columns (4 KB a
@@ -871,12 +874,15 @@ def run_fused(calls, *, numerics: str = "exact", timeline: bool = False, config:
 
 def phase_meta(meta: dict, phase: int, L) -> dict:
     """``kernel_meta``'s keywords ``meta`` for launch ``phase`` of layout ``L``: 0 the one launch (``meta`` itself),
-    1 / 2 the front / back launch of a Gluon kind (``PHASE``; the front's row copy ``PULL_BLOCK_H`` columns a step)."""
+    1 / 2 the front / back launch of a Gluon kind (``PHASE``; the front's row copy ``PULL_BLOCK_H`` columns a step,
+    its tasks ``PLACE_BLOCK_PAIRS`` pairs where it only places rows: the FP8 format)."""
     if phase == 0:
         return meta
     m = dict(meta, PHASE=phase)
     if phase == 1:
         m["BLOCK_H"] = largest_pow2_tile(L.hidden, PULL_BLOCK_H)
+        if meta["FP8W"]:  # its tasks place rows, the Gluon phase's pull partition copies them
+            m["BLOCK_J"] = PLACE_BLOCK_PAIRS
     return m
 
 
