@@ -7,6 +7,7 @@ torch profiler's kernel records of 5 calls after 3 warm-up calls (median per lau
 Environment (each a one-run override of ``megamoe.fused``, recorded in the row):
   FRONT_PROGRAMS           the front launch's programs (``FusedConfig.programs_per_rank``; default one an SM)
   BACK_PROGRAMS_PER_SM     ``WS_BACK_PROGRAMS_PER_SM`` (a fraction gives that share of the SMs one program each)
+  PLACE_BLOCK_PAIRS        pairs per placement task of the FP8 format's front launch (``PLACE_BLOCK_PAIRS``)
   FP8_WS_MIN_EXPECTED, FP8_WS_BLOCK64_MAX_EXPECTED, FP4_BLOCK64_MAX_EXPECTED, FP4_RS_MAX_EXPECTED   the tile
                            thresholds (FP4_RS_MAX_EXPECTED=-1: the decode-partition tile at block 64)
   FP4_RS_BLOCK_N           the register-operand tile's token chunk (8, 16, 32, 64) whatever the expectation
@@ -76,6 +77,8 @@ def main(argv: list[str]) -> None:
         overrides["WS_GROUP_SYNC"] = {"fp8_ws": on, "fp4_ws": on}
     if "BACK_PROGRAMS_PER_SM" in os.environ:
         overrides["WS_BACK_PROGRAMS_PER_SM"] = float(os.environ["BACK_PROGRAMS_PER_SM"])
+    if "PLACE_BLOCK_PAIRS" in os.environ:  # pairs per placement task of the FP8 front launch
+        overrides["PLACE_BLOCK_PAIRS"] = int(os.environ["PLACE_BLOCK_PAIRS"])
     for name, value in overrides.items():
         setattr(mf, name, value)
     if "FP4_WS_REGS" in os.environ:  # the decode-partition tile's register split at one block, "128:200,24,88,128"
