@@ -117,6 +117,9 @@ MAX_BLOCK_M = 32
 PULL_BLOCK_PAIRS = 16
 #: Pairs per task of a front launch that only places rows (metadata and top-k weights; the FP8 format's Gluon phase
 #: copies the bytes itself): a task is a few dependent loads and an atomic, not a copy, so larger than a pull task.
+#: H100, session 45 (``results/probes/place_runs/``): the front launch at T = 8192 took 42 instead of 62 us (16 pairs,
+#: the pull's), none the shorter at T <= 2048; whole calls 16 / 128 alternating twice, same bits: T = 2048 2074 / 2070,
+#: 2068 / 2058 us, T = 8192 6392 / 6362, 6600 / 6406.
 PLACE_BLOCK_PAIRS = 128
 #: Columns of a pool row that the front launch of a Gluon kind moves per step of its row copy (``BLOCK_H`` of PHASE
 #: 1; the one-launch kernel keeps 256, as its pull shares registers with its GEMM tiles). Each step is a dependent

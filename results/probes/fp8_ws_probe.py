@@ -38,7 +38,8 @@ with its L2 flush, as the bench).
 * ``fp4_threshold [T1,..]``: the same for the FP8 x FP4 format: the host's choice against "fp4_ws" forced at blocks
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``multicast [T1,..]``: the FP8 phase's 2-CTA weight multicast (``FP8_WS_MULTICAST``) off / on / off / on
-  (``probe_multicast``); ``sync_fp8 [T1,..]``: its group sync likewise (``probe_sync_fp8``).
+  (``probe_multicast``); ``sync_fp8 [T1,..]``: its group sync likewise (``probe_sync_fp8``); ``place [T1,..]``: the
+  front launch's placement tasks of 16 / 128 pairs (``probe_place``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
@@ -497,6 +498,12 @@ def probe_sync_fp8(tokens=(2048, 8192)):
     _off_on("sync_fp8", tokens, "WS_GROUP_SYNC", tuple({"fp8_ws": v, "fp4_ws": False} for v in (False, True)))
 
 
+def probe_place(tokens=(2048, 8192)):
+    """The FP8 front launch's placement tasks of ``PLACE_BLOCK_PAIRS`` 16 (the pull's) / 128 pairs, whole call
+    (:func:`_off_on`; session 45)."""
+    _off_on("place", tokens, "PLACE_BLOCK_PAIRS", (16, 128))
+
+
 def _off_on(probe: str, tokens, name: str, values) -> None:
     """Rows ``probe``: ``megamoe.fused.<name>`` at ``values`` (off, on) alternating twice at each T, the FP8 call on a
     fresh buffer each: ``us`` over ``PROBE_REP_MS`` windows (with ``PROBE_CLOCKS=1`` the clock and power sampled
@@ -757,7 +764,7 @@ if __name__ == "__main__":
     for name in which:
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
-         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast,
+         "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "place": probe_place,
          "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
