@@ -78,6 +78,7 @@ Offline (here)::
 """
 import argparse
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -648,13 +649,20 @@ CLOCKS = os.environ.get("PROBE_CLOCKS") == "1"
 SKIP_TRITON = os.environ.get("PROBE_SKIP_TRITON") == "1"
 
 
-def _sampler():
-    """``clock_probe.py``'s nvidia-smi sampler (the file beside this one), started now."""
+@functools.cache
+def _clock_probe():
+    """``clock_probe.py`` beside this file and the board's throttle-reason field, loaded once."""
     spec = importlib.util.spec_from_file_location("clock_probe", os.path.join(os.path.dirname(__file__),
                                                                              "clock_probe.py"))
     cp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cp)
-    return cp.Sampler(cp._reason_field())
+    return cp, cp._reason_field()
+
+
+def _sampler():
+    """``clock_probe.py``'s nvidia-smi sampler, started now."""
+    cp, reason = _clock_probe()
+    return cp.Sampler(reason)
 
 
 def _bench(fn, row: dict) -> float:
