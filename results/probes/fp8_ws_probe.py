@@ -187,6 +187,25 @@ def _stagger(ns: int) -> list:
             pass
 """)]
 
+STREAM_AT = '            gl.atomic_add(arrival + b, ok.to(gl.int32), mask=ok, sem="release", scope="gpu")\n'
+STREAM = """    NT = num_rows // 6
+    L4: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [PULL_WARPS, 1], [1, 0])
+    l1w = l1.to(gl.pointer_type(gl.int32))
+    cc = gl.arange(0, 128, layout=gl.SliceLayout(0, L4))
+    tok0 = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L4))
+    acc = gl.zeros([ROWS, 128], gl.int32, L4)
+    for g2 in range(gl.program_id(0), gl.cdiv(NT, ROWS), gl.num_programs(0)):
+        tok = g2 * ROWS + tok0
+        okt = gl.expand_dims(tok < NT, 1)
+        for rep in range(2):
+            for h0 in range(0, H // 4, 128):
+                for j in gl.static_range(6):
+                    src = l1w + gl.expand_dims((j * NT + tok).to(gl.int64) * (H // 4) + h0, 1) + gl.expand_dims(cc, 0)
+                    acc = acc ^ gl.load(src, mask=okt, other=0)
+    total = gl.sum(gl.sum(acc, axis=1), axis=0)
+    if total == 123456789:
+        gl.store(arrival, total)
+"""
 
 PATCHES = {
     "stagger2us": _stagger(2000),
@@ -219,6 +238,16 @@ PATCHES = {
                ('            landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")\n'
                 "            if landed < valid:\n",
                 "            landed = valid\n            if landed < valid:\n")],
+    # session 46: what the L2 epilogue costs the phase (is a TMA-store epilogue worth building?): ``nol2epi`` no L2
+    # epilogue at all (the L1 epilogue kept); ``l2nomem`` every instruction of it issued, its stores predicated off
+    "nol2epi": [("            if is_l2:\n                row0 = b * TILE_M + wg * WM\n",
+                 "            if is_l2:\n              if nt < 0:\n                row0 = b * TILE_M + wg * WM\n")],
+    "l2nomem": [("    gl.store(dst, v, mask=gl.expand_dims(ok, 1))\n",
+                 "    gl.store(dst, v, mask=gl.expand_dims(ok & (dst_row < 0), 1))\n")],
+    # session 46: what the combine reduce's reads would cost inside the phase (an in-phase combine): once its pull is
+    # done, each CTA's pull warps read K = 6 rows of 2 H bytes a token (the reduce's 704 MB at T = 8192) from the L1
+    # pool, 6 x 16 bytes a thread in flight, and keep an XOR of them (never stored)
+    "stream": [(STREAM_AT, STREAM_AT + STREAM)],
 }
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
