@@ -23,6 +23,11 @@ with its L2 flush, as the bench).
   - ``dupw`` / ``dupa``: each W (A) box of a stage loaded twice into the same place (twice the bytes into each SM,
     the same operand data: same bits); ``samew``: every W box read from the weights' first block (the same bytes
     into each SM, one constant W operand). With ``halfw``: is the power the bytes delivered or the MMA's data?
+  - ``nol2epi`` / ``nol1epi``: one GEMM's epilogue alone knocked out (``noepi`` takes both; the L1 tiles still
+    publish their bits); ``l2nomem``: the L2 epilogue's every instruction issued, its stores predicated off (what
+    its memory traffic costs against its instructions); ``stream``: after its pull each CTA's pull warps read the
+    combine reduce's bytes (6 rows of 2 H bytes a token, 704 MB at T = 8192) from the L1 pool: what an in-phase
+    combine's reads would cost the phase under the cap (session 46).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -238,10 +243,12 @@ PATCHES = {
                ('            landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")\n'
                 "            if landed < valid:\n",
                 "            landed = valid\n            if landed < valid:\n")],
-    # session 46: what the L2 epilogue costs the phase (is a TMA-store epilogue worth building?): ``nol2epi`` no L2
-    # epilogue at all (the L1 epilogue kept); ``l2nomem`` every instruction of it issued, its stores predicated off
+    # session 46: what each epilogue costs the phase (is a TMA-store epilogue worth building?): ``nol2epi`` no L2
+    # epilogue at all (the L1 epilogue kept), ``nol1epi`` the converse (pool block 128); ``l2nomem`` every
+    # instruction of the L2 epilogue issued, its stores predicated off
     "nol2epi": [("            if is_l2:\n                row0 = b * TILE_M + wg * WM\n",
                  "            if is_l2:\n              if nt < 0:\n                row0 = b * TILE_M + wg * WM\n")],
+    "nol1epi": [(EPI128[1], NOEPI128[1])],  # the L1 epilogue's stores gone, its arrival bits still published
     "l2nomem": [("    gl.store(dst, v, mask=gl.expand_dims(ok, 1))\n",
                  "    gl.store(dst, v, mask=gl.expand_dims(ok & (dst_row < 0), 1))\n")],
     # session 46: what the combine reduce's reads would cost inside the phase (an in-phase combine): once its pull is
