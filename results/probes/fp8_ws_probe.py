@@ -27,7 +27,9 @@ with its L2 flush, as the bench).
     publish their bits); ``l2nomem``: the L2 epilogue's every instruction issued, its stores predicated off (what
     its memory traffic costs against its instructions); ``stream``: after its pull each CTA's pull warps read the
     combine reduce's bytes (6 rows of 2 H bytes a token, 704 MB at T = 8192) from the L1 pool: what an in-phase
-    combine's reads would cost the phase under the cap (session 46).
+    combine's reads would cost the phase under the cap; ``prefetch``: each math warpgroup prefetches into L1, as a
+    tile starts, the per-row words its epilogue loads (same bits); ``l2contig``: the L2 rows stored in pool order
+    into slot 0's rows, no metadata loads (session 46).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -211,6 +213,16 @@ STREAM = """    NT = num_rows // 6
     if total == 123456789:
         gl.store(arrival, total)
 """
+PREFETCH_AT = "        if is_l2:\n            KB = I // BK\n            # weight scale rows 2nt (left half)"
+PREFETCH = """        pf_r = gl.arange(0, WM, layout=rows_l)
+        pf_row = gl.where(pf_r < valid - wg * WM, b * TILE_M + wg * WM + pf_r, 0)
+        if is_l2:
+            pf = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + pf_row * 3
+        else:
+            pf = (buf + OFF_L1_W).to(gl.pointer_type(gl.int32)) + pf_row
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [pf.to(gl.int64)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+"""
 
 PATCHES = {
     "stagger2us": _stagger(2000),
@@ -255,6 +267,12 @@ PATCHES = {
     # done, each CTA's pull warps read K = 6 rows of 2 H bytes a token (the reduce's 704 MB at T = 8192) from the L1
     # pool, 6 x 16 bytes a thread in flight, and keep an XOR of them (never stored)
     "stream": [(STREAM_AT, STREAM_AT + STREAM)],
+    # session 46: each math warpgroup prefetches into L1, as its tile starts, the per-row words its epilogue will load
+    # (L2: the rows' token_src_metadata, L1: their top-k weights), so that the epilogue's loads hit L1 (same bits)
+    "prefetch": [(PREFETCH_AT, PREFETCH + PREFETCH_AT)],
+    # session 46: the L2 rows stored in pool order into slot 0's rows (row % T): no metadata loads, no scatter
+    "l2contig": [("    return (slot * T + token).to(gl.int64) * H + n0 + delta\n",
+                  "    return (pool_rows % T).to(gl.int64) * H + n0\n")],
 }
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
