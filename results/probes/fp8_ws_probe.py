@@ -27,9 +27,8 @@ with its L2 flush, as the bench).
     publish their bits); ``l2nomem``: the L2 epilogue's every instruction issued, its stores predicated off (what
     its memory traffic costs against its instructions); ``stream``: after its pull each CTA's pull warps read the
     combine reduce's bytes (6 rows of 2 H bytes a token, 704 MB at T = 8192) from the L1 pool: what an in-phase
-    combine's reads would cost the phase under the cap; ``prefetch``: each math warpgroup prefetches into L1, as a
-    tile starts, the per-row words its epilogue loads (same bits); ``l2contig``: the L2 rows stored in pool order
-    into slot 0's rows, no metadata loads (session 46).
+    combine's reads would cost the phase under the cap; ``l2contig``: the L2 rows stored in pool order into slot
+    0's rows, no metadata loads (session 46).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -46,7 +45,8 @@ with its L2 flush, as the bench).
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``multicast [T1,..]``: the FP8 phase's 2-CTA weight multicast (``FP8_WS_MULTICAST``) off / on / off / on
   (``probe_multicast``); ``sync_fp8 [T1,..]``: its group sync likewise (``probe_sync_fp8``); ``place [T1,..]``: the
-  front launch's placement tasks of 16 / 128 pairs (``probe_place``).
+  front launch's placement tasks of 16 / 128 pairs (``probe_place``); ``prefetch [T1,..]``: the epilogue words
+  prefetched into L1 (``FP8_WS_PREFETCH``) likewise (``probe_prefetch``).
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
@@ -213,17 +213,6 @@ STREAM = """    NT = num_rows // 6
     if total == 123456789:
         gl.store(arrival, total)
 """
-PREFETCH_AT = "        if is_l2:\n            KB = I // BK\n            # weight scale rows 2nt (left half)"
-PREFETCH = """        pf_r = gl.arange(0, WM, layout=rows_l)
-        pf_row = gl.where(pf_r < valid - wg * WM, b * TILE_M + wg * WM + pf_r, 0)
-        if is_l2:
-            pf = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + pf_row * 3
-        else:
-            pf = (buf + OFF_L1_W).to(gl.pointer_type(gl.int32)) + pf_row
-        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [pf.to(gl.int64)], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-"""
-
 PATCHES = {
     "stagger2us": _stagger(2000),
     "stagger20us": _stagger(20000),
@@ -267,9 +256,6 @@ PATCHES = {
     # done, each CTA's pull warps read K = 6 rows of 2 H bytes a token (the reduce's 704 MB at T = 8192) from the L1
     # pool, 6 x 16 bytes a thread in flight, and keep an XOR of them (never stored)
     "stream": [(STREAM_AT, STREAM_AT + STREAM)],
-    # session 46: each math warpgroup prefetches into L1, as its tile starts, the per-row words its epilogue will load
-    # (L2: the rows' token_src_metadata, L1: their top-k weights), so that the epilogue's loads hit L1 (same bits)
-    "prefetch": [(PREFETCH_AT, PREFETCH + PREFETCH_AT)],
     # session 46: the L2 rows stored in pool order into slot 0's rows (row % T): no metadata loads, no scatter
     "l2contig": [("    return (slot * T + token).to(gl.int64) * H + n0 + delta\n",
                   "    return (pool_rows % T).to(gl.int64) * H + n0\n")],
@@ -552,6 +538,12 @@ def probe_sync_fp8(tokens=(2048, 8192)):
     _off_on("sync_fp8", tokens, "WS_GROUP_SYNC", tuple({"fp8_ws": v, "fp4_ws": False} for v in (False, True)))
 
 
+def probe_prefetch(tokens=(2048, 8192)):
+    """The FP8 phase's epilogue words prefetched into L1 as each tile starts (``FP8_WS_PREFETCH``) off / on / off /
+    on, whole call (:func:`_off_on`)."""
+    _off_on("prefetch", tokens, "FP8_WS_PREFETCH", (False, True))
+
+
 def probe_place(tokens=(2048, 8192)):
     """The FP8 front launch's placement tasks of ``PLACE_BLOCK_PAIRS`` 16 (the pull's) / 128 pairs, whole call
     (:func:`_off_on`; session 45)."""
@@ -819,6 +811,7 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "place": probe_place,
+         "prefetch": probe_prefetch,
          "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
