@@ -724,23 +724,6 @@ def _math_partition_m64(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_buf
 
 
 @gluon.jit
-def _prefetch_rows(buf, b, valid, is_l2, wg: gl.constexpr, rows_l: gl.constexpr, OFF_META: gl.constexpr,
-                   OFF_L1_W: gl.constexpr):
-    """``prefetch.global.L1`` of the per-row words warpgroup ``wg``'s epilogue of the tile on pool block ``b`` will
-    load: an L2 tile's rows' ``token_src_metadata`` (:func:`_combine_rows`), an L1 tile's rows' top-k weights
-    (:func:`_l1_rows`); padding rows prefetch row 0. Issued as the tile starts (``PREFETCH``), so that the epilogue's
-    loads hit L1 instead of waiting on L2 after the last MMA. A hint: no value, no fault, the same bits."""
-    r = gl.arange(0, WM, layout=rows_l)
-    row = gl.where(r < valid - wg * WM, b * TILE_M + wg * WM + r, 0)
-    if is_l2:
-        p = (buf + OFF_META).to(gl.pointer_type(gl.int32)) + row * 3
-    else:
-        p = (buf + OFF_L1_W).to(gl.pointer_type(gl.int32)) + row
-    gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [p.to(gl.int64)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _lead_step(lead, it, wg: gl.constexpr, LEAD: gl.constexpr):
     """Warpgroup 0, once it has taken ``LEAD`` ring stages: let warpgroup 1 start (:func:`_math_partition`)."""
     if LEAD > 0 and wg == 0:
@@ -753,8 +736,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                     tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False,
-                    PREFETCH: gl.constexpr = False):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
 
     ``MC``: the slots of the cluster's pair schedule (:func:`_slot`); each stage released in both CTAs (the arrive
@@ -765,10 +747,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
     ring bounds how far 0 runs ahead; when 0 is in its epilogue 1 issues alone and catches up, and the other way
     round after), so their epilogues no longer coincide and the tensor cores do not idle for a whole epilogue.
     Same bits either way (the order of a warpgroup's own work is unchanged). Measured on an H200: no gain beyond the
-    run's spread, so off by default (``FP8_WS_LEAD``'s comment cites the rows).
-
-    ``PREFETCH`` (``megamoe.fused.FP8_WS_PREFETCH``): as each tile starts, the per-row words its epilogue will load
-    are prefetched into L1 (:func:`_prefetch_rows`). Same bits."""
+    run's spread, so off by default (``FP8_WS_LEAD``'s comment cites the rows)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols = gl.arange(0, HN, layout=gl.SliceLayout(0, mma))
@@ -782,8 +761,6 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
     for i in range(first, stop, step):
         t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)
         is_l2 = t >= num_l1
-        if PREFETCH:
-            _prefetch_rows(buf, b, valid, is_l2, wg, rows_l, OFF_META, OFF_L1_W)
         if is_l2:
             KB = I // BK
             # weight scale rows 2nt (left half) and 2nt+1 (right half) of [El, H/128, I/128]
@@ -849,8 +826,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False,
-                          PREFETCH: gl.constexpr = False):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -922,10 +898,10 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, PREFETCH)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, PREFETCH)),
+                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
                            w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
                            arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),

@@ -201,13 +201,14 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
-#: "fp8_ws" at pool block 128: each math warpgroup prefetches into L1, as a tile starts, the per-row words its
-#: epilogue will load (L2 tiles: the rows' ``token_src_metadata``, two dependent loads before the stores; L1 tiles:
-#: the top-k weights), ``megamoe.kernels.gemm_fp8_ws._prefetch_rows``. Same bits. Session 46 (H100, T = 8192, 3 s
-#: windows): without the L2 epilogue the phase took 4-6 % less time and 5-6 % fewer cycles, with its stores predicated
-#: off 2 % less (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``): most of that epilogue is not
-#: its memory traffic, and its loads' latency sits after the last MMA.
-FP8_WS_PREFETCH = False
+# Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
+# started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
+# top-k weights), since the L2 epilogue costs 5-6 % of the phase's cycles and only ~2 % is its stores' traffic
+# (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). Same bits; H100, T = 8192, 3 s windows, off /
+# on alternating: 6644 / 6712 against 6660 / 6755 us (``results/probes/prefetch_runs/``) -- no gain. Nor did storing
+# the L2 rows in pool order without any metadata load change the time (``l2contig``,
+# ``knockout_runs/fp8_l2contig8192_f2a3976_h100.jsonl``: 6691 / 6786 against 6728 / 6710): the epilogue's cost is
+# not its loads' latency or its scatter.
 # Tried and removed (session 25, e546abb): the math warpgroups reading a K block's 64 token rows into registers once
 # for both halves' wgmmas ("RS", ``A_REGS``) instead of from shared memory per half ("SS"), at 224 math registers
 # (216 spilled in the K loop). The question: is the phase bound by shared-memory bandwidth (SS: 48 KB in by TMA and
@@ -1309,7 +1310,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST, FP8_WS_PREFETCH)
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST)
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: direct_launch.FrozenKeywords(fp8_ws_keywords(sb.layout, bm, has_clamp)))
 
@@ -1324,8 +1325,7 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), PREFETCH=FP8_WS_PREFETCH and bm == 128, num_warps=4, maxnreg=maxnreg,
-        **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

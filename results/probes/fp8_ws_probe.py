@@ -45,8 +45,8 @@ with its L2 flush, as the bench).
   64 / 128 below T = 2048, per-block decode against predecoded weights from 2048 (``FP4_MAX_TOKENS`` as ``fp4``).
 * ``multicast [T1,..]``: the FP8 phase's 2-CTA weight multicast (``FP8_WS_MULTICAST``) off / on / off / on
   (``probe_multicast``); ``sync_fp8 [T1,..]``: its group sync likewise (``probe_sync_fp8``); ``place [T1,..]``: the
-  front launch's placement tasks of 16 / 128 pairs (``probe_place``); ``prefetch [T1,..]``: the epilogue words
-  prefetched into L1 (``FP8_WS_PREFETCH``) likewise (``probe_prefetch``).
+  front launch's placement tasks of 16 / 128 pairs (``probe_place``). (``prefetch``, session 46 at f2a3976: the
+  epilogue words prefetched into L1, ``FP8_WS_PREFETCH``, likewise; no gain, removed with the option.)
 * ``host [T1,..]``: the host's enqueue time of one eager call of each format and where it goes (cProfile: per
   function calls, own and cumulative µs per call).
 * (``prefetch``, at f56e1d4 and in session 15: the front launch's L2 prefetch of the GEMM phase's first tiles, removed
@@ -538,12 +538,6 @@ def probe_sync_fp8(tokens=(2048, 8192)):
     _off_on("sync_fp8", tokens, "WS_GROUP_SYNC", tuple({"fp8_ws": v, "fp4_ws": False} for v in (False, True)))
 
 
-def probe_prefetch(tokens=(2048, 8192)):
-    """The FP8 phase's epilogue words prefetched into L1 as each tile starts (``FP8_WS_PREFETCH``) off / on / off /
-    on, whole call (:func:`_off_on`)."""
-    _off_on("prefetch", tokens, "FP8_WS_PREFETCH", (False, True))
-
-
 def probe_place(tokens=(2048, 8192)):
     """The FP8 front launch's placement tasks of ``PLACE_BLOCK_PAIRS`` 16 (the pull's) / 128 pairs, whole call
     (:func:`_off_on`; session 45)."""
@@ -811,7 +805,6 @@ if __name__ == "__main__":
         {"phase": probe_phase, "combine": probe_combine, "fp4": probe_fp4, "threshold": probe_threshold,
          "fp4_threshold": probe_fp4_threshold, "host": probe_host, "pdl": probe_pdl,
          "lead": probe_lead, "group_sync": probe_group_sync, "multicast": probe_multicast, "place": probe_place,
-         "prefetch": probe_prefetch,
          "sync_fp8": probe_sync_fp8, "rs_ctas": probe_rs_ctas,
          "rs_threshold": probe_rs_threshold, "back_programs": probe_back_programs, "halves": probe_halves,
          "idle_decode": probe_idle_decode,
