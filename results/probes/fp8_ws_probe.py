@@ -194,6 +194,8 @@ def _stagger(ns: int) -> list:
             pass
 """)]
 
+
+#: ``stream``: appended to the pull partition, after its last row's arrival
 STREAM_AT = '            gl.atomic_add(arrival + b, ok.to(gl.int32), mask=ok, sem="release", scope="gpu")\n'
 STREAM = """    NT = num_rows // 6
     L4: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [PULL_WARPS, 1], [1, 0])
@@ -213,6 +215,7 @@ STREAM = """    NT = num_rows // 6
     if total == 123456789:
         gl.store(arrival, total)
 """
+
 PATCHES = {
     "stagger2us": _stagger(2000),
     "stagger20us": _stagger(20000),
@@ -249,7 +252,7 @@ PATCHES = {
     # instruction of the L2 epilogue issued, its stores predicated off
     "nol2epi": [("            if is_l2:\n                row0 = b * TILE_M + wg * WM\n",
                  "            if is_l2:\n              if nt < 0:\n                row0 = b * TILE_M + wg * WM\n")],
-    "nol1epi": [(EPI128[1], NOEPI128[1])],  # the L1 epilogue's stores gone, its arrival bits still published
+    "nol1epi": [(EPI128[1], NOEPI128[1])],  # no SwiGLU, requant or stores; the arrival bits still published
     "l2nomem": [("    gl.store(dst, v, mask=gl.expand_dims(ok, 1))\n",
                  "    gl.store(dst, v, mask=gl.expand_dims(ok & (dst_row < 0), 1))\n")],
     # session 46: what the combine reduce's reads would cost inside the phase (an in-phase combine): once its pull is
