@@ -31,6 +31,7 @@ first row gives the board's ``power.limit`` and ``clocks.max.sm``.
 
 Without CUDA it exits with a message (no GPU clock to read).
 """
+import functools
 import importlib.util
 import json
 import pathlib
@@ -63,7 +64,9 @@ def _smi(fields: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
+@functools.cache
 def _reason_field() -> str | None:
+    """The board's throttle-reason field (its name differs by driver), asked once a process."""
     for f in REASONS:
         if _smi(f).returncode == 0:
             return f
@@ -77,6 +80,11 @@ class Sampler:
         self.fields = QUERY + (f",{reason}" if reason else "")
         self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits",
                                       "-i", "0", "-lms", "50"], stdout=subprocess.PIPE, text=True)
+
+    @classmethod
+    def now(cls) -> "Sampler":
+        """A sampler of this board's fields (its throttle-reason field included), started now."""
+        return cls(_reason_field())
 
     def stop(self) -> dict:
         self.proc.terminate()

@@ -301,19 +301,15 @@ def kernel_module(variant: str):
 
 
 @functools.cache
-def _clock_probe():
-    """``clock_probe.py`` beside this file, loaded once (it loads this module in turn, by file, for its own runs)."""
-    path = pathlib.Path(__file__).with_name("clock_probe.py")
-    spec = importlib.util.spec_from_file_location("clock_probe", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, mod._reason_field()
+def _clock_sampler_class():
+    """``clock_probe.py``'s ``Sampler``, the file beside this one loaded once (it loads this module in turn, by file,
+    for its own runs)."""
+    return _import_file("clock_probe", pathlib.Path(__file__).with_name("clock_probe.py")).Sampler
 
 
 def _clock_sampler():
     """An nvidia-smi sampler running from now until its ``stop()`` (``PROBE_CLOCKS``)."""
-    cp, reason = _clock_probe()
-    return cp.Sampler(reason)
+    return _clock_sampler_class().now()
 
 
 def use_kernel(mod):

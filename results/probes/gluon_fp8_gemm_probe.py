@@ -651,23 +651,17 @@ SKIP_TRITON = os.environ.get("PROBE_SKIP_TRITON") == "1"
 
 @functools.cache
 def _clock_probe():
-    """``clock_probe.py`` beside this file and the board's throttle-reason field, loaded once."""
+    """``clock_probe.py`` beside this file, loaded once."""
     spec = importlib.util.spec_from_file_location("clock_probe", os.path.join(os.path.dirname(__file__),
                                                                              "clock_probe.py"))
     cp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cp)
-    return cp, cp._reason_field()
-
-
-def _sampler():
-    """``clock_probe.py``'s nvidia-smi sampler, started now."""
-    cp, reason = _clock_probe()
-    return cp.Sampler(reason)
+    return cp
 
 
 def _bench(fn, row: dict) -> float:
     """Median ms of ``fn`` over ``REP_MS`` (L2 flushed between runs); the clocks into ``row`` with ``CLOCKS``."""
-    sampler = _sampler() if CLOCKS else None
+    sampler = _clock_probe().Sampler.now() if CLOCKS else None
     ms = triton.testing.do_bench(fn, warmup=50, rep=REP_MS, return_mode="median")
     if sampler is not None:
         row.update(sampler.stop(), rep_ms=REP_MS)
