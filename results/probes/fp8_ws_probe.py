@@ -29,6 +29,8 @@ with its L2 flush, as the bench).
     combine reduce's bytes (6 rows of 2 H bytes a token, 704 MB at T = 8192) from the L1 pool: what an in-phase
     combine's reads would cost the phase under the cap; ``l2contig``: the L2 rows stored in pool order into slot
     0's rows, no metadata loads (session 46).
+  - ``stages3``: the kernel as it is with a 3-stage ring at 128-row tiles instead of 4 (same bits; session 47: the
+    price of the shared memory a staged L2 epilogue would need).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -265,6 +267,9 @@ PATCHES = {
 }
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
+#: variants that are the kernel as it is with another ring depth at 128-row tiles (``FP8_WS_STAGES[128]``; same bits):
+#: what a shallower ring would cost, to free one stage's 48.5 KB of shared memory for an epilogue's staging
+STAGE_VARIANTS = {"stages3": 3}
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -293,7 +298,7 @@ def _import_file(name: str, path) -> object:
 @functools.lru_cache(maxsize=None)
 def kernel_module(variant: str):
     """``megamoe.kernels.gemm_fp8_ws`` as it is, or ``variant``'s text-patched copy (imported from a temporary file)."""
-    if variant == "as_is":
+    if variant == "as_is" or variant in STAGE_VARIANTS:
         return AS_IS
     path = pathlib.Path(tempfile.mkdtemp(prefix="fp8_ws_probe_")) / f"gemm_fp8_ws_{variant}.py"
     path.write_text(patched_source(variant))
@@ -360,6 +365,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
         mf.FP8_WS_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
         for variant in variants:
+            mf.FP8_WS_STAGES[128] = STAGE_VARIANTS.get(variant, stages)
             sb, _, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
             try:
@@ -379,7 +385,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
                        stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant,
                        multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
             if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
-                            "dupw", "dupa")
+                            "dupw", "dupa", *STAGE_VARIANTS)
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
