@@ -91,6 +91,8 @@ from megamoe.kernels.formats import AMAX_FLOOR, FP8_MAX, TILE_GROUP_SIZES, TILE_
 from megamoe.kernels.numerics import BF16X2_ROUND_ASM, ceil_ue8m0
 from megamoe.kernels.symm import TAG_GEMM_PHASE_WAIT, _globaltimer_ns
 from megamoe.multicast import CLUSTER_READY_ASM, Spec, register
+from megamoe.shared_address import PASS_VERSION as SHARED_ADDRESS_VERSION
+from megamoe.shared_address import offset_token
 
 BK = gl.constexpr(128)  #: K block = scale block along K
 WM = gl.constexpr(64)  #: rows per math warpgroup (the wgmma M)
@@ -174,6 +176,25 @@ def _silu_mul(gate, up):
 #: sector; ``gl.convert_layout`` moves the tile through shared memory first (``COALESCED``).
 STORE_E4M3: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
 STORE_BF16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+
+#: ``BULK`` (:func:`_l2_epilogue_bulk`): the math warpgroups' L2 staging rows, int16 (bf16 bits), ``[128, 256]`` with
+#: 8 elements of padding after every 256: a 528-byte pitch (``STAGE_PITCH`` elements) puts the 8 rows that a warp's
+#: lanes hold in one store of the wgmma layout 16 bytes apart (no bank conflict) and keeps every row 16-byte aligned
+#: for ``cp.async.bulk``. Rows ``[64 wg, 64 wg + 64)`` are warpgroup ``wg``'s; 67.5 KB in all, what a 3-stage ring
+#: leaves (``megamoe.fused.FP8_WS_BULK``).
+STAGE_PITCH: gl.constexpr = gl.constexpr(2 * 128 + 8)
+STAGE_LAYOUT: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[2 * 128, 8]], [2 * 64, 2 * 128], [1, 0])
+#: ``BULK``: one (pool row, 128-column half) of a warpgroup's 64 x 256 a thread -- each thread issues one copy.
+BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+#: ``BULK``: copy 256 bytes from the staging buffer (``$2``: byte offset in it) to global ``$1`` when ``$3`` is
+#: nonzero, as one bulk-async group of this thread. The staging buffer's offset from ``global_smem`` is resolved
+#: when the kernel compiles (:mod:`megamoe.shared_address`).
+BULK_STORE_ASM: gl.constexpr = gl.constexpr(
+    f"// megamoe.shared_address {SHARED_ADDRESS_VERSION}\n\t"
+    "{ .reg .b32 %bks; .reg .pred %bkp; setp.ne.b32 %bkp, $3, 0; mov.u32 %bks, global_smem; "
+    f"add.u32 %bks, %bks, {offset_token('l2_stage')}; add.u32 %bks, %bks, $2; "
+    "@%bkp cp.async.bulk.global.shared::cta.bulk_group [$1], [%bks], 256; cp.async.bulk.commit_group; "
+    "mov.u32 $0, 0; }")
 
 
 @gluon.jit
@@ -627,6 +648,48 @@ def _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, n0, valid, OFF_META
 
 
 @gluon.jit
+def _bulk_wait(READ: gl.constexpr = True):
+    """Wait until this thread's bulk-async copies have read their shared source (``READ``), or have completed."""
+    if READ:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage, buf, buffer_ptrs, me, row0, n0, valid, wg: gl.constexpr,
+                      OFF_META: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr):
+    """:func:`_l2_epilogue` through shared memory (``BULK``): the same bf16 rows written by the copy engine.
+
+    The rows' destinations first (:func:`_combine_rows`, one (row, half) a thread of :data:`BULK_ROWS`, their loads
+    in flight across what follows); then wait until this warpgroup's copies of its previous L2 tile have read
+    its staging rows (``l2_stage`` rows ``[64 wg, +64)``, :data:`STAGE_LAYOUT`), barrier, store both halves' bf16
+    bits into them straight from the wgmma layout (no layout change), ``fence.proxy.async`` and barrier; then each
+    thread issues one 256-byte ``cp.async.bulk`` of its (row, half) to the row's ``combine[slot][token]`` in the
+    source rank's buffer, rows past ``valid`` skipped. The warpgroup goes back to its MMAs while the copies run."""
+    v_lo = _to_bf16_bits(acc_lo)
+    v_hi = _to_bf16_bits(acc_hi)
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, BULK_ROWS))
+    ok = r < valid
+    dst_row = _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H)
+    dst = ((buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1)
+           + gl.expand_dims(h * HN, 0)).to(gl.int64)
+    src = gl.expand_dims((wg * WM + r) * (STAGE_PITCH * 2), 1) + gl.expand_dims(h * (HN * 2), 0)
+    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)
+    _bulk_wait(True)
+    gl.thread_barrier()
+    st = l2_stage.slice(wg * WM, WM, dim=0)
+    st.slice(0, HN, dim=1).store(v_lo)
+    st.slice(HN, HN, dim=1).store(v_hi)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(BULK_STORE_ASM, "=r,l,r,r", [dst, src, go], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _combine_rows(buf, buffer_ptrs, me, pool_rows, ok, n0, OFF_META: gl.constexpr, T: gl.constexpr,
                   H: gl.constexpr):
     """Where pool rows' L2 outputs go: per row (int32 ``pool_rows``, ``ok`` the real ones) the int16 offset, from
@@ -733,11 +796,15 @@ def _lead_step(lead, it, wg: gl.constexpr, LEAD: gl.constexpr):
 
 @gluon.jit
 def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
-                    tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
+                    l2_stage, tiles, num_l1, num_tiles, l2_mask, wg: gl.constexpr,
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False):
+                    STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False,
+                    BULK: gl.constexpr = False):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
+
+    ``BULK`` (``megamoe.fused.FP8_WS_BULK``): the L2 epilogue through ``l2_stage`` and the copy engine
+    (:func:`_l2_epilogue_bulk`); the warpgroup's copies are waited for (complete) before it exits.
 
     ``MC``: the slots of the cluster's pair schedule (:func:`_slot`); each stage released in both CTAs (the arrive
     of count 2, :mod:`megamoe.multicast`); a padding slot passes its stages through and has no epilogue.
@@ -803,14 +870,20 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
         if valid >= 0:  # (always but for MC's padding slots)
             if is_l2:
                 row0 = b * TILE_M + wg * WM
-                _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
-                             OFF_COMBINE, T, H, mma)
+                if BULK:
+                    _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage, buf, buffer_ptrs, me, row0, nt * TILE_N,
+                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)
+                else:
+                    _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, nt * TILE_N, valid - wg * WM, OFF_META,
+                                 OFF_COMBINE, T, H, mma)
             else:
                 _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, OFF_L2_SF, I,
                              SP, HAS_CLAMP, TILE_M, 2, False)
     if LEAD > 0 and wg == 0:
         if it < LEAD:  # fewer stages than LEAD in all: warpgroup 1 must not wait for more
             mbarrier.arrive(lead.index(0), count=1)
+    if BULK:  # the rows written before the launch ends (and the staging buffer read before the CTA leaves)
+        _bulk_wait(False)
 
 
 @gluon.jit
@@ -826,7 +899,8 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           SP: gl.constexpr, HAS_CLAMP: gl.constexpr, STAGES: gl.constexpr,
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
-                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False):
+                          LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False,
+                          BULK: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -876,6 +950,10 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     for i in gl.static_range(2):
         mbarrier.init(xbar.index(i), count=2)
     lead = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # BM = 128: LEAD's start signal
+    if BULK:  # (named: its offset is resolved into the copies' inline PTX, megamoe.shared_address)
+        l2_stage = gl.allocate_shared_memory(gl.int16, [2 * WM, 2 * HN], STAGE_LAYOUT)
+    else:
+        l2_stage = gl.allocate_shared_memory(gl.int16, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     mbarrier.init(lead.index(0), count=1)
     fence_async_shared()  # barrier inits visible to the async proxy before first use
     if MC:  # the peer CTA's barriers are initialised before anything lands in or arrives on them
@@ -897,11 +975,11 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
         return
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
-                           tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
+                           l2_stage, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
-                           tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META, OFF_COMBINE, T,
-                           H, I, SP, STAGES, HAS_CLAMP, LEAD, MC)),
+                           l2_stage, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
                            w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
                            arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),

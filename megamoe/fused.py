@@ -202,6 +202,17 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 #: T = 8192 7631 / 7664 / 7690 / 7654 -- no gain beyond the run's spread, so off; GPU-tested both ways (same bits,
 #: ``tests/gpu/test_ws_launch_options_gpu.py``; the layer bench with it on: ``layer_fp8_h200_4af2dae_lead_on.json``).
 FP8_WS_LEAD = False
+#: "fp8_ws" at pool block 128: the L2 epilogue through shared memory and the copy engine (``BULK`` of
+#: ``megamoe.kernels.gemm_fp8_ws._l2_epilogue_bulk``): each math warpgroup stores its 64 x 256 bf16 rows into its own
+#: padded staging slice straight from the wgmma layout and issues one 256-byte ``cp.async.bulk`` per (row, half) to
+#: the row's combine slot, then goes back to its MMAs while the copies run -- instead of converting the tile to a
+#: 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from registers. Why: the L2
+#: epilogue takes 5-6 % of the phase's cycles at T = 8192 with the tensor cores idle (both warpgroups in it at once),
+#: and only ~2 % is its memory traffic (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The
+#: staging (67.5 KB) takes the ring's fourth stage, which costs nothing measurable: ``stages3`` rows of
+#: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240
+#: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits.
+FP8_WS_BULK = False
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
 # started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
 # top-k weights), since the L2 epilogue costs 5-6 % of the phase's cycles and only ~2 % is its stores' traffic
@@ -1311,7 +1322,8 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     """The constexpr and launch keywords of ``megamoe.kernels.gemm_fp8_ws.fp8_gemm_phase_kernel`` for ``sb``'s
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
-    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST)
+    key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST, FP8_WS_BULK,
+           FP8_WS_STAGES[bm])
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: direct_launch.FrozenKeywords(fp8_ws_keywords(sb.layout, bm, has_clamp)))
 
@@ -1321,12 +1333,19 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     at pool block ``bm`` (64 or 128), as ``fp4_ws_keywords``."""
     offs = _offsets(L)
     math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
+    bulk = FP8_WS_BULK and bm == 128
     return dict(
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
-        SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=FP8_WS_STAGES[bm], MATH_REGS=math_regs,
+        SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=fp8_ws_stages(bm), MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
-        LEAD=FP8_WS_STAGES[bm] if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        LEAD=fp8_ws_stages(bm) if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
+        MC=fp8_ws_multicast("fp8_ws", bm), BULK=bulk, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+
+
+def fp8_ws_stages(bm: int) -> int:
+    """Ring stages of the FP8 Gluon phase at pool block ``bm``: ``FP8_WS_STAGES``, one fewer at block 128 with
+    ``FP8_WS_BULK`` (its staging takes that stage's shared memory)."""
+    return FP8_WS_STAGES[bm] - (1 if FP8_WS_BULK and bm == 128 else 0)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

@@ -14,8 +14,8 @@ to its unicast twin on an H100):
 * the kernel is compiled for **one CTA** (every CTA its own program) and **launched in clusters of two**: Triton's
   C launcher takes the cluster size from the compiled kernel's ``packed_metadata`` (``num_warps, num_ctas,
   shared``), launching ``grid x num_ctas`` CTAs with ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` (:func:`as_cluster`);
-* a **PTX pass** (:func:`rewrite_ptx`, installed as Triton's ``knobs.runtime.add_stages_inspection_hook`` around
-  the ``ptx`` stage by :func:`install`) rewrites, in the kernels registered here (:func:`register`) and only where
+* a **PTX pass** (:func:`rewrite_ptx`, run on the ``ptx`` stage's output by :mod:`megamoe.compile_hooks`, installed
+  by :func:`install`) rewrites, in the kernels registered here (:func:`register`) and only where
   the kernel carries the marker below:
 
   1. every 2-D TMA load into its ``.multicast::cluster`` form, with the CTA mask ``0b11`` where it loads through
@@ -43,6 +43,8 @@ import dataclasses
 import hashlib
 import pathlib
 import re
+
+from megamoe import compile_hooks
 
 #: A digest of this module's text. Triton's cache key holds a kernel's source and the constexpr globals it reads,
 #: not the stages hook, so the kernel reads it (in :data:`CLUSTER_READY_ASM`): an edit of the pass compiles anew.
@@ -150,30 +152,14 @@ def rewrite_ptx(ptx: str) -> tuple[str, dict]:
     return ptx, counts
 
 
-def _hook_for(previous):
-    def hook(backend, stages, options, language, capability):
-        if previous is not None:
-            previous(backend, stages, options, language, capability)
-        make_ptx = stages.get("ptx")
-        if make_ptx is None or getattr(make_ptx, "_megamoe_multicast", False):
-            return
-
-        def ptx_stage(src, metadata):
-            return rewrite_ptx(make_ptx(src, metadata))[0]
-        ptx_stage._megamoe_multicast = True
-        stages["ptx"] = ptx_stage
-    hook._megamoe_multicast = True
-    return hook
+def _ptx_pass(ptx: str, metadata) -> str:
+    return rewrite_ptx(ptx)[0]
 
 
 def install() -> None:
-    """Put the pass into Triton's compile pipeline (once per process; a stages hook set before is kept and runs
-    first). Any kernel not registered, or without the marker, compiles as before."""
-    from triton import knobs
-
-    current = knobs.runtime.add_stages_inspection_hook
-    if not getattr(current, "_megamoe_multicast", False):
-        knobs.runtime.add_stages_inspection_hook = _hook_for(current)
+    """Put the pass into Triton's compile pipeline (:mod:`megamoe.compile_hooks`: one stages hook a process, a hook
+    set before it kept). Any kernel not registered, or without the marker, compiles as before."""
+    compile_hooks.add_ptx_pass("multicast", _ptx_pass)
 
 
 def as_cluster(kernel, cluster: int = CLUSTER):

@@ -30,7 +30,8 @@ with its L2 flush, as the bench).
     combine's reads would cost the phase under the cap; ``l2contig``: the L2 rows stored in pool order into slot
     0's rows, no metadata loads (session 46).
   - ``stages3``: the kernel as it is with a 3-stage ring at 128-row tiles instead of 4 (same bits; session 47: the
-    price of the shared memory a staged L2 epilogue would need).
+    price of the shared memory a staged L2 epilogue would need); ``bulk`` / ``nobulk``: ``FP8_WS_BULK`` on / off
+    (the L2 epilogue through shared memory and ``cp.async.bulk``, on 3 stages; same bits).
 
   ``PROBE_REP_MS`` (default 300) sets each timing's window; under the board's power cap (T = 8192) use ~3000, as
   ``clock_probe.py`` does, so that every variant is timed at the limiter's steady clock; ``PROBE_CLOCKS=1`` adds
@@ -267,9 +268,11 @@ PATCHES = {
 }
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
-#: variants that are the kernel as it is with another ring depth at 128-row tiles (``FP8_WS_STAGES[128]``; same bits):
-#: what a shallower ring would cost, to free one stage's 48.5 KB of shared memory for an epilogue's staging
-STAGE_VARIANTS = {"stages3": 3}
+#: variants that are the kernel as it is under other constants of ``megamoe.fused`` (same bits): ``stages3`` a 3-stage
+#: ring at 128-row tiles (what freeing a stage's 48.5 KB of shared memory for an epilogue's staging costs), ``bulk``
+#: the L2 epilogue staged and written by ``cp.async.bulk`` (``FP8_WS_BULK``, which takes that stage)
+SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}}, "bulk": {"FP8_WS_BULK": True},
+                    "nobulk": {"FP8_WS_BULK": False}}
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -298,7 +301,7 @@ def _import_file(name: str, path) -> object:
 @functools.lru_cache(maxsize=None)
 def kernel_module(variant: str):
     """``megamoe.kernels.gemm_fp8_ws`` as it is, or ``variant``'s text-patched copy (imported from a temporary file)."""
-    if variant == "as_is" or variant in STAGE_VARIANTS:
+    if variant == "as_is" or variant in SETTING_VARIANTS:
         return AS_IS
     path = pathlib.Path(tempfile.mkdtemp(prefix="fp8_ws_probe_")) / f"gemm_fp8_ws_{variant}.py"
     path.write_text(patched_source(variant))
@@ -365,7 +368,9 @@ def probe_phase(tokens=(512, 2048, 8192)):
         mf.FP8_WS_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
         for variant in variants:
-            mf.FP8_WS_STAGES[128] = STAGE_VARIANTS.get(variant, stages)
+            saved_settings = {name: getattr(mf, name) for name in SETTING_VARIANTS.get(variant, {})}
+            for name, value in SETTING_VARIANTS.get(variant, {}).items():
+                setattr(mf, name, value)
             sb, _, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
             try:
@@ -380,12 +385,14 @@ def probe_phase(tokens=(512, 2048, 8192)):
             except Exception as exc:  # a variant that does not compile is reported, not fatal
                 emit(probe="phase", T=T, variant=variant, error=repr(exc)[:300])
                 sb.destroy()
+                for name, value in saved_settings.items():
+                    setattr(mf, name, value)
                 continue
             row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
-                       stages=mf.FP8_WS_STAGES[cfg.block_m], variant=variant,
+                       stages=mf.fp8_ws_stages(cfg.block_m), bulk=mf.FP8_WS_BULK, variant=variant,
                        multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
             if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
-                            "dupw", "dupa", *STAGE_VARIANTS)
+                            "dupw", "dupa", *SETTING_VARIANTS)
                     or variant.startswith("stagger")):
                 want = y.clone() if want is None else want
                 row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
@@ -393,6 +400,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
             us = _median_ms(call, rep_ms=REP_MS) * 1e3
             emit(**row, us=us, **(sampler.stop() if sampler else {}))
             sb.destroy()
+            for name, value in saved_settings.items():
+                setattr(mf, name, value)
         use_kernel(AS_IS)
     mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]
     mf.FP8_WS_STAGES.update(saved[1])

@@ -7,7 +7,8 @@ and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
 with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) with
 per-block decode; the FP8 phase's 2-CTA clusters with the weights multicast (``FP8_WS_MULTICAST``: pool blocks of
-one, two and more an expert, so pairs with a second tile and padding slots).
+one, two and more an expert, so pairs with a second tile and padding slots); the FP8 phase's L2 epilogue through
+shared memory and ``cp.async.bulk`` (``FP8_WS_BULK``: the same cases, blocks with padding rows).
 Either way the same output bits on every local rank of a four-rank case (four GEMM-phase launches chained between
 one front and one back launch), and within the format's tolerance of the reference. (Their CUDA-graph capture runs
 in the graph tests of ``test_fp8_gpu.py`` / ``test_fp4_ws_gpu.py``, with the defaults.)"""
@@ -24,7 +25,7 @@ OPTIONS = {"WS_PDL": (False, True), "FP8_WS_LEAD": (False, True),
            "WS_BACK_PROGRAMS_PER_SM": (1, 4),
            "FP4_WS_DECODE_HALVES": tuple({128: v, 64: False} for v in (False, True)),
            "FP4_WS_FOLD_ONCE": tuple({128: v, 64: False} for v in (False, True)),
-           "FP8_WS_MULTICAST": (False, True)}
+           "FP8_WS_MULTICAST": (False, True), "FP8_WS_BULK": (False, True)}
 #: option -> constants of ``megamoe.fused`` set for both runs: the tile the option changes (the decode halves: the
 #: decode-partition tile at pool block 128, per-block decode and, as ``FP4_WS_DECODE_HALVES@predecoded``, the
 #: predecoded weights, where only the L2 A fold changes)
@@ -42,7 +43,7 @@ FORCE["FP4_WS_IDLE_DECODE"] = dict(FORCE["FP4_WS_DECODE_HALVES"], FP4_WS_IDLE_MA
 #: option -> the indices of ``gluon_phase_cases`` it runs (by default the four-rank case): the idle decode needs
 #: pool blocks of both kinds, <= 64 rows (one rank's 300 tokens at top-2 over 4 experts: 150 an expert, a block of
 #: 128 and one of ~22; the skewed case's cold experts) and more (the four-rank case: ~88 an expert)
-CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3), "FP8_WS_MULTICAST": (0, 2, 3)}
+CASES = {"FP4_WS_IDLE_DECODE": (0, 2, 3), "FP8_WS_MULTICAST": (0, 2, 3), "FP8_WS_BULK": (0, 2, 3)}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
