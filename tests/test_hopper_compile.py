@@ -111,6 +111,33 @@ def test_fp8_phase_multicast_is_in_the_sass_only_with_mc():
 
 
 @pytest.mark.slow
+def test_fp8_phase_bulk_epilogue_copies_from_its_staging_buffer():
+    """``FP8_WS_BULK`` (the L2 epilogue through shared memory and ``cp.async.bulk``, on a 3-stage ring) compiles within
+    the FP8 budgets, and ``megamoe.shared_address`` resolved its copies' source to the staging buffer: in each math
+    partition the bf16 stores between the wait for the previous copies and the copy itself all land in
+    ``[offset, offset + 128 x 528)``, the resolved offset, and no token is left in the PTX."""
+    import re
+    import shutil
+
+    layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8")
+    r = compile_gluon_phase("fp8_ws", layout, 128, keep=True, settings={"FP8_WS_BULK": True})
+    with open(f"{r.directory}/k.ptx") as f:
+        ptx = f.read()
+    with open(f"{r.directory}/k.sass") as f:
+        sass = f.read()
+    shutil.rmtree(r.directory)
+    assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK and r.spill_stores <= SPILL_BUDGET["fp8_ws", 128], r
+    assert "MEGAMOE_SMEM_OFFSET" not in ptx
+    copies = re.findall(r"add\.u32 %bks, %bks, (\d+);.*?cp\.async\.bulk\.global\.shared::cta", ptx)
+    assert len(copies) == 2 and len(set(copies)) == 1, copies  # one copy site a math partition, one buffer
+    offset, size = int(copies[0]), 2 * 64 * (2 * 128 + 8) * 2
+    for body in re.findall(r"cp\.async\.bulk\.wait_group\.read 0;(.*?)cp\.async\.bulk\.global", ptx, re.S):
+        stores = [int(m) for m in re.findall(r"st\.shared\.b32 \t?\[%r\d+\+(\d+)\]", body)]
+        assert len(stores) == 64 and all(offset <= a < offset + size for a in stores), stores
+    assert "UBLKCP" in sass and sass.count("UBLKCP") == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [8, 16, 32, 64, 128])
 def test_fp4_rs_phase_compiles_for_its_ctas_an_sm(block_n):
     """The register-operand FP4 tile (``megamoe.kernels.gemm_fp4_rs``) at each token chunk, with the host's

@@ -1,6 +1,7 @@
 """``megamoe.multicast``: the PTX pass on a small hand-written module (what it rewrites, what it leaves), the
-cluster launch's guard against a compile without it, and the pass in Triton's stages hook. The pass on the real
-kernels' PTX: ``tests/test_hopper_compile.py`` (the fused FP8 phase) and ``tests/test_probes.py`` (the toy)."""
+cluster launch's guard against a compile without it, and the pass among ``megamoe.compile_hooks``' PTX passes. The
+pass on the real kernels' PTX: ``tests/test_hopper_compile.py`` (the fused FP8 phase) and ``tests/test_probes.py``
+(the toy)."""
 from types import SimpleNamespace
 
 import pytest
@@ -90,20 +91,9 @@ def test_as_cluster_sets_the_cluster_and_refuses_a_compile_without_the_pass():
     assert plain.packed_metadata == (4, 1, 1024)
 
 
-def test_install_wraps_the_ptx_stage_once_and_keeps_an_earlier_hook(monkeypatch):
-    """The hook runs a stages hook set before it, then wraps the ``ptx`` stage with the pass (once, however often
-    it is installed or called); any module not registered passes through."""
-    from triton import knobs
+def test_install_adds_the_pass_to_the_compile_hooks():
+    """The pass runs as ``megamoe.compile_hooks``' "multicast" PTX pass (the hook itself: ``test_compile_hooks.py``)."""
+    from megamoe import compile_hooks
 
-    seen = []
-    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", lambda *a: seen.append(a))
     multicast.install()
-    multicast.install()
-    hook = knobs.runtime.add_stages_inspection_hook
-    calls = []
-    stages = {"ptx": lambda src, metadata: calls.append(src) or src}
-    hook("backend", stages, "options", "language", 90)
-    wrapped = stages["ptx"]
-    hook("backend", stages, "options", "language", 90)
-    assert stages["ptx"] is wrapped and len(seen) == 2  # not wrapped twice; the earlier hook ran each time
-    assert wrapped("plain ptx", None) == "plain ptx" and calls == ["plain ptx"]
+    assert compile_hooks._PTX_PASSES["multicast"] is multicast._ptx_pass
