@@ -212,7 +212,7 @@ FP8_WS_LEAD = False
 #: staging (67.5 KB) takes the ring's fourth stage, which costs nothing measurable: ``stages3`` rows of
 #: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240
 #: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits.
-FP8_WS_BULK = False
+FP8_WS_BULK = True
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
 # started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
 # top-k weights), since the L2 epilogue costs 5-6 % of the phase's cycles and only ~2 % is its stores' traffic
