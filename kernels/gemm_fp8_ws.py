@@ -45,7 +45,10 @@ for the largest block a call may pick:
   loader waits **per K block** ``kb`` for the two bits of L1 tile ``kb`` of the block (acquire, then
   ``fence.proxy.async``): an L2 tile starts while later L1 tiles of its block are still running -- the seed's
   arrival-mask mechanism at the finest grain. Epilogue: bf16 rows into ``combine[slot][token]`` of each row's source
-  rank (``sym_map`` arithmetic, rows past the block's valid count skipped).
+  rank (``sym_map`` arithmetic, rows past the block's valid count skipped); with ``BULK`` (``megamoe.fused.
+  FP8_WS_BULK``, the default at block 128) staged in shared memory and written by one ``cp.async.bulk`` a (row,
+  half) while the warpgroup goes back to its MMAs (:func:`_l2_epilogue_bulk`; the staging buffer's address comes
+  from :mod:`megamoe.shared_address`), else stored from registers after a layout change (:func:`_l2_epilogue`).
 
 **2-CTA clusters** (``MC``, pool block 128, ``megamoe.fused.FP8_WS_MULTICAST``): the grid runs as clusters of two
 CTAs (:mod:`megamoe.multicast`) over the front launch's pair table instead of the tile stride: each cluster takes

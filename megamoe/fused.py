@@ -189,7 +189,8 @@ FP8_WS_BLOCK64_MAX_EXPECTED = 32
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
 #: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill in a K loop (52
 #: spill stores elsewhere at block 128 in session 46's compile, within ``tests/test_hopper_compile.py``'s budget).
-#: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64.
+#: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64 (block 128 runs one fewer with
+#: ``FP8_WS_BULK``, :func:`fp8_ws_stages`).
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
 #: "fp8_ws" at pool block 128: whether math warpgroup 1 starts only once warpgroup 0 has taken a ring's worth of
 #: stages (``LEAD`` of ``megamoe.kernels.gemm_fp8_ws._math_partition``), so that the two run that far apart and their
@@ -211,7 +212,12 @@ FP8_WS_LEAD = False
 #: and only ~2 % is its memory traffic (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The
 #: staging (67.5 KB) takes the ring's fourth stage, which costs nothing measurable: ``stages3`` rows of
 #: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240
-#: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits.
+#: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits
+#: (``tests/gpu/test_ws_launch_options_gpu.py``). Measured on an H100, off / on alternating
+#: (``results/probes/bulk_runs/``): T = 512 1210 / 1191 / 1211 / 1188 us, 1024 1349 / 1347 / 1347 / 1351, 2048 2120 /
+#: 2128 / 2118 / 2124, 8192 in 3 s windows 6647 / 6578 / 6630 / 6677 at the same clocks: faster at T = 512 only (the
+#: 3-stage ring alone 1196 / 1193 there), so the L2 epilogue's share of the cycles at T = 8192 was not the
+#: warpgroups' time in it. On, for the T = 512 gain and the shorter path out of the MMA stream.
 FP8_WS_BULK = True
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
 # started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
