@@ -185,18 +185,20 @@ STORE_BF16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 #: lanes hold in one store of the wgmma layout 16 bytes apart (no bank conflict) and keeps every row 16-byte aligned
 #: for ``cp.async.bulk``. Rows ``[64 wg, 64 wg + 64)`` are warpgroup ``wg``'s; 67.5 KB in all, what a 3-stage ring
 #: leaves (``megamoe.fused.FP8_WS_BULK``).
-STAGE_PITCH: gl.constexpr = gl.constexpr(2 * 128 + 8)
-STAGE_LAYOUT: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[2 * 128, 8]], [2 * 64, 2 * 128], [1, 0])
+STAGE_PITCH: gl.constexpr = gl.constexpr(2 * HN.value + 8)
+STAGE_LAYOUT: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[2 * HN.value, 8]], [2 * WM.value, 2 * HN.value],
+                                                                      [1, 0])
 #: ``BULK``: one (pool row, 128-column half) of a warpgroup's 64 x 256 a thread -- each thread issues one copy.
 BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-#: ``BULK``: copy 256 bytes from the staging buffer (``$2``: byte offset in it) to global ``$1`` when ``$3`` is
+#: ``BULK``: copy one half-row (128 bf16, 256 bytes) from the staging buffer (``$2``: byte offset in it) to global
+#: ``$1`` when ``$3`` is
 #: nonzero, as one bulk-async group of this thread. The staging buffer's offset from ``global_smem`` is resolved
 #: when the kernel compiles (:mod:`megamoe.shared_address`).
 BULK_STORE_ASM: gl.constexpr = gl.constexpr(
     f"// megamoe.shared_address {SHARED_ADDRESS_VERSION}\n\t"
     "{ .reg .b32 %bks; .reg .pred %bkp; setp.ne.b32 %bkp, $3, 0; mov.u32 %bks, global_smem; "
     f"add.u32 %bks, %bks, {offset_token('l2_stage')}; add.u32 %bks, %bks, $2; "
-    "@%bkp cp.async.bulk.global.shared::cta.bulk_group [$1], [%bks], 256; cp.async.bulk.commit_group; "
+    f"@%bkp cp.async.bulk.global.shared::cta.bulk_group [$1], [%bks], {2 * HN.value}; cp.async.bulk.commit_group; "
     "mov.u32 $0, 0; }")
 
 
@@ -955,7 +957,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     lead = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # BM = 128: LEAD's start signal
     if BULK:  # (named: its offset is resolved into the copies' inline PTX, megamoe.shared_address)
         l2_stage = gl.allocate_shared_memory(gl.int16, [2 * WM, 2 * HN], STAGE_LAYOUT)
-    else:
+    else:  # (a 32-byte placeholder the math partitions take and never touch)
         l2_stage = gl.allocate_shared_memory(gl.int16, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     mbarrier.init(lead.index(0), count=1)
     fence_async_shared()  # barrier inits visible to the async proxy before first use

@@ -9,7 +9,8 @@ other kernel as it was:
   the ``llir`` stage's input (the TritonGPU module) before the stage lowers it -- :mod:`megamoe.shared_address`
   reads there where the shared-memory allocator will put a named buffer;
 * **PTX passes** (:func:`add_ptx_pass`): ``f(ptx, metadata) -> ptx``, run on the ``ptx`` stage's output in the
-  order they were added -- :mod:`megamoe.multicast`'s rewrite, then :mod:`megamoe.shared_address`'s.
+  order they were added -- :mod:`megamoe.multicast`'s rewrite and :mod:`megamoe.shared_address`'s (which touch
+  different instructions, so either order gives the same PTX).
 
 One hook however often :func:`install` runs (it carries :data:`MARK`), chained after any hook set before it; each
 stage is wrapped once. Neither kind of step is part of Triton's cache key: a kernel that uses one reads a digest of

@@ -207,10 +207,11 @@ FP8_WS_LEAD = False
 #: ``megamoe.kernels.gemm_fp8_ws._l2_epilogue_bulk``): each math warpgroup stores its 64 x 256 bf16 rows into its own
 #: padded staging slice straight from the wgmma layout and issues one 256-byte ``cp.async.bulk`` per (row, half) to
 #: the row's combine slot, then goes back to its MMAs while the copies run -- instead of converting the tile to a
-#: 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from registers. Why: the L2
-#: epilogue takes 5-6 % of the phase's cycles at T = 8192 with the tensor cores idle (both warpgroups in it at once),
-#: and only ~2 % is its memory traffic (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The
-#: staging (67.5 KB) takes the ring's fourth stage, which costs nothing measurable: ``stages3`` rows of
+#: 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from registers. Built because
+#: the L2 epilogue's knock-out took 5-6 % of the phase's cycles at T = 8192 (both warpgroups in it at once, the tensor
+#: cores idle), only ~2 % of them its memory traffic
+#: (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The staging (67.5 KB) takes the ring's
+#: fourth stage, which costs nothing measurable: ``stages3`` rows of
 #: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240
 #: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits
 #: (``tests/gpu/test_ws_launch_options_gpu.py``). Measured on an H100, off / on alternating

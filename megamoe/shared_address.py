@@ -80,6 +80,7 @@ def _allocate_copy(src, options, capability) -> str:
 
 
 def _inspect(src, metadata, options, capability) -> None:
+    _PENDING.pop(id(metadata), None)  # (an entry a failed compile left under a recycled id)
     text = str(src)
     names = set(_TOKEN_RE.findall(text))
     if not names:
