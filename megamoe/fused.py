@@ -187,8 +187,9 @@ FP8_WS_MIN_EXPECTED = FP8_SWAP_MAX_EXPECTED
 FP8_WS_BLOCK64_MAX_EXPECTED = 32
 #: Ring stages, register split (math warpgroups / loader warp / pull warps, the kernel's maxnreg) and pull warps of
 #: the Gluon GEMM phase: 4 x 48.5 KB of shared memory; 16 warps (4 + 4 math, the loader padded to 4, 4 pull) at
-#: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill in a K loop (52
-#: spill stores elsewhere at block 128 in session 46's compile, within ``tests/test_hopper_compile.py``'s budget).
+#: 128 registers = the SM's 64 K. Offline sm_90a compile (Triton 3.6, V4-Pro shapes): no spill in a K loop (32
+#: spill stores elsewhere at block 128 in session 47's compile with ``FP8_WS_BULK``, 52 without, within
+#: ``tests/test_hopper_compile.py``'s budget).
 #: Stages by pool block: 4 x 48.5 KB at block 128, 5 x 40.25 KB at block 64 (block 128 runs one fewer with
 #: ``FP8_WS_BULK``, :func:`fp8_ws_stages`).
 FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 128), 4
