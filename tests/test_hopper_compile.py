@@ -11,7 +11,8 @@ from megamoe.layout import Layout
 #: fp4_ws 20 / 8 (block 64: the scale-word prefetch; block 128: 184 until session 30, all in the decode partition's
 #: per-tile row maxima over the scale words, since read from ``megamoe.fused._fp4_row_maxima``), fp8_ws 4 / 24 (52
 #: at block 128 with the 2-CTA multicast, ``FP8_WS_MULTICAST``: its pair schedule's words, in the math partitions'
-#: tile loops; 32 since the staged L2 epilogue, ``FP8_WS_BULK``), none of them inside a K loop (the math and decode partitions' loops, checked below).
+#: tile loops; 32 since the staged L2 epilogue, ``FP8_WS_BULK``), none of them inside a K loop (the math and decode
+#: partitions' loops, checked below).
 SPILL_BUDGET = {("fp4_ws", 64): 32, ("fp4_ws", 128): 40, ("fp8_ws", 64): 16, ("fp8_ws", 128): 64,
                 ("fp4_ws_predecoded", 64): 32, ("fp4_ws_predecoded", 128): 40}
 
