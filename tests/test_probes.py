@@ -46,6 +46,13 @@ def test_fp8_ws_probe_patches_apply_once_and_parse():
         src = probe.patched_source(variant)  # asserts each old text occurs exactly once
         assert src != original
         ast.parse(src)
+    import megamoe.fused as mf  # the variants' settings are constants of megamoe.fused, on variants that exist
+
+    assert set(probe.PATCH_SETTINGS) <= set(probe.PATCHES) and not set(probe.SETTING_VARIANTS) & set(probe.PATCHES)
+    for variant in (*probe.SETTING_VARIANTS, *probe.PATCH_SETTINGS):
+        assert probe.variant_settings(variant) and set(probe.variant_settings(variant)) <= set(vars(mf)), variant
+
+
 def test_multicast_probe_pass_rewrites_only_its_multicast_kernel(tmp_path):
     """The multicast probe's PTX pass (``megamoe.multicast``'s) still finds what it rewrites in Triton's PTX for
     sm_90a: with ``MC`` the TMA loads (W's two halves and A, in the prologue's two stages and the loop) become

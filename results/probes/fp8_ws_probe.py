@@ -28,7 +28,8 @@ with its L2 flush, as the bench).
     its memory traffic costs against its instructions); ``stream``: after its pull each CTA's pull warps read the
     combine reduce's bytes (6 rows of 2 H bytes a token, 704 MB at T = 8192) from the L1 pool: what an in-phase
     combine's reads would cost the phase under the cap; ``l2contig``: the L2 rows stored in pool order into slot
-    0's rows, no metadata loads (session 46).
+    0's rows, no metadata loads (session 46). ``uncoalesced``, ``old_epilogue``, ``l2_rows_twice`` and ``l2nomem``
+    patch the L2 epilogue that stores from registers, so they run with ``FP8_WS_BULK`` off (``PATCH_SETTINGS``).
   - ``stages3``: the kernel as it is with a 3-stage ring at 128-row tiles instead of 4 (same bits; session 47: the
     price of the shared memory a staged L2 epilogue would need); ``bulk`` / ``nobulk``: ``FP8_WS_BULK`` on / off
     (the L2 epilogue through shared memory and ``cp.async.bulk``, on 3 stages; same bits).
@@ -273,6 +274,14 @@ PREFILL = ("nopull", )
 #: the L2 epilogue staged and written by ``cp.async.bulk`` (``FP8_WS_BULK``, which takes that stage)
 SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}}, "bulk": {"FP8_WS_BULK": True},
                     "nobulk": {"FP8_WS_BULK": False}}
+#: patched variants whose patches are in the L2 epilogue that stores from registers (``_l2_epilogue``): run with
+#: ``FP8_WS_BULK`` off, the kernel they were written against (with it on their L2 part would patch unused code)
+PATCH_SETTINGS = {v: {"FP8_WS_BULK": False} for v in ("uncoalesced", "old_epilogue", "l2_rows_twice", "l2nomem")}
+
+
+def variant_settings(variant: str) -> dict:
+    """The constants of ``megamoe.fused`` that ``variant`` runs under (name -> value; empty: the host's)."""
+    return SETTING_VARIANTS.get(variant) or PATCH_SETTINGS.get(variant) or {}
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -368,8 +377,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
         mf.FP8_WS_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
         for variant in variants:
-            saved_settings = {name: getattr(mf, name) for name in SETTING_VARIANTS.get(variant, {})}
-            for name, value in SETTING_VARIANTS.get(variant, {}).items():
+            saved_settings = {name: getattr(mf, name) for name in variant_settings(variant)}
+            for name, value in variant_settings(variant).items():
                 setattr(mf, name, value)
             sb, _, y, call = rank(T)
             cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
