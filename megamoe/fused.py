@@ -1341,19 +1341,23 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
     at pool block ``bm`` (64 or 128), as ``fp4_ws_keywords``."""
     offs = _offsets(L)
     math_regs, load_regs, pull_regs, maxnreg = FP8_WS_REGS
-    bulk = FP8_WS_BULK and bm == 128
     return dict(
         {k: offs[k] for k in _WS_OFFSETS}, T=L.num_max_tokens_per_rank, H=L.hidden, I=L.intermediate_hidden,
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=fp8_ws_stages(bm), MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=fp8_ws_stages(bm) if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), BULK=bulk, num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), BULK=fp8_ws_bulk(bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+
+
+def fp8_ws_bulk(bm: int) -> bool:
+    """Whether the FP8 Gluon phase at pool block ``bm`` stages its L2 epilogue (``FP8_WS_BULK``: block 128 only)."""
+    return FP8_WS_BULK and bm == 128
 
 
 def fp8_ws_stages(bm: int) -> int:
-    """Ring stages of the FP8 Gluon phase at pool block ``bm``: ``FP8_WS_STAGES``, one fewer at block 128 with
-    ``FP8_WS_BULK`` (its staging takes that stage's shared memory)."""
-    return FP8_WS_STAGES[bm] - (1 if FP8_WS_BULK and bm == 128 else 0)
+    """Ring stages of the FP8 Gluon phase at pool block ``bm``: ``FP8_WS_STAGES``, one fewer where it stages its
+    L2 epilogue (:func:`fp8_ws_bulk`: the staging takes that stage's shared memory)."""
+    return FP8_WS_STAGES[bm] - fp8_ws_bulk(bm)
 
 
 #: (device, grid, constexprs) launches already checked by ``_check_resident``.

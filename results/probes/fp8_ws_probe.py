@@ -75,6 +75,7 @@ with its L2 flush, as the bench).
                                            | fp4_threshold [T1,..] | host [T1,..]
                                            | combine [T1,..] | halves [T1,..]] >> fp8_ws_probe_h200.jsonl
 """
+import contextlib
 import functools
 import importlib.util
 import json
@@ -82,6 +83,7 @@ import os
 import pathlib
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 
@@ -282,6 +284,11 @@ PATCH_SETTINGS = {v: {"FP8_WS_BULK": False} for v in ("uncoalesced", "old_epilog
 def variant_settings(variant: str) -> dict:
     """The constants of ``megamoe.fused`` that ``variant`` runs under (name -> value; empty: the host's)."""
     return SETTING_VARIANTS.get(variant) or PATCH_SETTINGS.get(variant) or {}
+
+
+def _under(settings: dict):
+    """A context in which ``megamoe.fused``'s constants ``settings`` hold (put back on leaving, however left)."""
+    return mock.patch.multiple(mf, **settings) if settings else contextlib.nullcontext()
 import megamoe.kernels.gemm_fp8_ws as AS_IS  # noqa: E402  (the module as installed: every variant patches its file)
 
 
@@ -377,40 +384,34 @@ def probe_phase(tokens=(512, 2048, 8192)):
         mf.FP8_WS_BLOCK64_MAX_EXPECTED, mf.FP8_WS_STAGES[128] = limit, stages
         want = None
         for variant in variants:
-            saved_settings = {name: getattr(mf, name) for name in variant_settings(variant)}
-            for name, value in variant_settings(variant).items():
-                setattr(mf, name, value)
-            sb, _, y, call = rank(T)
-            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
-            try:
-                if variant in PREFILL:
-                    use_kernel(AS_IS)
+            with _under(variant_settings(variant)):
+                sb, _, y, call = rank(T)
+                cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+                try:
+                    if variant in PREFILL:
+                        use_kernel(AS_IS)
+                        call()
+                        torch.cuda.synchronize()
+                    use_kernel(kernel_module(variant))
+                    y.zero_()
                     call()
                     torch.cuda.synchronize()
-                use_kernel(kernel_module(variant))
-                y.zero_()
-                call()
-                torch.cuda.synchronize()
-            except Exception as exc:  # a variant that does not compile is reported, not fatal
-                emit(probe="phase", T=T, variant=variant, error=repr(exc)[:300])
+                except Exception as exc:  # a variant that does not compile is reported, not fatal
+                    emit(probe="phase", T=T, variant=variant, error=repr(exc)[:300])
+                    sb.destroy()
+                    continue
+                row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
+                           stages=mf.fp8_ws_stages(cfg.block_m), bulk=mf.FP8_WS_BULK, variant=variant,
+                           multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
+                if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
+                                "dupw", "dupa", *SETTING_VARIANTS)
+                        or variant.startswith("stagger")):
+                    want = y.clone() if want is None else want
+                    row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
+                sampler = _clock_sampler() if CLOCKS else None
+                us = _median_ms(call, rep_ms=REP_MS) * 1e3
+                emit(**row, us=us, **(sampler.stop() if sampler else {}))
                 sb.destroy()
-                for name, value in saved_settings.items():
-                    setattr(mf, name, value)
-                continue
-            row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
-                       stages=mf.fp8_ws_stages(cfg.block_m), bulk=mf.FP8_WS_BULK, variant=variant,
-                       multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
-            if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
-                            "dupw", "dupa", *SETTING_VARIANTS)
-                    or variant.startswith("stagger")):
-                want = y.clone() if want is None else want
-                row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
-            sampler = _clock_sampler() if CLOCKS else None
-            us = _median_ms(call, rep_ms=REP_MS) * 1e3
-            emit(**row, us=us, **(sampler.stop() if sampler else {}))
-            sb.destroy()
-            for name, value in saved_settings.items():
-                setattr(mf, name, value)
         use_kernel(AS_IS)
     mf.FP8_WS_BLOCK64_MAX_EXPECTED = saved[0]
     mf.FP8_WS_STAGES.update(saved[1])
