@@ -64,15 +64,16 @@ def _events_median_us(fn, n: int = 30) -> float:
 HOST_TIMING_CALLS = 20
 
 
-def _host_us(fn, calls: int = HOST_TIMING_CALLS) -> float:
-    """Median host time (µs) of one ``fn()`` call from an idle stream: Python, argument checks and the launches'
+def _host_us(fn, calls: int | None = None) -> float:
+    """Median host time (µs) of one ``fn()`` call from an idle stream (over ``calls``, by default
+    :data:`HOST_TIMING_CALLS` as it stands at the call): Python, argument checks and the launches'
     enqueue, without waiting for the GPU. When it approaches the call's ``us`` (``_median_ms``: the GPU waits for
     the host between the L2 flush and the first launch, or between launches) the row is host-bound: ``graph_us``
     is then the device-side time."""
     import time
 
     samples = []
-    for _ in range(calls):
+    for _ in range(HOST_TIMING_CALLS if calls is None else calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()

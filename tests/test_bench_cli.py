@@ -54,6 +54,10 @@ def test_timing_fields_host_median_and_a_failed_capture_reported(monkeypatch):
     delays = iter([0.05] + [0.002] * (bench.HOST_TIMING_CALLS - 1))
     out = bench._timing_fields(lambda: time.sleep(next(delays)), graph=False)
     assert set(out) == {"host_us"} and 2e3 <= out["host_us"] < 2e4, out
+    calls = []  # the number of calls is read when timing, so that a dry run's smaller count takes effect
+    monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 3)
+    bench._timing_fields(lambda: calls.append(1), graph=False)
+    assert len(calls) == 3
 
     def refuse(fn):
         raise RuntimeError("operation not permitted when stream is capturing")

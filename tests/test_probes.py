@@ -94,8 +94,9 @@ def test_fold_decode_variants_fit_the_real_shapes():
 
 def _dry_run_probe(monkeypatch, tokens: int, intermediate: int):
     """``fp8_ws_probe`` set up for a dry run of its modes on one CPU rank: a small shape (H 256, ``intermediate``,
-    4 experts, top-2), every mode at T = ``tokens``, no timing (the bench's timers stubbed), no CUDA sync, and the
-    Gluon kinds' GEMM phase run by its torch model (the CPU stand-in)."""
+    4 experts, top-2), every mode at T = ``tokens``, each alternating sequence once, no timing (the bench's timers
+    stubbed, two host-timed calls a row), no CUDA sync, and the Gluon kinds' GEMM phase run by its torch model (the
+    CPU stand-in)."""
     import torch
 
     import megamoe.bench as bench
@@ -108,6 +109,7 @@ def _dry_run_probe(monkeypatch, tokens: int, intermediate: int):
     monkeypatch.setattr(probe, "_median_ms", lambda fn: 0.0)
     monkeypatch.setattr(bench, "_graph_us", lambda fn: 0.0)
     monkeypatch.setattr(bench, "HOST_TIMING_CALLS", 2)
+    monkeypatch.setattr(probe, "ALTERNATIONS", 1)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(mf, "ws_unsupported_reason", lambda *a: None)  # the Gluon kinds' CPU stand-in
     return probe
@@ -157,9 +159,9 @@ def test_fp8_ws_probe_threshold_and_host_modes_dry_run(monkeypatch, capsys):
 @pytest.mark.slow
 def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
     """The probe's ``rs_ctas`` mode on a CPU rank at a small shape (as the test above): at each T it runs the tile as
-    is and every candidate of the chunk that T takes (``megamoe.fused.FP4_RS_CANDIDATES``), twice, each row on the
-    register-operand tile at that chunk and its candidate's pool block, within the bench's tolerance, and the
-    constants it overrides are put back."""
+    is and every candidate of the chunk that T takes (``megamoe.fused.FP4_RS_CANDIDATES``), ``ALTERNATIONS`` times,
+    each row on the register-operand tile at that chunk and its candidate's pool block, within the bench's tolerance,
+    and the constants it overrides are put back."""
     import json
 
     import megamoe.fused as mf
@@ -170,7 +172,7 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
     probe.probe_rs_ctas()
     assert {n: getattr(mf, n) for n in names} == saved
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    want = [(32, label) for _ in range(2) for label in ("as is", *mf.FP4_RS_CANDIDATES[32])]
+    want = [(32, label) for _ in range(probe.ALTERNATIONS) for label in ("as is", *mf.FP4_RS_CANDIDATES[32])]
     assert [(r["T"], r["choice"]) for r in rows] == want
     for r in rows:
         chunk = 32
@@ -182,8 +184,8 @@ def test_fp8_ws_probe_rs_ctas_dry_run(monkeypatch, capsys):
 @pytest.mark.slow
 def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
     """The probe's ``l2_per_block`` mode on a CPU rank at a small shape (as the tests above): both Hopper numerics
-    alternating twice at each T, plus the decode-partition tile at ``L2PB_FORCED_T``; each row on its tile and within
-    the bench's tolerance of its own numerics' model, the overridden constant put back."""
+    alternating (``ALTERNATIONS`` times) at each T, plus the decode-partition tile at ``L2PB_FORCED_T``; each row on
+    its tile and within the bench's tolerance of its own numerics' model, the overridden constant put back."""
     import json
 
     import megamoe.fused as mf
@@ -195,7 +197,8 @@ def test_fp8_ws_probe_l2_per_block_dry_run(monkeypatch, capsys):
     assert mf.FP4_RS_MAX_EXPECTED == limit
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     modes = ("hopper", "hopper_l2_per_block")
-    want = [f"{n} host" for _ in range(2) for n in modes] + [f"{n} decode-partition" for _ in range(2) for n in modes]
+    passes = range(probe.ALTERNATIONS)
+    want = [f"{n} host" for _ in passes for n in modes] + [f"{n} decode-partition" for _ in passes for n in modes]
     assert [r["choice"] for r in rows] == want
     for r in rows:
         assert r["numerics"] == r["choice"].split()[0] and r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r
@@ -221,7 +224,7 @@ def test_fp8_ws_probe_tiles_dry_run(monkeypatch, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     labels = [label for label, _ in probe.TILE_CHOICES]
     assert [(r["routing"], r["choice"]) for r in rows] == [
-        (routing, label) for routing in ("uniform", "skewed") for _ in range(2) for label in labels]
+        (routing, label) for routing in ("uniform", "skewed") for _ in range(probe.ALTERNATIONS) for label in labels]
     tile = {"as is": (128, True, 0), "idle decode off": (128, False, 0), "block 64": (64, False, 0)}
     for r in rows:
         assert r["numerics"] == AUTO_GPU_NUMERICS and r["kind"] == "fp4_ws" and r["rel_fro"] < 2e-2, r

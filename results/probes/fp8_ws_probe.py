@@ -359,6 +359,12 @@ def rank(T: int, fmt: str = "fp8", max_tokens: int = 0, numerics: str = "hopper"
     return sb, problem, y, lambda: fp8_fp4_mega_moe(y, l1, l2, sb, impl="fused", numerics=numerics, check=False)
 
 
+#: How many times the alternating modes (``rs_threshold``, ``l2_per_block``, ``tiles``, ``rs_ctas``, the block-128
+#: options' register-operand rows) run their sequence of choices at each T: twice on the GPU, so that a drift of the
+#: clock shows as a difference between the two passes; once in ``tests/test_probes.py``'s dry runs.
+ALTERNATIONS = 2
+
+
 def _tokens(default):
     return [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else default
 
@@ -625,7 +631,7 @@ def probe_rs_threshold(tokens=(512, 1024)):
     whole call at 2057 / 1997; ``us_noflush`` (calls back to back, no L2 flush, as the phase profile runs them) asks
     whether the flush before each timed call is what turns the phase's lead around."""
     for T in _tokens(tokens):
-        for _ in range(2):
+        for _ in range(ALTERNATIONS):
             for label, limit in (("rs 64", float("inf")), ("decode-partition", -1)):
                 _choice_row("rs_threshold", T, label, "fp8_fp4", {"FP4_RS_MAX_EXPECTED": limit}, noflush=True)
 
@@ -639,7 +645,7 @@ def _block128_off_on(probe: str, option: str, tokens, **forced) -> None:
             _choice_row(probe, T, f"{probe} {'on' if on else 'off'}", "fp8_fp4",
                         {option: {128: on, 64: False}, "FP4_RS_MAX_EXPECTED": -1, **forced})
         if T <= 512:
-            for _ in range(2):
+            for _ in range(ALTERNATIONS):
                 _choice_row(probe, T, "rs 64", "fp8_fp4", {"FP4_RS_MAX_EXPECTED": float("inf")})
 
 
@@ -694,11 +700,11 @@ def probe_l2_per_block(tokens=(128, 512, 2048, 8192)):
     (``FP4_RS_MAX_EXPECTED = -1``), for ``FP4_RS_MAX_EXPECTED``. The bits of the two modes are compared in
     ``tests/gpu/test_l2_per_block_gpu.py``."""
     for T in _tokens(tokens):
-        for _ in range(2):
+        for _ in range(ALTERNATIONS):
             for numerics in ("hopper", "hopper_l2_per_block"):
                 _choice_row("l2_per_block", T, f"{numerics} host", "fp8_fp4", {}, numerics=numerics)
         if T == L2PB_FORCED_T:
-            for _ in range(2):
+            for _ in range(ALTERNATIONS):
                 for numerics in ("hopper", "hopper_l2_per_block"):
                     _choice_row("l2_per_block", T, f"{numerics} decode-partition", "fp8_fp4",
                                 {"FP4_RS_MAX_EXPECTED": -1}, numerics=numerics)
@@ -720,7 +726,7 @@ def probe_tiles(tokens=(512,)):
 
     for T in _tokens(tokens):
         for routing in ("uniform", "skewed"):
-            for _ in range(2):
+            for _ in range(ALTERNATIONS):
                 for label, overrides in TILE_CHOICES:
                     _choice_row("tiles", T, label, "fp8_fp4", overrides, numerics=AUTO_GPU_NUMERICS,
                                 routing=routing)
@@ -734,7 +740,7 @@ def probe_rs_ctas(tokens=(128,)):
         chunk = mf.fp4_rs_block_n(mf.expected_tokens_per_expert(MoECase(num_tokens=T, **SHAPE).layout(), T))
         variants = {"as is": {}, **{name: mf.fp4_rs_variant(chunk, *setting)
                                     for name, setting in mf.FP4_RS_CANDIDATES.get(chunk, {}).items()}}
-        for _ in range(2):
+        for _ in range(ALTERNATIONS):
             for label, overrides in variants.items():
                 _choice_row("rs_ctas", T, label, "fp8_fp4", overrides)
 
