@@ -123,6 +123,9 @@
 #   stage_profile  stage_profile_probe.py: per-stage cycles of each role of the decode-partition tile (block 128
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
 #                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
+#   fp8_profile    stage_profile_probe.py fp8: the FP8 phase (block 128, as the host runs it) at T = $FP8_PROF_TOKENS
+#                  (2048,8192): each math warpgroup's cycles per L1 / L2 tile in ready waits, MMAs and epilogues, the
+#                  loader's waits (-> $OUT/fp8_profile.jsonl; not timed)
 #   gputests_fp4_readers  the GPU tests of every kernel that reads the transformed FP4 weights, smallest first: both
 #                  Gluon tiles' small cases (clamp, I = 640), fold_decode against the CPU pass, the one-launch and staged
 #                  kernels' small cases (H = 384: a shorter last 256-row block), predecoded / real-size calls, a CUDA
@@ -490,6 +493,13 @@ step_ws_tests() {  # the decode-partition tile's GPU tests at block 128 (small c
         -k "(small_cases and 128) or idle or (graph and 512)" | tail -8 || return 1
     timeout 120 $PY -m pytest -q -x -rfE "tests/gpu/test_l2_per_block_gpu.py::test_l2_per_block_one_ep8_rank[512]" \
         | tail -4
+}
+
+step_fp8_profile() {
+    timeout 400 $PY results/probes/stage_profile_probe.py fp8 "${FP8_PROF_TOKENS:-2048,8192}" >>"$OUT/fp8_profile.jsonl"
+    local rc=$?
+    cat "$OUT/fp8_profile.jsonl"
+    return $rc
 }
 
 step_stage_profile() {

@@ -275,9 +275,204 @@ def compile_offline():
                               spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
 
 
+
+# ---- the FP8 Gluon phase ("fp8_ws", pool block 128: megamoe.kernels.gemm_fp8_ws._math_partition / _load_partition)
+#: Counter slots per CTA (int64 each) of the FP8 phase's profile: each math warpgroup (``m<wg>_``, 16 slots apart)
+#: and the loader. ``tiles1`` / ``tiles2``: L1 / L2 tiles; ``stages1`` / ``stages2``: their ring stages with MMAs;
+#: ``tile1`` / ``tile2``: cycles from a tile's start to its epilogue's end; ``wait1`` / ``wait2``: of those, in the
+#: K loop's ``ready`` waits; ``epi1`` / ``epi2``: in the epilogue; ``pass``: stages passed through without MMAs (a
+#: warpgroup whose 64 rows are all padding). Loader: ``gsync`` the group sync before each tile, ``land`` the wait
+#: for an L1 block's pulled rows, ``mask`` the L2 tiles' arrival-mask waits, ``empty`` the waits for a free slot.
+FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
+    ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
+     "pass"))},
+    "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
+    "load_tiles": 38}
+_FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
+_M_LOOP = ("    for i in range(first, stop, step):\n        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n"
+           "        is_l2 = t >= num_l1\n        if is_l2:\n            KB = I // BK\n            # weight scale rows")
+_M_WAIT = "            mbarrier.wait(ready.index(s), ph)\n            a_s = a_bufs.index(s).slice(wg * WM, WM)\n"
+_M_EPI = "        if valid >= 0:  # (always but for MC's padding slots)\n"
+_M_END = "    if LEAD > 0 and wg == 0:\n        if it < LEAD:"
+_M_EXIT = ("    if BULK:  # the rows written before the launch ends (and the staging buffer read before the CTA "
+           "leaves)\n"
+           "        _bulk_wait(False)\n")
+_L_START = "    half = gl.program_id(0) % 2\n    it = 0\n    first, stop, step = _schedule(tiles, num_tiles, MC)\n"
+_L_SLOT = ("        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n        is_l2 = t >= num_l1\n"
+           "        if is_l2:\n            KB = I // BK\n            w_row")
+_L_LAND = ('            landed = gl.atomic_add(arrival + b, 0, sem="acquire", scope="gpu")\n'
+           "            if landed < valid:\n")
+_L_LANDED = "            _fence_proxy_async_global()\n        for kb in range(KB):\n"
+_L_MASK = ("            if is_l2:  # the L1 tile kb of this block (both warpgroups) has landed its 128 columns in the "
+           "L2 pool\n")
+_L_MASKED = "                _fence_proxy_async_global()\n            s = it % STAGES\n"
+_L_EMPTY = "            mbarrier.wait(empty.index(s), ph ^ 1)\n            bar = ready.index(s)\n"
+_L_END = "\n\n\n@gluon.jit\ndef _pull_partition"
+_Z = _ZERO
+_M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass")
+FP8_PATCHES = [
+    ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
+    # math warpgroups
+    (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS)
+     + "    n1 = 0\n    n2 = 0\n    s1 = 0\n    s2 = 0\n"
+     + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n", 1)),
+    (_M_WAIT, "            t0 = _clk()\n" + _M_WAIT.replace("ph)\n", "ph)\n            c_wait += _clk() - t0\n", 1)),
+    ("        for kb in range(kb_mma, KB):\n", "        t_p = _clk()\n        for kb in range(kb_mma, KB):\n"),
+    (_M_EPI, "        t_epi = _clk()\n        c_pass += t_epi - t_p\n" + _M_EPI),
+    (_M_END, "        t_end = _clk()\n        if is_l2:\n            c2_tile += t_end - t_tile\n"
+             "            c2_wait += c_wait\n            c2_epi += t_end - t_epi\n            n2 += 1\n"
+             "            s2 += kb_mma\n        else:\n            c1_tile += t_end - t_tile\n"
+             "            c1_wait += c_wait\n            c1_epi += t_end - t_epi\n            n1 += 1\n"
+             "            s1 += kb_mma\n" + _M_END),
+    (_M_EXIT, _M_EXIT + "    MB: gl.constexpr = 16 * wg\n    _prof(MB + 0, _clk() - c0)\n"
+     "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
+     "    _prof(MB + 4, s2.to(gl.int64))\n"
+     + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))),
+    # loader
+    (_L_START, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in ("c_gs", "c_land", "c_mask", "c_empty"))
+     + "    n_st = 0\n    n_t = 0\n" + _L_START),
+    ("        if GROUP_SYNC:\n            if MC:\n",
+     "        g0 = _clk()\n        if GROUP_SYNC:\n            if MC:\n"),
+    (_L_SLOT, "        c_gs += _clk() - g0\n        n_t += 1\n" + _L_SLOT),
+    (_L_LAND, "            l0 = _clk()\n" + _L_LAND),
+    (_L_LANDED, "            c_land += _clk() - l0\n" + _L_LANDED),
+    (_L_MASK, "            m0 = _clk()\n" + _L_MASK),
+    (_L_MASKED, _L_MASKED.replace("            s = ", "            c_mask += _clk() - m0\n            s = ")),
+    (_L_EMPTY, "            e0 = _clk()\n"
+     + _L_EMPTY.replace("ph ^ 1)\n", "ph ^ 1)\n            c_empty += _clk() - e0\n            n_st += 1\n", 1)),
+    (_L_END, "\n    _prof(32, _clk() - c0)\n    _prof(33, c_gs)\n    _prof(34, c_land)\n    _prof(35, c_mask)\n"
+             "    _prof(36, c_empty)\n    _prof(37, n_st.to(gl.int64))\n    _prof(38, n_t.to(gl.int64))" + _L_END),
+]
+
+
+def _fp8_probe_module():
+    """``fp8_ws_probe.py`` beside this file, loaded once (its text-patched kernels and one-rank calls; its command
+    line is not this one's)."""
+    global _FP8_PROBE
+    if _FP8_PROBE is None:
+        argv, sys.argv = sys.argv, sys.argv[:1]
+        try:
+            spec = importlib.util.spec_from_file_location("fp8_ws_probe", pathlib.Path(__file__).with_name(
+                "fp8_ws_probe.py"))
+            _FP8_PROBE = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_FP8_PROBE)
+        finally:
+            sys.argv = argv
+    return _FP8_PROBE
+
+
+_FP8_PROBE = None
+
+
+def _fp8_variant(addr: int) -> str:
+    """Register ``fp8_ws_probe``'s variant ``profile@<addr>``: the clock patches, then the counters' address."""
+    name = f"profile@{int(addr)}"
+    _fp8_probe_module().PATCHES[name] = FP8_PATCHES + [(ADDR, str(int(addr)))]
+    return name
+
+
+def fp8_patched_source(addr: int) -> str:
+    """``megamoe.kernels.gemm_fp8_ws``'s text with the clock reads, counters stored at ``addr`` (int64 ``[CTAs,
+    PER_CTA]``)."""
+    return _fp8_probe_module().patched_source(_fp8_variant(addr))
+
+
+def fp8_kernel_module(addr: int):
+    """The FP8 phase's profiled copy imported from a temporary file (``fp8_ws_probe.kernel_module``)."""
+    return _fp8_probe_module().kernel_module(_fp8_variant(addr))
+
+
+def summarize_fp8(prof) -> dict:
+    """Means over the CTAs that ran a tile (cycles): per math warpgroup and tile kind, a tile's cycles, its ``ready``
+    waits, its epilogue and the rest per MMA stage (MMAs, promotion, the tile's preamble); the share of the
+    warpgroup's total cycles in each; the loader's waits per tile; the slowest and fastest CTA's total."""
+    p = prof.view(-1, PER_CTA).double()
+    live = p[:, FP8_SLOTS["load_tiles"]] > 0
+    p = p[live]
+    mean = {n: float(p[:, k].mean()) for n, k in FP8_SLOTS.items()}
+    out = {"ctas": int(live.sum())}
+    for wg in (0, 1):
+        m = {n[3:]: v for n, v in mean.items() if n.startswith(f"m{wg}_")}
+        row = {"total": m["total"], "pass_share": m["pass"] / m["total"]}
+        for k in ("1", "2"):
+            tiles, stages = max(m["tiles" + k], 1.0), max(m["stages" + k], 1.0)
+            row |= {f"l{k}_tiles": m["tiles" + k], f"l{k}_tile": m["tile" + k] / tiles,
+                    f"l{k}_wait_per_tile": m["wait" + k] / tiles, f"l{k}_epi_per_tile": m["epi" + k] / tiles,
+                    f"l{k}_mma_per_stage": (m["tile" + k] - m["wait" + k] - m["epi" + k]) / stages,
+                    f"l{k}_share": m["tile" + k] / m["total"], f"l{k}_wait_share": m["wait" + k] / m["total"],
+                    f"l{k}_epi_share": m["epi" + k] / m["total"]}
+        row["outside_tiles_share"] = 1 - (m["tile1"] + m["tile2"]) / m["total"]
+        out[f"math{wg}"] = {k: round(v, 4 if k.endswith("share") else 1) for k, v in row.items()}
+    lt = max(mean["load_tiles"], 1.0)
+    out["loader"] = {"total": round(mean["load_total"], 1), "tiles": mean["load_tiles"],
+                     **{f"{n}_per_tile": round(mean[f"load_{n}"] / lt, 1) for n in ("gsync", "land", "mask", "empty")},
+                     **{f"{n}_share": round(mean[f"load_{n}"] / mean["load_total"], 4)
+                        for n in ("gsync", "land", "mask", "empty")}}
+    totals = p[:, FP8_SLOTS["m0_total"]]
+    out["math0_total_max_cta"], out["math0_total_min_cta"] = float(totals.max()), float(totals.min())
+    return out
+
+
+def probe_fp8(tokens=(2048, 8192)):
+    """The FP8 call as the host runs it (``fp8_mega_moe``, its tile choice) at each T: one call timed unpatched
+    (``_median_ms``: ``us``), then one call of the profiled copy (after a warm-up call), its counters summarized."""
+    import torch
+
+    import megamoe.fused as mf
+    fp = _fp8_probe_module()
+    for T in tokens:
+        sb, _, y, call = fp.rank(T)
+        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+        if cfg.kind != "fp8_ws" or cfg.block_m != 128:
+            fp.emit(probe="fp8_stage_profile", T=T, skipped=f"{cfg.kind} block {cfg.block_m}")
+            sb.destroy()
+            continue
+        fp.use_kernel(fp.AS_IS)
+        call()
+        torch.cuda.synchronize()
+        us = fp._median_ms(call) * 1e3
+        prof = torch.zeros(4096 * PER_CTA, dtype=torch.int64, device="cuda")
+        fp.use_kernel(fp8_kernel_module(prof.data_ptr()))
+        try:
+            call()
+            torch.cuda.synchronize()
+            prof.zero_()
+            call()
+            torch.cuda.synchronize()
+        finally:
+            fp.use_kernel(fp.AS_IS)
+        fp.emit(probe="fp8_stage_profile", T=T, kind=cfg.kind, block_m=cfg.block_m, multicast=mf.FP8_WS_MULTICAST,
+                bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us, **summarize_fp8(prof),
+                commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
+        sb.destroy()
+
+
+def compile_offline_fp8():
+    """Offline sm_90a compile of the FP8 phase's profiled copy at pool block 128 (a CPU machine:
+    ``TRITON_INTERPRET=0``), beside the kernel as it is: registers, spills and each K loop's size."""
+    from megamoe.hopper_compile import _compile_here
+    from megamoe.layout import Layout
+    fp = _fp8_probe_module()
+    L = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8")
+    for name, mod in (("as is", fp.AS_IS), ("profiled", fp8_kernel_module(1 << 40))):
+        fp.use_kernel(mod)
+        r = _compile_here("fp8_ws", L, 128, False, False, None, False, 16)
+        loops = [(n, ops.get("STL", 0), ops.get("LDL", 0)) for _, _, n, ops in r.loops if n < 400]  # (the K loops)
+        print(json.dumps(dict(kernel=name, shared=r.shared, registers=r.registers,
+                              spill=[r.spill_stores, r.spill_loads], loops_instructions_stl_ldl=loops)), flush=True)
+    fp.use_kernel(fp.AS_IS)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["compile"]:
+    if sys.argv[1:3] == ["compile", "fp8"]:
+        compile_offline_fp8()
+    elif sys.argv[1:2] == ["compile"]:
         compile_offline()
+    elif sys.argv[1:2] == ["fp8"]:
+        import torch
+        _fp8_probe_module().emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+                                 which="fp8_stage_profile", commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
+        probe_fp8([int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else (2048, 8192))
     else:
         import torch
         wv.emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which="stage_profile",
