@@ -28,7 +28,7 @@ lint:  ## ruff (config in pyproject.toml)
 # every megamoe shm file (`sweep_stale_shm(min_age_s=0)` removed a file of another worker's rank that had just
 # exited). They run afterwards, alone.
 TEST_WORKERS ?= 2
-test:  ## the CPU test suite (Triton interpreter, CPU ranks), notebooks included: ~12.5 min on 2 cores (cb34613)
+test:  ## the CPU test suite (Triton interpreter, CPU ranks), notebooks included: ~17.5 min on 2 cores (f6140e0; `.ci/run` ~19 min with setup)
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	$(VPY) -m pytest tests --ignore=tests/gpu -q -m alone
 
