@@ -124,8 +124,9 @@
 #                  forced) at T = $STAGE_TOKENS (512,2048,8192) in the configs $STAGE_CONFIGS (ws128; also ws128_idle,
 #                  *_pb, host, ws64) (-> $OUT/stage_profile.jsonl; ~20 s a row)
 #   fp8_profile    stage_profile_probe.py fp8: the FP8 phase (block 128, as the host runs it) at T = $FP8_PROF_TOKENS
-#                  (2048,8192): each math warpgroup's cycles per L1 / L2 tile in ready waits, MMAs and epilogues, the
-#                  loader's waits (-> $OUT/fp8_profile.jsonl; not timed)
+#                  (2048,8192), under megamoe.fused constants $FP8_PROF_SETTINGS (JSON, e.g. '{"FP8_WS_LEAD": true}'):
+#                  each math warpgroup's cycles per L1 / L2 tile in ready waits, MMAs and epilogues, the loader's
+#                  waits (-> $OUT/fp8_profile.jsonl; ~30 s for 512,2048,8192 on an H100)
 #   gputests_fp4_readers  the GPU tests of every kernel that reads the transformed FP4 weights, smallest first: both
 #                  Gluon tiles' small cases (clamp, I = 640), fold_decode against the CPU pass, the one-launch and staged
 #                  kernels' small cases (H = 384: a shorter last 256-row block), predecoded / real-size calls, a CUDA
@@ -496,7 +497,8 @@ step_ws_tests() {  # the decode-partition tile's GPU tests at block 128 (small c
 }
 
 step_fp8_profile() {
-    timeout 400 $PY results/probes/stage_profile_probe.py fp8 "${FP8_PROF_TOKENS:-2048,8192}" >>"$OUT/fp8_profile.jsonl"
+    timeout 400 $PY results/probes/stage_profile_probe.py fp8 "${FP8_PROF_TOKENS:-2048,8192}" \
+        "${FP8_PROF_SETTINGS:-null}" >>"$OUT/fp8_profile.jsonl"
     local rc=$?
     cat "$OUT/fp8_profile.jsonl"
     return $rc

@@ -280,12 +280,13 @@ def compile_offline():
 #: Counter slots per CTA (int64 each) of the FP8 phase's profile: each math warpgroup (``m<wg>_``, 16 slots apart)
 #: and the loader. ``tiles1`` / ``tiles2``: L1 / L2 tiles; ``stages1`` / ``stages2``: their ring stages with MMAs;
 #: ``tile1`` / ``tile2``: cycles from a tile's start to its epilogue's end; ``wait1`` / ``wait2``: of those, in the
-#: K loop's ``ready`` waits; ``epi1`` / ``epi2``: in the epilogue; ``pass``: stages passed through without MMAs (a
+#: K loop's ``ready`` waits (``first1`` / ``first2``: of those, the tile's first stage's); ``epi1`` / ``epi2``: in the
+#: epilogue; ``pass``: stages passed through without MMAs (a
 #: warpgroup whose 64 rows are all padding). Loader: ``gsync`` the group sync before each tile, ``land`` the wait
 #: for an L1 block's pulled rows, ``mask`` the L2 tiles' arrival-mask waits, ``empty`` the waits for a free slot.
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
-     "pass"))},
+     "pass", "first1", "first2"))},
     "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
     "load_tiles": 38}
 _FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
@@ -309,20 +310,25 @@ _L_MASKED = "                _fence_proxy_async_global()\n            s = it % S
 _L_EMPTY = "            mbarrier.wait(empty.index(s), ph ^ 1)\n            bar = ready.index(s)\n"
 _L_END = "\n\n\n@gluon.jit\ndef _pull_partition"
 _Z = _ZERO
-_M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass")
+_M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass", "c1_first", "c2_first")
 FP8_PATCHES = [
     ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
     # math warpgroups
     (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS)
      + "    n1 = 0\n    n2 = 0\n    s1 = 0\n    s2 = 0\n"
-     + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n", 1)),
-    (_M_WAIT, "            t0 = _clk()\n" + _M_WAIT.replace("ph)\n", "ph)\n            c_wait += _clk() - t0\n", 1)),
+     + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n        c_first = {_Z}\n",
+                       1)),
+    (_M_WAIT, "            t0 = _clk()\n" + _M_WAIT.replace(
+        "ph)\n", "ph)\n            d_w = _clk() - t0\n            c_wait += d_w\n"
+                  "            c_first += gl.where(kb == 0, d_w, 0)\n", 1)),
     ("        for kb in range(kb_mma, KB):\n", "        t_p = _clk()\n        for kb in range(kb_mma, KB):\n"),
     (_M_EPI, "        t_epi = _clk()\n        c_pass += t_epi - t_p\n" + _M_EPI),
     (_M_END, "        t_end = _clk()\n        if is_l2:\n            c2_tile += t_end - t_tile\n"
-             "            c2_wait += c_wait\n            c2_epi += t_end - t_epi\n            n2 += 1\n"
+             "            c2_wait += c_wait\n            c2_first += c_first\n            c2_epi += t_end - t_epi\n"
+             "            n2 += 1\n"
              "            s2 += kb_mma\n        else:\n            c1_tile += t_end - t_tile\n"
-             "            c1_wait += c_wait\n            c1_epi += t_end - t_epi\n            n1 += 1\n"
+             "            c1_wait += c_wait\n            c1_first += c_first\n            c1_epi += t_end - t_epi\n"
+             "            n1 += 1\n"
              "            s1 += kb_mma\n" + _M_END),
     (_M_EXIT, _M_EXIT + "    MB: gl.constexpr = 16 * wg\n    _prof(MB + 0, _clk() - c0)\n"
      "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
@@ -397,7 +403,8 @@ def summarize_fp8(prof) -> dict:
         for k in ("1", "2"):
             tiles, stages = max(m["tiles" + k], 1.0), max(m["stages" + k], 1.0)
             row |= {f"l{k}_tiles": m["tiles" + k], f"l{k}_tile": m["tile" + k] / tiles,
-                    f"l{k}_wait_per_tile": m["wait" + k] / tiles, f"l{k}_epi_per_tile": m["epi" + k] / tiles,
+                    f"l{k}_wait_per_tile": m["wait" + k] / tiles, f"l{k}_first_wait_per_tile": m["first" + k] / tiles,
+                    f"l{k}_epi_per_tile": m["epi" + k] / tiles,
                     f"l{k}_mma_per_stage": (m["tile" + k] - m["wait" + k] - m["epi" + k]) / stages,
                     f"l{k}_share": m["tile" + k] / m["total"], f"l{k}_wait_share": m["wait" + k] / m["total"],
                     f"l{k}_epi_share": m["epi" + k] / m["total"]}
@@ -413,9 +420,18 @@ def summarize_fp8(prof) -> dict:
     return out
 
 
-def probe_fp8(tokens=(2048, 8192)):
-    """The FP8 call as the host runs it (``fp8_mega_moe``, its tile choice) at each T: one call timed unpatched
-    (``_median_ms``: ``us``), then one call of the profiled copy (after a warm-up call), its counters summarized."""
+def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
+    """The FP8 call as the host runs it (``fp8_mega_moe``, its tile choice; under ``megamoe.fused`` constants
+    ``settings``, name -> value, put back after) at each T: one call timed unpatched (``_median_ms``: ``us``), then
+    one call of the profiled copy (after a warm-up call), its counters summarized."""
+    from unittest import mock
+
+    import megamoe.fused as mf
+    with mock.patch.multiple(mf, **(settings or {})):
+        _probe_fp8(tokens, settings or {})
+
+
+def _probe_fp8(tokens, settings: dict):
     import torch
 
     import megamoe.fused as mf
@@ -441,7 +457,8 @@ def probe_fp8(tokens=(2048, 8192)):
             torch.cuda.synchronize()
         finally:
             fp.use_kernel(fp.AS_IS)
-        fp.emit(probe="fp8_stage_profile", T=T, kind=cfg.kind, block_m=cfg.block_m, multicast=mf.FP8_WS_MULTICAST,
+        fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
+                multicast=mf.FP8_WS_MULTICAST,
                 bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us, **summarize_fp8(prof),
                 commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
         sb.destroy()
@@ -472,7 +489,9 @@ if __name__ == "__main__":
         import torch
         _fp8_probe_module().emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                                  which="fp8_stage_profile", commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
-        probe_fp8([int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else (2048, 8192))
+        probe_fp8([int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else (2048, 8192),
+                  {n: ({int(k): x for k, x in v.items()} if isinstance(v, dict) else v)  # (JSON's keys back to int)
+                   for n, v in (json.loads(sys.argv[3]) or {}).items()} if len(sys.argv) > 3 else None)
     else:
         import torch
         wv.emit(probe="start", torch=torch.__version__, gpu=torch.cuda.get_device_name(), which="stage_profile",
