@@ -424,10 +424,11 @@ def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
     """The FP8 call as the host runs it (``fp8_mega_moe``, its tile choice; under ``megamoe.fused`` constants
     ``settings``, name -> value, put back after) at each T: one call timed unpatched (``_median_ms``: ``us``), then
     one call of the profiled copy (after a warm-up call), its counters summarized."""
+    import contextlib
     from unittest import mock
 
     import megamoe.fused as mf
-    with mock.patch.multiple(mf, **(settings or {})):
+    with mock.patch.multiple(mf, **settings) if settings else contextlib.nullcontext():
         _probe_fp8(tokens, settings or {})
 
 
