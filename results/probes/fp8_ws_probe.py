@@ -274,9 +274,12 @@ PREFILL = ("nopull", )
 #: variants that are the kernel as it is under other constants of ``megamoe.fused`` (same bits): ``stages3`` a 3-stage
 #: ring at 128-row tiles (what freeing a stage's 48.5 KB of shared memory for an epilogue's staging costs), ``bulk``
 #: the L2 epilogue staged and written by ``cp.async.bulk`` (``FP8_WS_BULK``, which takes that stage), ``lead`` math
-#: warpgroup 1 started a ring behind warpgroup 0 (``FP8_WS_LEAD``: their epilogues apart)
+#: warpgroup 1 started a ring behind warpgroup 0 (``FP8_WS_LEAD``: their epilogues apart), ``nomc`` without the 2-CTA
+#: multicast (``FP8_WS_MULTICAST``), ``nobulk_nomc`` without either
 SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}, "FP8_WS_BULK": False},
-                    "bulk": {"FP8_WS_BULK": True}, "nobulk": {"FP8_WS_BULK": False}, "lead": {"FP8_WS_LEAD": True}}
+                    "bulk": {"FP8_WS_BULK": True}, "nobulk": {"FP8_WS_BULK": False}, "lead": {"FP8_WS_LEAD": True},
+                    "nomc": {"FP8_WS_MULTICAST": False},
+                    "nobulk_nomc": {"FP8_WS_BULK": False, "FP8_WS_MULTICAST": False}}
 #: patched variants whose patches are in the L2 epilogue that stores from registers (``_l2_epilogue``): run with
 #: ``FP8_WS_BULK`` off, the kernel they were written against (with it on their L2 part would patch unused code)
 PATCH_SETTINGS = {v: {"FP8_WS_BULK": False} for v in ("uncoalesced", "old_epilogue", "l2_rows_twice", "l2nomem")}
