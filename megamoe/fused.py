@@ -266,9 +266,17 @@ WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
 #: call off / on alternating (``results/probes/multicast_runs/mc*_13f5a93_h100.jsonl``): T = 512 1208 / 1206 -> 1212 /
 #: 1206 us, 2048 2119 / 2115 -> 2103 / 2109, 8192 6845 / 6620 -> 6673 / 6590; in 3 s windows at T = 8192 6845 / 6814
 #: (1455 MHz) -> 6733 / 6732 (1470 MHz): ~1.5 %, the clock up 1 % (each SM's shared memory is still filled with the
-#: whole stage; the L2 reads the multicast halves are not where the power goes). On. (Its first version padded an
-#: odd expert's last block instead of the token pairs: 2-8 % slower, ``mc*_5a7d2ee_h100.jsonl``.)
-FP8_WS_MULTICAST = True
+#: whole stage; the L2 reads the multicast halves are not where the power goes). On from session 44. (Its first
+#: version padded an odd expert's last block instead of the token pairs: 2-8 % slower, ``mc*_5a7d2ee_h100.jsonl``.)
+#: Off since session 48: that gain was on a 4-stage ring; with ``FP8_WS_BULK``'s staging the ring has 3 stages, and a
+#: stage refilled only once all four math warpgroups of the cluster released it leaves the TMA too little slack --
+#: the clock profile (``results/probes/fp8_profile_runs/``) has ~100 cycles of every ~1300-cycle stage waiting for
+#: data, and 6 % fewer cycles without the multicast. H100, whole calls alternating twice, bits equal
+#: (``fp8_profile_runs/mc_bulk_6f5af29_h100.jsonl``): T = 8192 (3 s windows) 6592 @ 1470 / 6846 @ 1425 us on ->
+#: 6531 @ 1440 / 6615 @ 1425 off (9.69 / 9.76 -> 9.40 / 9.43 M cycles), T = 2048 2150 / 2149 -> 2074 / 2096, T = 512
+#: 1239 / 1238 -> 1236 / 1234; the 4-stage ring without the staging (``FP8_WS_BULK`` off) 6666 / 6768 with the
+#: multicast and 6724 / 6909 without (still its ~1.5 %), both behind the staging without the multicast.
+FP8_WS_MULTICAST = False
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024
 #: The combine reduce's work item (``fused_mega_moe_kernel``'s back part): tokens x hidden columns (at most; the

@@ -253,6 +253,7 @@ def test_fused_three_launch_split_bitwise(monkeypatch, block_m):
 
     cfg = FusedConfig(block_m=block_m, programs_per_rank=1, num_warps=8, num_stages=2, kind="fp8_ws")
     monkeypatch.setattr(megamoe.fused, "fused_config", lambda *a, **k: cfg)
+    monkeypatch.setattr(megamoe.fused, "FP8_WS_MULTICAST", True)  # (off by default: its pair table checked below)
     tables = []
     real = megamoe.fused._tile_table
     monkeypatch.setattr(megamoe.fused, "_tile_table", lambda sb: tables.append(real(sb)) or tables[-1])
