@@ -268,11 +268,12 @@ WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
 #: (1455 MHz) -> 6733 / 6732 (1470 MHz): ~1.5 %, the clock up 1 % (each SM's shared memory is still filled with the
 #: whole stage; the L2 reads the multicast halves are not where the power goes). On from session 44. (Its first
 #: version padded an odd expert's last block instead of the token pairs: 2-8 % slower, ``mc*_5a7d2ee_h100.jsonl``.)
-#: Off since session 48: that gain was on a 4-stage ring; with ``FP8_WS_BULK``'s staging the ring has 3 stages, and a
-#: stage refilled only once all four math warpgroups of the cluster released it leaves the TMA too little slack --
-#: the clock profile (``results/probes/fp8_profile_runs/``) has ~100 cycles of every ~1300-cycle stage waiting for
-#: data, and 6 % fewer cycles without the multicast. H100, whole calls alternating twice, bits equal
-#: (``fp8_profile_runs/mc_bulk_6f5af29_h100.jsonl``): T = 8192 (3 s windows) 6592 @ 1470 / 6846 @ 1425 us on ->
+#: Off since session 48: that gain was measured without ``FP8_WS_BULK``; with the staged epilogue (and its 3-stage
+#: ring) the multicast costs time. The clock profile (``stage_profile_probe.py fp8``, ``results/probes/
+#: fp8_profile_runs/profile_bdeb87c_h100.jsonl``, T = 8192) has the call at 9.74 M cycles with it, 9.14 M without:
+#: each ring stage's MMAs, promotion and release take 1249 cycles with it, 1172 without (the data waits the same,
+#: 120-140 cycles a stage either way); why the two options interact is not known. H100, whole calls alternating
+#: twice, bits equal (``fp8_profile_runs/mc_bulk_6f5af29_h100.jsonl``): T = 8192 (3 s windows) 6592 @ 1470 / 6846 @ 1425 us on ->
 #: 6531 @ 1440 / 6615 @ 1425 off (9.69 / 9.76 -> 9.40 / 9.43 M cycles), T = 2048 2150 / 2149 -> 2074 / 2096, T = 512
 #: 1239 / 1238 -> 1236 / 1234; the 4-stage ring without the staging (``FP8_WS_BULK`` off) 6666 / 6768 with the
 #: multicast and 6724 / 6909 without (still its ~1.5 %), both behind the staging without the multicast.
