@@ -221,6 +221,30 @@ def numerics_of(config: str) -> str:
     return "hopper_l2_per_block" if config.endswith("_pb") else "hopper"
 
 
+def _timed_and_profiled(probe_mod, call, profiled_module, words: int):
+    """``call`` timed with the kernel as it is (``probe_mod``'s ``_median_ms``: ``us``), then run on the profiled
+    copy ``profiled_module(address)`` twice (a warm-up, then with the counters zeroed): ``(us, counters)``, the
+    counters an int64 CUDA tensor of ``words``. ``probe_mod`` (``ws_variants_probe`` or ``fp8_ws_probe``) swaps the
+    kernel module in and puts the installed one back."""
+    import torch
+
+    probe_mod.use_kernel(probe_mod.AS_IS)
+    call()
+    torch.cuda.synchronize()
+    us = probe_mod._median_ms(call) * 1e3
+    prof = torch.zeros(words, dtype=torch.int64, device="cuda")
+    probe_mod.use_kernel(profiled_module(prof.data_ptr()))
+    try:
+        call()
+        torch.cuda.synchronize()
+        prof.zero_()
+        call()
+        torch.cuda.synchronize()
+    finally:
+        probe_mod.use_kernel(probe_mod.AS_IS)
+    return us, prof
+
+
 def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
     import torch
 
@@ -237,24 +261,13 @@ def probe(tokens=(512, 2048, 8192), configs=("ws128",)):
                     wv.emit(probe="stage_profile", T=T, config=name, skipped=f"{cfg.kind} rs {cfg.rs_block_n}")
                     sb.destroy()
                     continue
-                wv.use_kernel(wv.AS_IS)
-                call()
-                torch.cuda.synchronize()
-                us = wv._median_ms(call) * 1e3
                 grid = torch.cuda.get_device_properties(0).multi_processor_count
-                prof = torch.zeros(grid * PER_CTA * 2, dtype=torch.int64, device="cuda")
-                wv.use_kernel(kernel_module(prof.data_ptr()))
-                call()
-                torch.cuda.synchronize()
-                prof.zero_()
-                call()
-                torch.cuda.synchronize()
+                us, prof = _timed_and_profiled(wv, call, kernel_module, grid * PER_CTA * 2)
                 wv.emit(probe="stage_profile", T=T, config=name, numerics=numerics_of(name), kind=cfg.kind,
                         block_m=cfg.block_m,
                         predecode=cfg.predecode, us=us, clock_mhz=torch.cuda.clock_rate(0) if hasattr(
                             torch.cuda, "clock_rate") else None, **summarize(prof, grid),
                         commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
-                wv.use_kernel(wv.AS_IS)
                 sb.destroy()
             finally:
                 for k, v in saved.items():
@@ -433,8 +446,6 @@ def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
 
 
 def _probe_fp8(tokens, settings: dict):
-    import torch
-
     import megamoe.fused as mf
     fp = _fp8_probe_module()
     for T in tokens:
@@ -444,20 +455,7 @@ def _probe_fp8(tokens, settings: dict):
             fp.emit(probe="fp8_stage_profile", T=T, skipped=f"{cfg.kind} block {cfg.block_m}")
             sb.destroy()
             continue
-        fp.use_kernel(fp.AS_IS)
-        call()
-        torch.cuda.synchronize()
-        us = fp._median_ms(call) * 1e3
-        prof = torch.zeros(4096 * PER_CTA, dtype=torch.int64, device="cuda")
-        fp.use_kernel(fp8_kernel_module(prof.data_ptr()))
-        try:
-            call()
-            torch.cuda.synchronize()
-            prof.zero_()
-            call()
-            torch.cuda.synchronize()
-        finally:
-            fp.use_kernel(fp.AS_IS)
+        us, prof = _timed_and_profiled(fp, call, fp8_kernel_module, 4096 * PER_CTA)  # (4096 CTAs at most)
         fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
                 multicast=mf.FP8_WS_MULTICAST,
                 bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us, **summarize_fp8(prof),
