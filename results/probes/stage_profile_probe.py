@@ -24,6 +24,14 @@ latency / issue bounds the phase; the math's wait says how long the tensor cores
 
     python results/probes/stage_profile_probe.py [T1,T2,..] >> stage_profile_probe_h200.jsonl
     python results/probes/stage_profile_probe.py compile      # offline sm_90a compile of the patched copy (CPU)
+
+The same for the FP8 Gluon phase ("fp8_ws", pool block 128, as the host runs it; session 48): per math warpgroup the
+cycles of each L1 / L2 tile, its ring stages' ``ready`` waits (the first stage's apart) and its epilogue, the rest
+per stage (MMAs, promotion, release); the loader's group-sync, pull, arrival-mask and free-slot waits
+(``FP8_SLOTS``; ``fp8_ws_probe.py``'s patching and one-rank calls):
+
+    python results/probes/stage_profile_probe.py fp8 [T1,T2,..] ['{"FP8_WS_MULTICAST": false}'] >> fp8_profile.jsonl
+    python results/probes/stage_profile_probe.py compile fp8  # offline compile beside the kernel as it is (CPU)
 """
 import importlib.util
 import json
@@ -288,14 +296,12 @@ def compile_offline():
                               spill=r.spill_stores, setmaxnreg=r.setmaxnreg)), flush=True)
 
 
-
 # ---- the FP8 Gluon phase ("fp8_ws", pool block 128: megamoe.kernels.gemm_fp8_ws._math_partition / _load_partition)
 #: Counter slots per CTA (int64 each) of the FP8 phase's profile: each math warpgroup (``m<wg>_``, 16 slots apart)
 #: and the loader. ``tiles1`` / ``tiles2``: L1 / L2 tiles; ``stages1`` / ``stages2``: their ring stages with MMAs;
 #: ``tile1`` / ``tile2``: cycles from a tile's start to its epilogue's end; ``wait1`` / ``wait2``: of those, in the
 #: K loop's ``ready`` waits (``first1`` / ``first2``: of those, the tile's first stage's); ``epi1`` / ``epi2``: in the
-#: epilogue; ``pass``: stages passed through without MMAs (a
-#: warpgroup whose 64 rows are all padding). Loader: ``gsync`` the group sync before each tile, ``land`` the wait
+#: epilogue; ``pass``: stages passed through without MMAs (a warpgroup whose 64 rows are all padding). Loader: ``gsync`` the group sync before each tile, ``land`` the wait
 #: for an L1 block's pulled rows, ``mask`` the L2 tiles' arrival-mask waits, ``empty`` the waits for a free slot.
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
