@@ -301,13 +301,20 @@ def compile_offline():
 #: and the loader. ``tiles1`` / ``tiles2``: L1 / L2 tiles; ``stages1`` / ``stages2``: their ring stages with MMAs;
 #: ``tile1`` / ``tile2``: cycles from a tile's start to its epilogue's end; ``wait1`` / ``wait2``: of those, in the
 #: K loop's ``ready`` waits (``first1`` / ``first2``: of those, the tile's first stage's); ``epi1`` / ``epi2``: in the
-#: epilogue; ``pass``: stages passed through without MMAs (a warpgroup whose 64 rows are all padding). Loader: ``gsync`` the group sync before each tile, ``land`` the wait
-#: for an L1 block's pulled rows, ``mask`` the L2 tiles' arrival-mask waits, ``empty`` the waits for a free slot.
+#: epilogue; ``pass``: stages passed through without MMAs (a warpgroup whose 64 rows are all padding). Loader:
+#: ``gsync`` the group sync before each tile, ``land`` the wait for an L1 block's pulled rows, ``mask`` the L2 tiles'
+#: arrival-mask waits, ``empty`` the waits for a free slot.
+#: The staged L2 epilogue (``_l2_epilogue_bulk``) in four parts, cycles summed over the L2 tiles: ``epi2_cvt`` the bf16
+#: conversion and the rows' destinations (their loads issued), ``epi2_wait`` the wait for the previous copies to have
+#: read the staging rows and the barrier, ``epi2_stage`` the stores into the staging rows, fence and barrier,
+#: ``epi2_copy`` the copies' issue (where the destinations' loads are waited for).
+_L2_EPI_PARTS = ("epi2_cvt", "epi2_wait", "epi2_stage", "epi2_copy")
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
      "pass", "first1", "first2"))},
     "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
-    "load_tiles": 38}
+    "load_tiles": 38,
+    **{f"m{wg}_{name}": 40 + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)}}
 _FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
 _M_LOOP = ("    for i in range(first, stop, step):\n        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n"
            "        is_l2 = t >= num_l1\n        if is_l2:\n            KB = I // BK\n            # weight scale rows")
@@ -330,10 +337,18 @@ _L_EMPTY = "            mbarrier.wait(empty.index(s), ph ^ 1)\n            bar =
 _L_END = "\n\n\n@gluon.jit\ndef _pull_partition"
 _Z = _ZERO
 _M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass", "c1_first", "c2_first")
+_E_SUMS = ("e_cvt", "e_wait", "e_stage", "e_copy")
+_E_ENTRY = ("    v_lo = _to_bf16_bits(acc_lo)\n    v_hi = _to_bf16_bits(acc_hi)\n"
+            "    r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))\n")
+_E_WAIT = "    _bulk_wait(True)\n    gl.thread_barrier()\n    st = l2_stage.slice(wg * WM, WM, dim=0)\n"
+_E_STAGE = "    fence_async_shared()\n    gl.thread_barrier()\n    gl.inline_asm_elementwise(BULK_STORE_ASM"
+_E_COPY = ("    gl.inline_asm_elementwise(BULK_STORE_ASM, \"=r,l,r,r\", [dst, src, go], dtype=gl.int32, is_pure=False, "
+           "pack=1)\n")
+_E_CALL = "                    _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage,"
 FP8_PATCHES = [
     ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
     # math warpgroups
-    (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS)
+    (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS + _E_SUMS)
      + "    n1 = 0\n    n2 = 0\n    s1 = 0\n    s2 = 0\n"
      + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n        c_first = {_Z}\n",
                        1)),
@@ -352,7 +367,17 @@ FP8_PATCHES = [
     (_M_EXIT, _M_EXIT + "    MB: gl.constexpr = 16 * wg\n    _prof(MB + 0, _clk() - c0)\n"
      "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
      "    _prof(MB + 4, s2.to(gl.int64))\n"
-     + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))),
+     + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))
+     + "".join(f"    _prof(40 + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))),
+    # the staged L2 epilogue's parts (returned to the math partition, summed there)
+    (_E_ENTRY, "    e0 = _clk()\n" + _E_ENTRY),
+    (_E_WAIT, "    e1 = _clk()\n" + _E_WAIT.replace("barrier()\n", "barrier()\n    e2 = _clk()\n", 1)),
+    (_E_STAGE, _E_STAGE.replace("    gl.inline_asm", "    e3 = _clk()\n    gl.inline_asm", 1)),
+    (_E_COPY, _E_COPY + "    e4 = _clk()\n    return e1 - e0, e2 - e1, e3 - e2, e4 - e3\n"),
+    (_E_CALL, _E_CALL.replace("_l2_epilogue_bulk(", "d_cvt, d_wait, d_stage, d_copy = _l2_epilogue_bulk(", 1)),
+    ("                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n",
+     "                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n"
+     + "".join(f"                    {n} += d_{n[2:]}\n" for n in _E_SUMS)),
     # loader
     (_L_START, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in ("c_gs", "c_land", "c_mask", "c_empty"))
      + "    n_st = 0\n    n_t = 0\n" + _L_START),
@@ -428,6 +453,7 @@ def summarize_fp8(prof) -> dict:
                     f"l{k}_share": m["tile" + k] / m["total"], f"l{k}_wait_share": m["wait" + k] / m["total"],
                     f"l{k}_epi_share": m["epi" + k] / m["total"]}
         row["outside_tiles_share"] = 1 - (m["tile1"] + m["tile2"]) / m["total"]
+        row |= {f"l2_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS}
         out[f"math{wg}"] = {k: round(v, 4 if k.endswith("share") else 1) for k, v in row.items()}
     lt = max(mean["load_tiles"], 1.0)
     out["loader"] = {"total": round(mean["load_total"], 1), "tiles": mean["load_tiles"],
