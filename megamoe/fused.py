@@ -273,10 +273,11 @@ WS_GROUP_SYNC = {"fp8_ws": True, "fp4_ws": False}
 #: fp8_profile_runs/profile_bdeb87c_h100.jsonl``, T = 8192) has the call at 9.74 M cycles with it, 9.14 M without:
 #: each ring stage's MMAs, promotion and release take 1249 cycles with it, 1172 without (the data waits the same,
 #: 120-140 cycles a stage either way); why the two options interact is not known. H100, whole calls alternating
-#: twice, bits equal (``fp8_profile_runs/mc_bulk_6f5af29_h100.jsonl``): T = 8192 (3 s windows) 6592 @ 1470 / 6846 @ 1425 us on ->
-#: 6531 @ 1440 / 6615 @ 1425 off (9.69 / 9.76 -> 9.40 / 9.43 M cycles), T = 2048 2150 / 2149 -> 2074 / 2096, T = 512
-#: 1239 / 1238 -> 1236 / 1234; the 4-stage ring without the staging (``FP8_WS_BULK`` off) 6666 / 6768 with the
-#: multicast and 6724 / 6909 without (still its ~1.5 %), both behind the staging without the multicast.
+#: twice, bits equal (``fp8_profile_runs/mc_bulk_6f5af29_h100.jsonl``): T = 8192 (3 s windows) 6592 @ 1470 /
+#: 6846 @ 1425 us on -> 6531 @ 1440 / 6615 @ 1425 off (9.69 / 9.76 -> 9.40 / 9.43 M cycles), T = 2048 2150 / 2149
+#: -> 2074 / 2096, T = 512 1239 / 1238 -> 1236 / 1234; the 4-stage ring without the staging (``FP8_WS_BULK``
+#: off) 6666 / 6768 with the multicast and 6724 / 6909 without (still its ~1.5 %), both behind the staging without
+#: the multicast.
 FP8_WS_MULTICAST = False
 #: Bytes of a pool row one pull warp moves per load step (``PULL_CHUNK / 512`` 16-byte loads in flight a thread).
 FP8_WS_PULL_CHUNK = 1024

@@ -86,11 +86,11 @@ def test_gluon_phase_compiles_for_sm90_within_its_budgets(kind, block_m, numeric
 
 @pytest.mark.slow
 def test_fp8_phase_multicast_is_in_the_sass_only_with_mc():
-    """``FP8_WS_MULTICAST`` (``MC``, block 128; off by default since session 48) reaches the machine code through ``megamoe.multicast``'s
-    pass: every 2-D TMA load is a multicast one (the A and W loads of both GEMMs and pair kinds), the math
-    partitions' stage releases arrive on the peer CTA's barrier too, the workers' cluster arrive and the default
-    partition's arrive and wait are there; compiled without ``MC``, none of it (the same kernel as before the
-    pass). (A Triton whose PTX no longer matches the pass would otherwise be found on the GPU, as a hang.)"""
+    """``FP8_WS_MULTICAST`` (``MC``, block 128; off by default since session 48) reaches the machine code through
+    ``megamoe.multicast``'s pass: every 2-D TMA load is a multicast one (the A and W loads of both GEMMs and pair
+    kinds), the math partitions' stage releases arrive on the peer CTA's barrier too, the workers' cluster arrive and
+    the default partition's arrive and wait are there; compiled without ``MC``, none of it (the same kernel as before
+    the pass). (A Triton whose PTX no longer matches the pass would otherwise be found on the GPU, as a hang.)"""
     import shutil
 
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8")

@@ -33,6 +33,7 @@ per stage (MMAs, promotion, release); the loader's group-sync, pull, arrival-mas
     python results/probes/stage_profile_probe.py fp8 [T1,T2,..] ['{"FP8_WS_MULTICAST": false}'] >> fp8_profile.jsonl
     python results/probes/stage_profile_probe.py compile fp8  # offline compile beside the kernel as it is (CPU)
 """
+import functools
 import importlib.util
 import json
 import os
@@ -395,23 +396,19 @@ FP8_PATCHES = [
 ]
 
 
+@functools.cache
 def _fp8_probe_module():
     """``fp8_ws_probe.py`` beside this file, loaded once (its text-patched kernels and one-rank calls; its command
     line is not this one's)."""
-    global _FP8_PROBE
-    if _FP8_PROBE is None:
-        argv, sys.argv = sys.argv, sys.argv[:1]
-        try:
-            spec = importlib.util.spec_from_file_location("fp8_ws_probe", pathlib.Path(__file__).with_name(
-                "fp8_ws_probe.py"))
-            _FP8_PROBE = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(_FP8_PROBE)
-        finally:
-            sys.argv = argv
-    return _FP8_PROBE
-
-
-_FP8_PROBE = None
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        spec = importlib.util.spec_from_file_location("fp8_ws_probe", pathlib.Path(__file__).with_name(
+            "fp8_ws_probe.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.argv = argv
 
 
 def _fp8_variant(addr: int) -> str:
@@ -467,32 +464,24 @@ def summarize_fp8(prof) -> dict:
 
 def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
     """The FP8 call as the host runs it (``fp8_mega_moe``, its tile choice; under ``megamoe.fused`` constants
-    ``settings``, name -> value, put back after) at each T: one call timed unpatched (``_median_ms``: ``us``), then
-    one call of the profiled copy (after a warm-up call), its counters summarized."""
-    import contextlib
-    from unittest import mock
-
-    import megamoe.fused as mf
-    with mock.patch.multiple(mf, **settings) if settings else contextlib.nullcontext():
-        _probe_fp8(tokens, settings or {})
-
-
-def _probe_fp8(tokens, settings: dict):
+    ``settings``, name -> value, put back after: ``fp8_ws_probe._under``) at each T: one call timed unpatched
+    (``_median_ms``: ``us``), then one call of the profiled copy (after a warm-up call), its counters summarized."""
     import megamoe.fused as mf
     fp = _fp8_probe_module()
-    for T in tokens:
-        sb, _, y, call = fp.rank(T)
-        cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
-        if cfg.kind != "fp8_ws" or cfg.block_m != 128:
-            fp.emit(probe="fp8_stage_profile", T=T, skipped=f"{cfg.kind} block {cfg.block_m}")
+    settings = settings or {}
+    with fp._under(settings):
+        for T in tokens:
+            sb, _, y, call = fp.rank(T)
+            cfg = mf.fused_config(sb.layout, T, 1, sb.buffer.device)
+            if cfg.kind != "fp8_ws" or cfg.block_m != 128:
+                fp.emit(probe="fp8_stage_profile", T=T, skipped=f"{cfg.kind} block {cfg.block_m}")
+                sb.destroy()
+                continue
+            us, prof = _timed_and_profiled(fp, call, fp8_kernel_module, 4096 * PER_CTA)  # (4096 CTAs at most)
+            fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
+                    multicast=mf.FP8_WS_MULTICAST, bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us,
+                    **summarize_fp8(prof), commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
             sb.destroy()
-            continue
-        us, prof = _timed_and_profiled(fp, call, fp8_kernel_module, 4096 * PER_CTA)  # (4096 CTAs at most)
-        fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
-                multicast=mf.FP8_WS_MULTICAST,
-                bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us, **summarize_fp8(prof),
-                commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
-        sb.destroy()
 
 
 def compile_offline_fp8():
