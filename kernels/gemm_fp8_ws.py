@@ -474,6 +474,20 @@ def _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META: 
 
 
 @gluon.jit
+def _pull_copy_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, num_l1, num_tiles, staged, freed,
+                         OFF_META: gl.constexpr, OFF_X: gl.constexpr, OFF_X_SF: gl.constexpr, OFF_L1: gl.constexpr,
+                         OFF_L1_SF: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
+                         SP: gl.constexpr, PULL_WARPS: gl.constexpr, BM: gl.constexpr, PULL_CHUNK: gl.constexpr,
+                         MC: gl.constexpr):
+    """``COPIER``: the pull warps' work, then the L2 copies of both math warpgroups (:func:`_copy_rows`; one
+    (row, half) of a warpgroup's 64 x 256 a thread: 4 warps)."""
+    gl.static_assert(PULL_WARPS == 4, "COPIER: BULK_ROWS spans 4 warps")
+    _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1, OFF_L1_SF,
+                    H, SP, PULL_WARPS, BM, PULL_CHUNK)
+    _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OFF_META, OFF_COMBINE, T, H, MC)
+
+
+@gluon.jit
 def _promote(acc, dot, sa, s_gate, s_up, gate_col):
     """acc [64, 128] += dot * (sa[m] * sw[n]), the scale product first; sw is ``s_gate`` on the columns where
     ``gate_col`` (``[1, 128]``) is true, ``s_up`` elsewhere (L2: both the same)."""
@@ -653,14 +667,86 @@ def _l2_epilogue(acc_lo, acc_hi, buf, buffer_ptrs, me, row0, n0, valid, OFF_META
 
 
 @gluon.jit
-def _bulk_wait(READ: gl.constexpr = True):
-    """Wait until this thread's bulk-async copies have read their shared source (``READ``), or have completed."""
+def _bulk_wait(READ: gl.constexpr = True, PENDING: gl.constexpr = 0):
+    """Wait until all but this thread's ``PENDING`` (0 or 1; 0 only without ``READ``) most recent bulk-async groups
+    have read their shared source (``READ``), or all have completed."""
+    gl.static_assert((PENDING == 0) | (PENDING == 1), "PENDING: 0 or 1")
     if READ:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        if PENDING == 1:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 1; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
     else:
         gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_rows(buf, buffer_ptrs, me, row0, n0, valid, wg: gl.constexpr, OFF_META: gl.constexpr,
+               OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr):
+    """The copies of warpgroup ``wg``'s staged L2 rows (pool rows ``row0 + [0, 64)``, hidden columns ``n0 +
+    [0, 256)``), one (row, half) a thread of :data:`BULK_ROWS`: ``dst`` the global address (int64) of the half-row in
+    ``combine[slot][token]`` of the row's source rank (:func:`_combine_rows`; its loads are issued here and waited
+    for where ``dst`` is first used), ``src`` its byte offset in ``l2_stage``, ``go`` 1 for rows below ``valid``."""
+    r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, BULK_ROWS))
+    ok = r < valid
+    dst_row = _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H)
+    dst = ((buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1)
+           + gl.expand_dims(h * HN, 0)).to(gl.int64)
+    src = gl.expand_dims((wg * WM + r) * (STAGE_PITCH * 2), 1) + gl.expand_dims(h * (HN * 2), 0)
+    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)
+    return dst, src, go
+
+
+@gluon.jit
+def _l2_epilogue_staged(acc_lo, acc_hi, l2_stage, staged, freed, n, wg: gl.constexpr):
+    """``COPIER``'s L2 epilogue (math side): the warpgroup's bf16 rows into its staging rows (``l2_stage`` rows
+    ``[64 wg, +64)``, straight from the wgmma layout, as :func:`_l2_epilogue_bulk`) once the copier has read them
+    for its previous L2 tile (``freed[wg]``, this warpgroup's ``n``-th staged tile), then ``fence.proxy.async``,
+    barrier and one arrive on ``staged[wg]``: the copier (:func:`_copy_partition`) computes the destinations and
+    issues the copies, and the warpgroup goes straight back to its MMAs."""
+    v_lo = _to_bf16_bits(acc_lo)
+    v_hi = _to_bf16_bits(acc_hi)
+    mbarrier.wait(freed.index(wg), (n & 1) ^ 1)  # (a fresh barrier passes parity 1: the first tile does not wait)
+    st = l2_stage.slice(wg * WM, WM, dim=0)
+    st.slice(0, HN, dim=1).store(v_lo)
+    st.slice(HN, HN, dim=1).store(v_hi)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(staged.index(wg), count=1)
+
+
+@gluon.jit
+def _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OFF_META: gl.constexpr,
+               OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, MC: gl.constexpr):
+    """``COPIER`` (4 warps, one (row, half) a thread): for every L2 slot of this program's schedule (the math
+    partitions' own, :func:`_schedule` / :func:`_slot`; MC's padding slots have no epilogue) and each math
+    warpgroup: the rows' destinations (their loads in flight while it waits), the wait for the warpgroup's staged
+    rows (``staged[wg]``), one 256-byte ``cp.async.bulk`` a (row, half) as one bulk group of each thread; once a
+    warpgroup's copies have read its staging rows (``wait_group.read``, then a partition barrier) one arrive on
+    ``freed[wg]``. The copies complete before the partition exits."""
+    n = 0
+    first, stop, step = _schedule(tiles, num_tiles, MC)
+    for i in range(first, stop, step):
+        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)
+        if (t >= num_l1) & (valid >= 0):
+            for wg in gl.static_range(2):
+                dst, src, go = _bulk_rows(buf, buffer_ptrs, me, b * TILE_M + wg * WM, nt * TILE_N, valid - wg * WM,
+                                          wg, OFF_META, OFF_COMBINE, T, H)
+                mbarrier.wait(staged.index(wg), n & 1)
+                gl.inline_asm_elementwise(BULK_STORE_ASM, "=r,l,r,r", [dst, src, go], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            _bulk_wait(True, 1)  # warpgroup 0's copies (the older bulk group of each thread) have read its rows
+            gl.thread_barrier()
+            mbarrier.arrive(freed.index(0), count=1)
+            _bulk_wait(True)
+            gl.thread_barrier()
+            mbarrier.arrive(freed.index(1), count=1)
+            n += 1
+    _bulk_wait(False)
 
 
 @gluon.jit
@@ -676,14 +762,7 @@ def _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage, buf, buffer_ptrs, me, row0, n0, 
     source rank's buffer, rows past ``valid`` skipped. The warpgroup goes back to its MMAs while the copies run."""
     v_lo = _to_bf16_bits(acc_lo)
     v_hi = _to_bf16_bits(acc_hi)
-    r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))
-    h = gl.arange(0, 2, layout=gl.SliceLayout(0, BULK_ROWS))
-    ok = r < valid
-    dst_row = _combine_rows(buf, buffer_ptrs, me, row0 + r, ok, n0, OFF_META, T, H)
-    dst = ((buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1)
-           + gl.expand_dims(h * HN, 0)).to(gl.int64)
-    src = gl.expand_dims((wg * WM + r) * (STAGE_PITCH * 2), 1) + gl.expand_dims(h * (HN * 2), 0)
-    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)
+    dst, src, go = _bulk_rows(buf, buffer_ptrs, me, row0, n0, valid, wg, OFF_META, OFF_COMBINE, T, H)
     _bulk_wait(True)
     gl.thread_barrier()
     st = l2_stage.slice(wg * WM, WM, dim=0)
@@ -805,11 +884,13 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
                     OFF_L1_W: gl.constexpr, OFF_L2: gl.constexpr, OFF_L2_SF: gl.constexpr, OFF_META: gl.constexpr,
                     OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr, I: gl.constexpr, SP: gl.constexpr,
                     STAGES: gl.constexpr, HAS_CLAMP: gl.constexpr, LEAD: gl.constexpr, MC: gl.constexpr = False,
-                    BULK: gl.constexpr = False):
+                    BULK: gl.constexpr = False, staged=None, freed=None, COPIER: gl.constexpr = False):
     """One math warpgroup: rows ``[64*wg, 64*wg + 64)`` of every tile, its 256 weight rows as two halves of 128.
 
     ``BULK`` (``megamoe.fused.FP8_WS_BULK``): the L2 epilogue through ``l2_stage`` and the copy engine
-    (:func:`_l2_epilogue_bulk`); the warpgroup's copies are waited for (complete) before it exits.
+    (:func:`_l2_epilogue_bulk`); the warpgroup's copies are waited for (complete) before it exits. With ``COPIER``
+    (``megamoe.fused.FP8_WS_COPIER``) the warpgroup only stages its rows (:func:`_l2_epilogue_staged`, the
+    handshake on ``staged`` / ``freed``) and the pull warps issue the copies (:func:`_copy_rows`).
 
     ``MC``: the slots of the cluster's pair schedule (:func:`_slot`); each stage released in both CTAs (the arrive
     of count 2, :mod:`megamoe.multicast`); a padding slot passes its stages through and has no epilogue.
@@ -826,6 +907,7 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
     gate_col = gl.expand_dims((cols // 8) % 2 == 0, 0)
     spare = gl.zeros([WM, HN], gl.float32, mma)  # the one dot register tile (use_acc=False wgmma writes into it)
     it = 0
+    n2 = 0  # (COPIER) L2 tiles staged so far: the phase of the staged / freed handshake
     ARRIVE: gl.constexpr = 2 if MC else 1
     if LEAD > 0 and wg == 1:
         mbarrier.wait(lead.index(0), 0)
@@ -875,7 +957,10 @@ def _math_partition(buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, s
         if valid >= 0:  # (always but for MC's padding slots)
             if is_l2:
                 row0 = b * TILE_M + wg * WM
-                if BULK:
+                if COPIER:
+                    _l2_epilogue_staged(acc_lo, acc_hi, l2_stage, staged, freed, n2, wg)
+                    n2 += 1
+                elif BULK:
                     _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage, buf, buffer_ptrs, me, row0, nt * TILE_N,
                                       valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)
                 else:
@@ -905,7 +990,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                           MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PULL_WARPS: gl.constexpr,
                           PULL_REGS: gl.constexpr, PULL_CHUNK: gl.constexpr, PDL: gl.constexpr = False,
                           LEAD: gl.constexpr = 0, GROUP_SYNC: gl.constexpr = False, MC: gl.constexpr = False,
-                          BULK: gl.constexpr = False):
+                          BULK: gl.constexpr = False, COPIER: gl.constexpr = False):
     """One rank's GEMM phase (module docstring). Descriptors: ``a1`` L1 pool ``[P, H]`` / ``a2`` L2 pool ``[P, I]``
     fp8, box [128, 128]; ``w1`` / ``w2`` the blocked weights as ``[El*2I*H/128, 128]`` / ``[El*H*I/128, 128]`` fp8,
     box [128, 128] (one weight block, :func:`_load_partition`); ``sa1`` / ``sa2`` the
@@ -960,6 +1045,12 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
     else:  # (a 32-byte placeholder the math partitions take and never touch)
         l2_stage = gl.allocate_shared_memory(gl.int16, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     mbarrier.init(lead.index(0), count=1)
+    # COPIER: per math warpgroup, its L2 rows staged (arrived by the warpgroup) / read by the copies (by the copier)
+    staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    freed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(staged.index(i), count=1)
+        mbarrier.init(freed.index(i), count=1)
     fence_async_shared()  # barrier inits visible to the async proxy before first use
     if MC:  # the peer CTA's barriers are initialised before anything lands in or arrives on them
         gl.inline_asm_elementwise(CLUSTER_READY, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -978,13 +1069,30 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
                                OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
         return
+    COPY: gl.constexpr = BULK and COPIER
+    if COPY:  # the pull warps issue the L2 copies once the pull is done
+        gl.warp_specialize([
+            (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
+                               l2_stage, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                               OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
+            (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
+                               l2_stage, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
+                               OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
+            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
+                               w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
+                               arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),
+            (_pull_copy_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, num_l1, num_tiles, staged,
+                                    freed, OFF_META, OFF_X, OFF_X_SF, OFF_L1, OFF_L1_SF, OFF_COMBINE, T, H, SP,
+                                    PULL_WARPS, BM, PULL_CHUNK, MC)),
+        ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
+        return
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            l2_stage, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK)),
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            l2_stage, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK)),
+                           OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
                            w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
                            arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),

@@ -221,6 +221,15 @@ FP8_WS_LEAD = False
 #: 3-stage ring alone 1196 / 1193 there), so the L2 epilogue's share of the cycles at T = 8192 was not the
 #: warpgroups' time in it. On, for the T = 512 gain and the shorter path out of the MMA stream.
 FP8_WS_BULK = True
+#: "fp8_ws" with ``FP8_WS_BULK``: the pull warps, once their pull is done, issue the staged L2 rows' copies
+#: (``COPIER`` of ``megamoe.kernels.gemm_fp8_ws``: :func:`~megamoe.kernels.gemm_fp8_ws._copy_rows`), so that a math
+#: warpgroup's L2 epilogue is only the bf16 conversion, a wait for its staging rows to be free, the stores into them
+#: and an arrive. Why: the clock profile (``stage_profile_probe.py fp8``, ``results/probes/fp8_profile_runs/
+#: profile_split_fc7ca77_h100.jsonl``, H100, T = 8192) split the staged epilogue's ~4750 cycles a tile (both
+#: warpgroups at once, the tensor cores idle) into ~750 conversion and destinations, ~500 wait, ~800 staging stores
+#: and ~2700 in the copies' issue (the destinations' dependent loads waited for there, 128 copies a warpgroup).
+#: Same bits (``tests/gpu/test_ws_launch_options_gpu.py``).
+FP8_WS_COPIER = True
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
 # started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
 # top-k weights), since the L2 epilogue costs 5-6 % of the phase's cycles and only ~2 % is its stores' traffic
@@ -1341,7 +1350,7 @@ def _ws_constexprs(sb, bm: int, has_clamp: bool) -> dict:
     layout at pool block ``bm`` (``fp8_ws_keywords``); built once per (block, clamp) and cached on the buffer (no
     per-call work)."""
     key = ("fp8", bm, has_clamp, _ws_pdl(), FP8_WS_LEAD, WS_GROUP_SYNC["fp8_ws"], FP8_WS_MULTICAST, FP8_WS_BULK,
-           FP8_WS_STAGES[bm])
+           FP8_WS_COPIER, FP8_WS_STAGES[bm])
     return _buffer_cache(sb, "_ws_constexprs", key,
                          lambda: direct_launch.FrozenKeywords(fp8_ws_keywords(sb.layout, bm, has_clamp)))
 
@@ -1356,7 +1365,8 @@ def fp8_ws_keywords(L, bm: int, has_clamp: bool) -> dict:
         SP=L.num_padded_sf_pool_tokens, HAS_CLAMP=has_clamp, STAGES=fp8_ws_stages(bm), MATH_REGS=math_regs,
         LOAD_REGS=load_regs, PULL_WARPS=FP8_WS_PULL_WARPS, PULL_REGS=pull_regs, PULL_CHUNK=FP8_WS_PULL_CHUNK,
         LEAD=fp8_ws_stages(bm) if FP8_WS_LEAD and bm == 128 else 0, GROUP_SYNC=WS_GROUP_SYNC["fp8_ws"],
-        MC=fp8_ws_multicast("fp8_ws", bm), BULK=fp8_ws_bulk(bm), num_warps=4, maxnreg=maxnreg, **_pdl_keywords())
+        MC=fp8_ws_multicast("fp8_ws", bm), BULK=fp8_ws_bulk(bm), COPIER=FP8_WS_COPIER, num_warps=4, maxnreg=maxnreg,
+        **_pdl_keywords())
 
 
 def fp8_ws_bulk(bm: int) -> bool:

@@ -112,16 +112,19 @@ def test_fp8_phase_multicast_is_in_the_sass_only_with_mc():
 
 
 @pytest.mark.slow
-def test_fp8_phase_bulk_epilogue_copies_from_its_staging_buffer():
+@pytest.mark.parametrize("copier", [False, True])
+def test_fp8_phase_bulk_epilogue_copies_from_its_staging_buffer(copier):
     """``FP8_WS_BULK`` (the L2 epilogue through shared memory and ``cp.async.bulk``, on a 3-stage ring) compiles within
     the FP8 budgets, and ``megamoe.shared_address`` resolved its copies' source to the staging buffer: in each math
-    partition the bf16 stores between the wait for the previous copies and the copy itself all land in
-    ``[offset, offset + 128 x 528)``, the resolved offset, and no token is left in the PTX."""
+    partition the 64 bf16 stores of its staging rows (between the wait for the previous copies and the copy itself;
+    with ``FP8_WS_COPIER`` between the wait on ``freed`` and the arrive on ``staged``) all land in ``[offset,
+    offset + 128 x 528)``, the resolved offset, and no token is left in the PTX. Two copy sites either way: one a
+    math partition, or the copier's two (one a warpgroup), the copier's read-waits then one per warpgroup."""
     import re
     import shutil
 
     layout = Layout(1, 48, 8192, 6, 7168, 3072, 128, format="fp8")
-    r = compile_gluon_phase("fp8_ws", layout, 128, keep=True, settings={"FP8_WS_BULK": True})
+    r = compile_gluon_phase("fp8_ws", layout, 128, keep=True, settings={"FP8_WS_BULK": True, "FP8_WS_COPIER": copier})
     with open(f"{r.directory}/k.ptx") as f:
         ptx = f.read()
     with open(f"{r.directory}/k.sass") as f:
@@ -130,9 +133,16 @@ def test_fp8_phase_bulk_epilogue_copies_from_its_staging_buffer():
     assert 0 < r.shared <= SM90_MAX_SHARED_PER_BLOCK and r.spill_stores <= SPILL_BUDGET["fp8_ws", 128], r
     assert "MEGAMOE_SMEM_OFFSET" not in ptx
     copies = re.findall(r"add\.u32 %bks, %bks, (\d+);.*?cp\.async\.bulk\.global\.shared::cta", ptx)
-    assert len(copies) == 2 and len(set(copies)) == 1, copies  # one copy site a math partition, one buffer
+    assert len(copies) == 2 and len(set(copies)) == 1, copies  # two copy sites, one buffer
     offset, size = int(copies[0]), 2 * 64 * (2 * 128 + 8) * 2
-    for body in re.findall(r"cp\.async\.bulk\.wait_group\.read 0;(.*?)cp\.async\.bulk\.global", ptx, re.S):
+    if copier:
+        bodies = re.findall(r"mbarrier\.try_wait\.parity[^\n]*\n(.*?)mbarrier\.arrive", ptx, re.S)
+        bodies = [b for b in bodies if "st.shared.b32" in b and "wgmma" not in b]
+        assert ptx.count("cp.async.bulk.wait_group.read 1;") == 1 and ptx.count("cp.async.bulk.wait_group.read 0;") == 1
+    else:
+        bodies = re.findall(r"cp\.async\.bulk\.wait_group\.read 0;(.*?)cp\.async\.bulk\.global", ptx, re.S)
+    assert len(bodies) == 2, len(bodies)
+    for body in bodies:
         stores = [int(m) for m in re.findall(r"st\.shared\.b32 \t?\[%r\d+\+(\d+)\]", body)]
         assert len(stores) == 64 and all(offset <= a < offset + size for a in stores), stores
     assert "UBLKCP" in sass and sass.count("UBLKCP") == 2

@@ -279,7 +279,8 @@ PREFILL = ("nopull", )
 SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}, "FP8_WS_BULK": False},
                     "bulk": {"FP8_WS_BULK": True}, "nobulk": {"FP8_WS_BULK": False}, "lead": {"FP8_WS_LEAD": True},
                     "nomc": {"FP8_WS_MULTICAST": False},
-                    "nobulk_nomc": {"FP8_WS_BULK": False, "FP8_WS_MULTICAST": False}}
+                    "nobulk_nomc": {"FP8_WS_BULK": False, "FP8_WS_MULTICAST": False},
+                    "copier": {"FP8_WS_COPIER": True}, "nocopier": {"FP8_WS_COPIER": False}}
 #: patched variants whose patches are in the L2 epilogue that stores from registers (``_l2_epilogue``): run with
 #: ``FP8_WS_BULK`` off, the kernel they were written against (with it on their L2 part would patch unused code)
 PATCH_SETTINGS = {v: {"FP8_WS_BULK": False} for v in ("uncoalesced", "old_epilogue", "l2_rows_twice", "l2nomem")}
@@ -411,7 +412,8 @@ def probe_phase(tokens=(512, 2048, 8192)):
                     sb.destroy()
                     continue
                 row = dict(probe="phase", T=T, kind=cfg.kind, block_m=cfg.block_m,
-                           stages=mf.fp8_ws_stages(cfg.block_m), bulk=mf.FP8_WS_BULK, variant=variant,
+                           stages=mf.fp8_ws_stages(cfg.block_m), bulk=mf.FP8_WS_BULK,
+                           copier=mf.FP8_WS_COPIER, variant=variant,
                            multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
                 if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
                                 "dupw", "dupa", *SETTING_VARIANTS)

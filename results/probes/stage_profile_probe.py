@@ -340,7 +340,7 @@ _Z = _ZERO
 _M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass", "c1_first", "c2_first")
 _E_SUMS = ("e_cvt", "e_wait", "e_stage", "e_copy")
 _E_ENTRY = ("    v_lo = _to_bf16_bits(acc_lo)\n    v_hi = _to_bf16_bits(acc_hi)\n"
-            "    r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))\n")
+            "    dst, src, go = _bulk_rows(")
 _E_WAIT = "    _bulk_wait(True)\n    gl.thread_barrier()\n    st = l2_stage.slice(wg * WM, WM, dim=0)\n"
 _E_STAGE = "    fence_async_shared()\n    gl.thread_barrier()\n    gl.inline_asm_elementwise(BULK_STORE_ASM"
 _E_COPY = ("    gl.inline_asm_elementwise(BULK_STORE_ASM, \"=r,l,r,r\", [dst, src, go], dtype=gl.int32, is_pure=False, "
@@ -479,7 +479,8 @@ def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
                 continue
             us, prof = _timed_and_profiled(fp, call, fp8_kernel_module, 4096 * PER_CTA)  # (4096 CTAs at most)
             fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
-                    multicast=mf.FP8_WS_MULTICAST, bulk=mf.FP8_WS_BULK, group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us,
+                    multicast=mf.FP8_WS_MULTICAST, bulk=mf.FP8_WS_BULK, copier=mf.FP8_WS_COPIER,
+                    group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us,
                     **summarize_fp8(prof), commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
             sb.destroy()
 
