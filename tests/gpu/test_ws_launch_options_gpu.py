@@ -2,7 +2,8 @@
 three launches (``megamoe.fused.WS_PDL``; session 14/15 also had the front's L2 prefetch here, since removed), the FP8
 phase's math warpgroups started a ring apart (``FP8_WS_LEAD``; the FP8 x FP4 phase has no such option: the
 ``FP8_WS_*`` options skip that format), both phases' programs that share a weight tile starting it together
-(``WS_GROUP_SYNC``, set for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1 and 4: "off" and "on")
+(``WS_GROUP_SYNC``, set for both kinds at once), the back launch's programs an SM (``WS_BACK_PROGRAMS_PER_SM``, 1
+and 4: "off" and "on")
 and the FP8 x FP4 block-128 decode's stage as two halves (``FP4_WS_DECODE_HALVES``) and its L2 A operand folded
 once per pool block by the math warpgroups instead of per stage by the decode partition (``FP4_WS_FOLD_ONCE``), each
 with per-block decode and predecoded weights; the idle math warpgroup's decode (``FP4_WS_IDLE_DECODE``) with
