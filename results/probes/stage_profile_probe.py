@@ -27,8 +27,9 @@ latency / issue bounds the phase; the math's wait says how long the tensor cores
 
 The same for the FP8 Gluon phase ("fp8_ws", pool block 128, as the host runs it; session 48): per math warpgroup the
 cycles of each L1 / L2 tile, its ring stages' ``ready`` waits (the first stage's apart) and its epilogue, the rest
-per stage (MMAs, promotion, release); the loader's group-sync, pull, arrival-mask and free-slot waits
-(``FP8_SLOTS``; ``fp8_ws_probe.py``'s patching and one-rank calls):
+per stage (MMAs, promotion, release); the L1 epilogue in three parts and the staged L2 epilogue (self-issued copies,
+``FP8_WS_COPIER`` off) in four; the loader's group-sync, pull, arrival-mask and free-slot waits (``FP8_SLOTS``;
+``fp8_ws_probe.py``'s patching and one-rank calls):
 
     python results/probes/stage_profile_probe.py fp8 [T1,T2,..] ['{"FP8_WS_MULTICAST": false}'] >> fp8_profile.jsonl
     python results/probes/stage_profile_probe.py compile fp8  # offline compile beside the kernel as it is (CPU)
@@ -56,7 +57,7 @@ SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_deco
          "dec2_stages": 38, "dec2_tiles": 39,
          "math0_epil1": 40, "math0_epil2": 41, "math0_l1tiles": 42, "math0_l2tiles": 43,
          "math1_epil1": 44, "math1_epil2": 45, "math1_l1tiles": 46, "math1_l2tiles": 47}
-PER_CTA = 48
+PER_CTA = 56
 #: Counters summarized per tile (of their role's L1 or L2 tiles), not per stage.
 PER_TILE = {"epil1": "l1tiles", "epil2": "l2tiles"}
 ADDR = "__PROF_ADDR__"
@@ -73,13 +74,13 @@ def _clk():
 def _prof(k: gl.constexpr, v):
     """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
     p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
-    gl.store(p + gl.program_id(0) * 48 + k, v)
+    gl.store(p + gl.program_id(0) * 56 + k, v)
 
 
 @gluon.jit
 def _prof_add(k: gl.constexpr, v):
     """Add ``v`` to counter ``k`` of this CTA (probe; one partition's threads load and store the same values)."""
-    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 48 + k
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 56 + k
     gl.store(p, gl.load(p) + v)
 
 
@@ -310,12 +311,17 @@ def compile_offline():
 #: read the staging rows and the barrier, ``epi2_stage`` the stores into the staging rows, fence and barrier,
 #: ``epi2_copy`` the copies' issue (where the destinations' loads are waited for).
 _L2_EPI_PARTS = ("epi2_cvt", "epi2_wait", "epi2_stage", "epi2_copy")
+#: The L1 epilogue (``_l1_epilogue``) in three parts, cycles summed over the L1 tiles: ``epi1_quant`` SwiGLU, top-k
+#: weight (its load waited for), row maxima and the e4m3 conversion; ``epi1_store`` the layout change and the
+#: stores of the bytes and scales; ``epi1_publish`` the fence, barrier and arrival-mask OR.
+_L1_EPI_PARTS = ("epi1_quant", "epi1_store", "epi1_publish")
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
      "pass", "first1", "first2"))},
     "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
     "load_tiles": 38,
-    **{f"m{wg}_{name}": 40 + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)}}
+    **{f"m{wg}_{name}": 40 + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)},
+    **{f"m{wg}_{name}": 48 + 3 * wg + k for wg in (0, 1) for k, name in enumerate(_L1_EPI_PARTS)}}
 _FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
 _M_LOOP = ("    for i in range(first, stop, step):\n        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n"
            "        is_l2 = t >= num_l1\n        if is_l2:\n            KB = I // BK\n            # weight scale rows")
@@ -339,6 +345,15 @@ _L_END = "\n\n\n@gluon.jit\ndef _pull_partition"
 _Z = _ZERO
 _M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass", "c1_first", "c2_first")
 _E_SUMS = ("e_cvt", "e_wait", "e_stage", "e_copy")
+_Q_SUMS = ("q_quant", "q_store", "q_publish")
+_Q_ENTRY = ("    act_lo = _l1_half(acc_lo, clamp, HAS_CLAMP)\n    act_hi = _l1_half(acc_hi, clamp, HAS_CLAMP)\n"
+            "    L: gl.constexpr = act_lo.type.layout\n")
+_Q_STORE = "    if COALESCED:\n        q_lo = gl.convert_layout(q_lo, STORE_E4M3)\n"
+_Q_PUBLISH = "    if NWG == 1:\n        old = _l1_publish("
+_Q_RETURN = "        old = _l1_publish(l2_mask, b, nt, wg, 1, ACQ)\n    return old\n"
+_Q_CALL = ("                _l1_epilogue(acc_lo, acc_hi, buf, clamp, b, nt, valid, l2_mask, wg, OFF_L1_W, OFF_L2, "
+           "OFF_L2_SF, I,\n")
+_Q_CALL_END = "                             SP, HAS_CLAMP, TILE_M, 2, False)\n"
 _E_ENTRY = ("    v_lo = _to_bf16_bits(acc_lo)\n    v_hi = _to_bf16_bits(acc_hi)\n"
             "    dst, src, go = _bulk_rows(")
 _E_WAIT = "    _bulk_wait(True)\n    gl.thread_barrier()\n    st = l2_stage.slice(wg * WM, WM, dim=0)\n"
@@ -349,7 +364,7 @@ _E_CALL = "                    _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage,"
 FP8_PATCHES = [
     ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
     # math warpgroups
-    (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS + _E_SUMS)
+    (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS + _E_SUMS + _Q_SUMS)
      + "    n1 = 0\n    n2 = 0\n    s1 = 0\n    s2 = 0\n"
      + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n        c_first = {_Z}\n",
                        1)),
@@ -369,7 +384,8 @@ FP8_PATCHES = [
      "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
      "    _prof(MB + 4, s2.to(gl.int64))\n"
      + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))
-     + "".join(f"    _prof(40 + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))),
+     + "".join(f"    _prof(40 + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))
+     + "".join(f"    _prof(48 + 3 * wg + {k}, {n})\n" for k, n in enumerate(_Q_SUMS))),
     # the staged L2 epilogue's parts (returned to the math partition, summed there)
     (_E_ENTRY, "    e0 = _clk()\n" + _E_ENTRY),
     (_E_WAIT, "    e1 = _clk()\n" + _E_WAIT.replace("barrier()\n", "barrier()\n    e2 = _clk()\n", 1)),
@@ -379,6 +395,13 @@ FP8_PATCHES = [
     ("                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n",
      "                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n"
      + "".join(f"                    {n} += d_{n[2:]}\n" for n in _E_SUMS)),
+    # the L1 epilogue's parts (returned to the math partition, summed there)
+    (_Q_ENTRY, "    p0 = _clk()\n" + _Q_ENTRY),
+    (_Q_STORE, "    p1 = _clk()\n" + _Q_STORE),
+    (_Q_PUBLISH, "    p2 = _clk()\n" + _Q_PUBLISH),
+    (_Q_RETURN, _Q_RETURN.replace("    return old\n", "    p3 = _clk()\n    return old, p1 - p0, p2 - p1, p3 - p2\n")),
+    (_Q_CALL, _Q_CALL.replace("_l1_epilogue(", "_, d_quant, d_store, d_publish = _l1_epilogue(", 1)),
+    (_Q_CALL_END, _Q_CALL_END + "".join(f"                {n} += d_{n[2:]}\n" for n in _Q_SUMS)),
     # loader
     (_L_START, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in ("c_gs", "c_land", "c_mask", "c_empty"))
      + "    n_st = 0\n    n_t = 0\n" + _L_START),
@@ -451,6 +474,7 @@ def summarize_fp8(prof) -> dict:
                     f"l{k}_epi_share": m["epi" + k] / m["total"]}
         row["outside_tiles_share"] = 1 - (m["tile1"] + m["tile2"]) / m["total"]
         row |= {f"l2_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS}
+        row |= {f"l1_{n[5:]}_per_tile": m[n] / max(m["tiles1"], 1.0) for n in _L1_EPI_PARTS}
         out[f"math{wg}"] = {k: round(v, 4 if k.endswith("share") else 1) for k, v in row.items()}
     lt = max(mean["load_tiles"], 1.0)
     out["loader"] = {"total": round(mean["load_total"], 1), "tiles": mean["load_tiles"],
