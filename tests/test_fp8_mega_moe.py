@@ -395,7 +395,7 @@ def test_gluon_phase_keywords_match_its_constexprs(block_m):
         assert set(kw) - {"num_warps", "maxnreg", "launch_pdl"} == {p.name for p in kws.fp8_gemm_phase_kernel.params
                                                       if p.is_constexpr}
         assert kw["OFF_L1"] == sb.layout.offset("l1_acts") and kw["STAGES"] == mf.fp8_ws_stages(block_m)
-        assert kw["BULK"] == (mf.FP8_WS_BULK and block_m == 128)
+        assert kw["BULK"] == (mf.FP8_WS_BULK and block_m == 128) and kw["COPIER"] == mf.FP8_WS_COPIER
         assert mf.fp8_ws_stages(block_m) == mf.FP8_WS_STAGES[block_m] - kw["BULK"]  # the staging takes a stage
         assert kw["HAS_CLAMP"] and mf._ws_constexprs(sb, block_m, True) is kw  # cached
     finally:
