@@ -206,20 +206,20 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 FP8_WS_LEAD = False
 #: "fp8_ws" at pool block 128: the L2 epilogue through shared memory and the copy engine (``BULK`` of
 #: ``megamoe.kernels.gemm_fp8_ws._l2_epilogue_bulk``): each math warpgroup stores its 64 x 256 bf16 rows into its own
-#: padded staging slice straight from the wgmma layout and issues one 256-byte ``cp.async.bulk`` per (row, half) to
-#: the row's combine slot, then goes back to its MMAs while the copies run -- instead of converting the tile to a
-#: 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from registers. Built because
-#: the L2 epilogue's knock-out took 5-6 % of the phase's cycles at T = 8192 (both warpgroups in it at once, the tensor
-#: cores idle), only ~2 % of them its memory traffic
-#: (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The staging (67.5 KB) takes the ring's
-#: fourth stage, which costs nothing measurable: ``stages3`` rows of
-#: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240
-#: / 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits
+#: padded staging slice straight from the wgmma layout and issues one ``cp.async.bulk`` per row (256 bytes per (row,
+#: half) until session 49) to the row's combine slot, then goes back to its MMAs while the copies run -- instead of
+#: converting the tile to a 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from
+#: registers. Built because the L2 epilogue's knock-out took 5-6 % of the phase's cycles at T = 8192 (both warpgroups in
+#: it at once, the tensor cores idle), only ~2 % of them its memory traffic
+#: (``results/probes/knockout_runs/fp8_l2epi8192_d6771f1_h100.jsonl``). The staging (67.5 KB) takes the ring's fourth
+#: stage, which costs nothing measurable: ``stages3`` rows of
+#: ``results/probes/knockout_runs/fp8_stages3_80ffb1a_h100.jsonl`` (H100, off / on twice: T = 512 1241 / 1228 / 1240 /
+#: 1225 us, 2048 2128 / 2122 / 2135 / 2157, 8192 in 3 s windows 6641 / 6611 / 6778 / 6800). Same bits
 #: (``tests/gpu/test_ws_launch_options_gpu.py``). Measured on an H100, off / on alternating
 #: (``results/probes/bulk_runs/``): T = 512 1210 / 1191 / 1211 / 1188 us, 1024 1349 / 1347 / 1347 / 1351, 2048 2120 /
 #: 2128 / 2118 / 2124, 8192 in 3 s windows 6647 / 6578 / 6630 / 6677 at the same clocks: faster at T = 512 only (the
-#: 3-stage ring alone 1196 / 1193 there), so the L2 epilogue's share of the cycles at T = 8192 was not the
-#: warpgroups' time in it. On, for the T = 512 gain and the shorter path out of the MMA stream.
+#: 3-stage ring alone 1196 / 1193 there), so the L2 epilogue's share of the cycles at T = 8192 was not the warpgroups'
+#: time in it. On, for the T = 512 gain and the shorter path out of the MMA stream.
 FP8_WS_BULK = True
 #: "fp8_ws" with ``FP8_WS_BULK``: the pull warps, once their pull is done, issue the staged L2 rows' copies
 #: (``COPIER`` of ``megamoe.kernels.gemm_fp8_ws``: :func:`~megamoe.kernels.gemm_fp8_ws._copy_rows`), so that a math
