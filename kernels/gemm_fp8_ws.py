@@ -188,16 +188,16 @@ STORE_BF16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 STAGE_PITCH: gl.constexpr = gl.constexpr(2 * HN.value + 8)
 STAGE_LAYOUT: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[2 * HN.value, 8]], [2 * WM.value, 2 * HN.value],
                                                                       [1, 0])
-#: ``BULK``: one (pool row, 128-column half) of a warpgroup's 64 x 256 a thread, 16 rows a warp (lanes 0-15 the
-#: rows' first halves, 16-31 their second). Only the first halves' threads copy, each its whole row (512 bytes):
+#: ``BULK``: one (pool row, 128-column half) of a warpgroup's 64 x 256 a thread -- each thread issues one copy.
 #: ``cp.async.bulk`` takes uniform registers, so ptxas issues a warp's copies one lane at a time (``R2UR`` of the
-#: lane's operands, ``UBLKCP``, ``BRA.U.ANY`` back; predicated-off lanes skip the loop): 16 a warp instead of 32
-#: when each (row, half) was a copy of 256 bytes (session 48's profile: ~2700 cycles issuing a warpgroup's 128).
-BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [4, 1], [0, 1])
+#: lane's operands, ``UBLKCP``, ``BRA.U.ANY`` back; lanes predicated off skip that loop): session 48's profile had
+#: ~2700 cycles a tile issuing a warpgroup's 128 copies. (One 512-byte copy a row from 16 rows a warp, half the
+#: loop: ``fp8_ws_probe.py``'s ``rowcopies`` variant, session 49, not yet run on a GPU.)
+BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
 #: ``BULK``: copy ``BULK_BYTES`` from the staging buffer (``$2``: byte offset in it) to global ``$1`` when ``$3`` is
 #: nonzero, as one bulk-async group of this thread (an empty group when zero). The staging buffer's offset from
 #: ``global_smem`` is resolved when the kernel compiles (:mod:`megamoe.shared_address`).
-BULK_BYTES = 4 * HN.value  #: one staged row: 256 bf16
+BULK_BYTES = 2 * HN.value  #: one (row, half): 128 bf16
 BULK_STORE_ASM: gl.constexpr = gl.constexpr(
     f"// megamoe.shared_address {SHARED_ADDRESS_VERSION}\n\t"
     "{ .reg .b32 %bks; .reg .pred %bkp; setp.ne.b32 %bkp, $3, 0; mov.u32 %bks, global_smem; "
@@ -693,8 +693,8 @@ def _bulk_rows(buf, buffer_ptrs, me, row0, n0, valid, wg: gl.constexpr, OFF_META
     """The copies of warpgroup ``wg``'s staged L2 rows (pool rows ``row0 + [0, 64)``, hidden columns ``n0 +
     [0, 256)``), one (row, half) a thread of :data:`BULK_ROWS`: ``dst`` the global address (int64) of the half-row in
     ``combine[slot][token]`` of the row's source rank (:func:`_combine_rows`; its loads are issued here and waited
-    for where ``dst`` is first used), ``src`` its byte offset in ``l2_stage``, ``go`` 1 for the first halves of
-    rows below ``valid`` (each copies its whole row, :data:`BULK_BYTES`)."""
+    for where ``dst`` is first used), ``src`` its byte offset in ``l2_stage``, ``go`` 1 for rows below
+    ``valid``."""
     r = gl.arange(0, WM, layout=gl.SliceLayout(1, BULK_ROWS))
     h = gl.arange(0, 2, layout=gl.SliceLayout(0, BULK_ROWS))
     ok = r < valid
@@ -702,7 +702,7 @@ def _bulk_rows(buf, buffer_ptrs, me, row0, n0, valid, wg: gl.constexpr, OFF_META
     dst = ((buf + OFF_COMBINE).to(gl.pointer_type(gl.int16)) + gl.expand_dims(dst_row, 1)
            + gl.expand_dims(h * HN, 0)).to(gl.int64)
     src = gl.expand_dims((wg * WM + r) * (STAGE_PITCH * 2), 1) + gl.expand_dims(h * (HN * 2), 0)
-    go = gl.expand_dims(ok.to(gl.int32), 1) * gl.expand_dims((h == 0).to(gl.int32), 0)
+    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)
     return dst, src, go
 
 
@@ -730,8 +730,8 @@ def _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OF
     """``COPIER`` (4 warps, one (row, half) a thread): for every L2 slot of this program's schedule (the math
     partitions' own, :func:`_schedule` / :func:`_slot`; MC's padding slots have no epilogue) and each math
     warpgroup: the rows' destinations (their loads in flight while it waits), the wait for the warpgroup's staged
-    rows (``staged[wg]``), one 512-byte ``cp.async.bulk`` a row (:func:`_bulk_rows`) as one bulk group of each
-    thread (empty for the threads of second halves); once a
+    rows (``staged[wg]``), one 256-byte ``cp.async.bulk`` a (row, half) (:func:`_bulk_rows`) as one bulk group of
+    each thread; once a
     warpgroup's copies have read its staging rows (``wait_group.read``, then a partition barrier) one arrive on
     ``freed[wg]``. The copies complete before the partition exits."""
     n = 0
@@ -763,10 +763,9 @@ def _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage, buf, buffer_ptrs, me, row0, n0, 
     The rows' destinations first (:func:`_combine_rows`, one (row, half) a thread of :data:`BULK_ROWS`, their loads
     in flight across what follows); then wait until this warpgroup's copies of its previous L2 tile have read
     its staging rows (``l2_stage`` rows ``[64 wg, +64)``, :data:`STAGE_LAYOUT`), barrier, store both halves' bf16
-    bits into them straight from the wgmma layout (no layout change), ``fence.proxy.async`` and barrier; then the
-    threads of the rows' first halves issue one 512-byte ``cp.async.bulk`` each, the row to its
-    ``combine[slot][token]`` in the source rank's buffer, rows past ``valid`` skipped. The warpgroup goes back to its
-    MMAs while the copies run."""
+    bits into them straight from the wgmma layout (no layout change), ``fence.proxy.async`` and barrier; then each
+    thread issues one 256-byte ``cp.async.bulk`` of its (row, half) to the row's ``combine[slot][token]`` in the
+    source rank's buffer, rows past ``valid`` skipped. The warpgroup goes back to its MMAs while the copies run."""
     v_lo = _to_bf16_bits(acc_lo)
     v_hi = _to_bf16_bits(acc_hi)
     dst, src, go = _bulk_rows(buf, buffer_ptrs, me, row0, n0, valid, wg, OFF_META, OFF_COMBINE, T, H)

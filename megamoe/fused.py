@@ -206,8 +206,8 @@ FP8_WS_STAGES, FP8_WS_REGS, FP8_WS_PULL_WARPS = {128: 4, 64: 5}, (216, 40, 40, 1
 FP8_WS_LEAD = False
 #: "fp8_ws" at pool block 128: the L2 epilogue through shared memory and the copy engine (``BULK`` of
 #: ``megamoe.kernels.gemm_fp8_ws._l2_epilogue_bulk``): each math warpgroup stores its 64 x 256 bf16 rows into its own
-#: padded staging slice straight from the wgmma layout and issues one ``cp.async.bulk`` per row (256 bytes per (row,
-#: half) until session 49) to the row's combine slot, then goes back to its MMAs while the copies run -- instead of
+#: padded staging slice straight from the wgmma layout and issues one 256-byte ``cp.async.bulk`` per (row, half) to
+#: the row's combine slot, then goes back to its MMAs while the copies run -- instead of
 #: converting the tile to a 16-bytes-a-thread layout (4 rounds through 8 KB of scratch, 8 barriers) and storing from
 #: registers. Built because the L2 epilogue's knock-out took 5-6 % of the phase's cycles at T = 8192 (both warpgroups in
 #: it at once, the tensor cores idle), only ~2 % of them its memory traffic

@@ -268,13 +268,14 @@ PATCHES = {
     # session 46: the L2 rows stored in pool order into slot 0's rows (row % T): no metadata loads, no scatter
     "l2contig": [("    return (slot * T + token).to(gl.int64) * H + n0 + delta\n",
                   "    return (pool_rows % T).to(gl.int64) * H + n0\n")],
-    # session 49: the staged L2 rows copied as before it, one 256-byte copy a (row, half) from 32 rows a warp,
-    # instead of one 512-byte copy a row from 16 rows a warp (same bits)
-    "halfcopies": [("BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [4, 1], [0, 1])",
-                    "BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])"),
-                   ("BULK_BYTES = 4 * HN.value", "BULK_BYTES = 2 * HN.value"),
-                   ("    go = gl.expand_dims(ok.to(gl.int32), 1) * gl.expand_dims((h == 0).to(gl.int32), 0)",
-                    "    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)")],
+    # session 49: the staged L2 rows copied one 512-byte copy a row from 16 rows a warp (lanes 16-31 predicated off,
+    # so ptxas's one-lane-at-a-time issue loop runs 16 times a warp) instead of one 256-byte copy a (row, half) from
+    # 32 rows a warp (same bits)
+    "rowcopies": [("BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])",
+                   "BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [4, 1], [0, 1])"),
+                  ("BULK_BYTES = 2 * HN.value", "BULK_BYTES = 4 * HN.value"),
+                  ("    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)",
+                   "    go = gl.expand_dims(ok.to(gl.int32), 1) * gl.expand_dims((h == 0).to(gl.int32), 0)")],
 }
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
@@ -423,7 +424,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
                            copier=mf.FP8_WS_COPIER, variant=variant,
                            multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
                 if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
-                                "dupw", "dupa", "halfcopies", *SETTING_VARIANTS)
+                                "dupw", "dupa", "rowcopies", *SETTING_VARIANTS)
                         or variant.startswith("stagger")):
                     want = y.clone() if want is None else want
                     row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
