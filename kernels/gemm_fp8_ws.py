@@ -482,13 +482,15 @@ def _pull_copy_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, num_l
                          OFF_META: gl.constexpr, OFF_X: gl.constexpr, OFF_X_SF: gl.constexpr, OFF_L1: gl.constexpr,
                          OFF_L1_SF: gl.constexpr, OFF_COMBINE: gl.constexpr, T: gl.constexpr, H: gl.constexpr,
                          SP: gl.constexpr, PULL_WARPS: gl.constexpr, BM: gl.constexpr, PULL_CHUNK: gl.constexpr,
-                         MC: gl.constexpr):
-    """``COPIER``: the pull warps' work, then the L2 copies of both math warpgroups (:func:`_copy_rows`; one
-    (row, half) of a warpgroup's 64 x 256 a thread: 4 warps)."""
-    gl.static_assert(PULL_WARPS == 4, "COPIER: BULK_ROWS spans 4 warps")
+                         MC: gl.constexpr, COPY: gl.constexpr):
+    """The pull warps (pool block 128): the pull (:func:`_pull_partition`), then with ``COPY`` (``COPIER``) the L2
+    copies of both math warpgroups (:func:`_copy_rows`; one (row, half) of a warpgroup's 64 x 256 a thread: 4
+    warps)."""
     _pull_partition(buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1, OFF_L1_SF,
                     H, SP, PULL_WARPS, BM, PULL_CHUNK)
-    _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OFF_META, OFF_COMBINE, T, H, MC)
+    if COPY:
+        gl.static_assert(PULL_WARPS == 4, "COPIER: BULK_ROWS spans 4 warps")
+        _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OFF_META, OFF_COMBINE, T, H, MC)
 
 
 @gluon.jit
@@ -1076,22 +1078,6 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
         ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
         return
     COPY: gl.constexpr = BULK and COPIER
-    if COPY:  # the pull warps issue the L2 copies once the pull is done
-        gl.warp_specialize([
-            (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
-                               l2_stage, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                               OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
-            (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
-                               l2_stage, tiles, num_l1, num_tiles, l2_mask, 1, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
-                               OFF_COMBINE, T, H, I, SP, STAGES, HAS_CLAMP, LEAD, MC, BULK, staged, freed, COPY)),
-            (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
-                               w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
-                               arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),
-            (_pull_copy_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, num_l1, num_tiles, staged,
-                                    freed, OFF_META, OFF_X, OFF_X_SF, OFF_L1, OFF_L1_SF, OFF_COMBINE, T, H, SP,
-                                    PULL_WARPS, BM, PULL_CHUNK, MC)),
-        ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
-        return
     gl.warp_specialize([
         (_math_partition, (buf, w1_sf, w2_sf, buffer_ptrs, me, clamp, a_bufs, w_bufs, sa_bufs, ready, empty, lead,
                            l2_stage, tiles, num_l1, num_tiles, l2_mask, 0, OFF_L1_W, OFF_L2, OFF_L2_SF, OFF_META,
@@ -1102,6 +1088,7 @@ def fp8_gemm_phase_kernel(a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc
         (_load_partition, (a1_desc, a2_desc, w1_desc, w2_desc, sa1_desc, sa2_desc, a1m_desc, a2m_desc, w1u_desc,
                            w2u_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles, num_l1, num_tiles, l2_mask,
                            arrival, progress, state, timeout_ns, I // 128, H, I, SP, STAGES, GROUP_SYNC, MC)),
-        (_pull_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, OFF_META, OFF_X, OFF_X_SF, OFF_L1,
-                           OFF_L1_SF, H, SP, PULL_WARPS, BM, PULL_CHUNK)),
+        (_pull_copy_partition, (buf, buffer_ptrs, me, tiles, arrival, num_blocks, num_l1, num_tiles, staged,
+                                freed, OFF_META, OFF_X, OFF_X_SF, OFF_L1, OFF_L1_SF, OFF_COMBINE, T, H, SP,
+                                PULL_WARPS, BM, PULL_CHUNK, MC, COPY)),
     ], [4, 1, PULL_WARPS], [MATH_REGS, LOAD_REGS, PULL_REGS])
