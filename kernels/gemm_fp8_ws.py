@@ -713,7 +713,7 @@ def _l2_epilogue_staged(acc_lo, acc_hi, l2_stage, staged, freed, n, wg: gl.const
     """``COPIER``'s L2 epilogue (math side): the warpgroup's bf16 rows into its staging rows (``l2_stage`` rows
     ``[64 wg, +64)``, straight from the wgmma layout, as :func:`_l2_epilogue_bulk`) once the copier has read them
     for its previous L2 tile (``freed[wg]``, this warpgroup's ``n``-th staged tile), then ``fence.proxy.async``,
-    barrier and one arrive on ``staged[wg]``: the copier (:func:`_copy_partition`) computes the destinations and
+    barrier and one arrive on ``staged[wg]``: the copier (:func:`_copy_rows`) computes the destinations and
     issues the copies, and the warpgroup goes straight back to its MMAs."""
     v_lo = _to_bf16_bits(acc_lo)
     v_hi = _to_bf16_bits(acc_hi)
@@ -733,9 +733,8 @@ def _copy_rows(buf, buffer_ptrs, me, tiles, num_l1, num_tiles, staged, freed, OF
     partitions' own, :func:`_schedule` / :func:`_slot`; MC's padding slots have no epilogue) and each math
     warpgroup: the rows' destinations (their loads in flight while it waits), the wait for the warpgroup's staged
     rows (``staged[wg]``), one 256-byte ``cp.async.bulk`` a (row, half) (:func:`_bulk_rows`) as one bulk group of
-    each thread; once a
-    warpgroup's copies have read its staging rows (``wait_group.read``, then a partition barrier) one arrive on
-    ``freed[wg]``. The copies complete before the partition exits."""
+    each thread; once a warpgroup's copies have read its staging rows (``wait_group.read``, then a partition
+    barrier) one arrive on ``freed[wg]``. The copies complete before the partition exits."""
     n = 0
     first, stop, step = _schedule(tiles, num_tiles, MC)
     for i in range(first, stop, step):
