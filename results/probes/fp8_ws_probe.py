@@ -283,7 +283,8 @@ PREFILL = ("nopull", )
 #: ring at 128-row tiles (what freeing a stage's 48.5 KB of shared memory for an epilogue's staging costs), ``bulk``
 #: the L2 epilogue staged and written by ``cp.async.bulk`` (``FP8_WS_BULK``, which takes that stage), ``lead`` math
 #: warpgroup 1 started a ring behind warpgroup 0 (``FP8_WS_LEAD``: their epilogues apart), ``nomc`` without the 2-CTA
-#: multicast (``FP8_WS_MULTICAST``), ``nobulk_nomc`` without either
+#: multicast (``FP8_WS_MULTICAST``), ``nobulk_nomc`` without either, ``copier`` / ``nocopier`` the staged L2 copies
+#: issued by the pull warps or by the math warpgroups (``FP8_WS_COPIER``)
 SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}, "FP8_WS_BULK": False},
                     "bulk": {"FP8_WS_BULK": True}, "nobulk": {"FP8_WS_BULK": False}, "lead": {"FP8_WS_LEAD": True},
                     "nomc": {"FP8_WS_MULTICAST": False},

@@ -74,13 +74,13 @@ def _clk():
 def _prof(k: gl.constexpr, v):
     """Store counter ``k`` of this CTA (probe; every thread stores the same value)."""
     p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64))
-    gl.store(p + gl.program_id(0) * 56 + k, v)
+    gl.store(p + gl.program_id(0) * __PER_CTA__ + k, v)
 
 
 @gluon.jit
 def _prof_add(k: gl.constexpr, v):
     """Add ``v`` to counter ``k`` of this CTA (probe; one partition's threads load and store the same values)."""
-    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * 56 + k
+    p = gl.to_tensor(_PROF_ADDR).to(gl.pointer_type(gl.int64)) + gl.program_id(0) * __PER_CTA__ + k
     gl.store(p, gl.load(p) + v)
 
 
@@ -88,7 +88,7 @@ _PROF_ADDR: gl.constexpr = gl.constexpr(__PROF_ADDR__)
 
 
 @gluon.jit
-def _full_mask('''
+def _full_mask('''.replace("__PER_CTA__", str(PER_CTA))
 
 _DEC_LOOP_END = ("            fence_async_shared()  # generic-proxy stores to shared memory, then wgmma (async proxy) reads"
                  " them\n            gl.thread_barrier()  # every warp has stored and fenced before the one arrive\n"
@@ -311,17 +311,19 @@ def compile_offline():
 #: read the staging rows and the barrier, ``epi2_stage`` the stores into the staging rows, fence and barrier,
 #: ``epi2_copy`` the copies' issue (where the destinations' loads are waited for).
 _L2_EPI_PARTS = ("epi2_cvt", "epi2_wait", "epi2_stage", "epi2_copy")
+_L2_EPI_SLOT = 40  #: warpgroup wg's ``_L2_EPI_PARTS`` from slot ``_L2_EPI_SLOT + 4 wg``
 #: The L1 epilogue (``_l1_epilogue``) in three parts, cycles summed over the L1 tiles: ``epi1_quant`` SwiGLU, top-k
 #: weight (its load waited for), row maxima and the e4m3 conversion; ``epi1_store`` the layout change and the
 #: stores of the bytes and scales; ``epi1_publish`` the fence, barrier and arrival-mask OR.
 _L1_EPI_PARTS = ("epi1_quant", "epi1_store", "epi1_publish")
+_L1_EPI_SLOT = 48  #: warpgroup wg's ``_L1_EPI_PARTS`` from slot ``_L1_EPI_SLOT + 3 wg``
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
      "pass", "first1", "first2"))},
     "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
     "load_tiles": 38,
-    **{f"m{wg}_{name}": 40 + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)},
-    **{f"m{wg}_{name}": 48 + 3 * wg + k for wg in (0, 1) for k, name in enumerate(_L1_EPI_PARTS)}}
+    **{f"m{wg}_{name}": _L2_EPI_SLOT + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)},
+    **{f"m{wg}_{name}": _L1_EPI_SLOT + 3 * wg + k for wg in (0, 1) for k, name in enumerate(_L1_EPI_PARTS)}}
 _FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
 _M_LOOP = ("    for i in range(first, stop, step):\n        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n"
            "        is_l2 = t >= num_l1\n        if is_l2:\n            KB = I // BK\n            # weight scale rows")
@@ -384,8 +386,8 @@ FP8_PATCHES = [
      "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
      "    _prof(MB + 4, s2.to(gl.int64))\n"
      + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))
-     + "".join(f"    _prof(40 + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))
-     + "".join(f"    _prof(48 + 3 * wg + {k}, {n})\n" for k, n in enumerate(_Q_SUMS))),
+     + "".join(f"    _prof({_L2_EPI_SLOT} + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))
+     + "".join(f"    _prof({_L1_EPI_SLOT} + 3 * wg + {k}, {n})\n" for k, n in enumerate(_Q_SUMS))),
     # the staged L2 epilogue's parts (returned to the math partition, summed there)
     (_E_ENTRY, "    e0 = _clk()\n" + _E_ENTRY),
     (_E_WAIT, "    e1 = _clk()\n" + _E_WAIT.replace("barrier()\n", "barrier()\n    e2 = _clk()\n", 1)),
