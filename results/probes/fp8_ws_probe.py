@@ -277,6 +277,8 @@ PATCHES = {
                   ("    go = gl.expand_dims(ok.to(gl.int32), 1) + gl.expand_dims(h * 0, 0)",
                    "    go = gl.expand_dims(ok.to(gl.int32), 1) * gl.expand_dims((h == 0).to(gl.int32), 0)")],
 }
+#: session 50: the row copies issued by the pull warps (``rowcopies`` under ``FP8_WS_COPIER``)
+PATCHES["copier_rowcopies"] = PATCHES["rowcopies"]
 #: variants timed on a buffer an as-is call has filled first (their own calls do not write all that they read)
 PREFILL = ("nopull", )
 #: variants that are the kernel as it is under other constants of ``megamoe.fused`` (same bits): ``stages3`` a 3-stage
@@ -293,6 +295,7 @@ SETTING_VARIANTS = {"stages3": {"FP8_WS_STAGES": {128: 3, 64: 5}, "FP8_WS_BULK":
 #: patched variants whose patches are in the L2 epilogue that stores from registers (``_l2_epilogue``): run with
 #: ``FP8_WS_BULK`` off, the kernel they were written against (with it on their L2 part would patch unused code)
 PATCH_SETTINGS = {v: {"FP8_WS_BULK": False} for v in ("uncoalesced", "old_epilogue", "l2_rows_twice", "l2nomem")}
+PATCH_SETTINGS["copier_rowcopies"] = {"FP8_WS_COPIER": True}  # (its patches are in the copies both paths issue)
 
 
 def variant_settings(variant: str) -> dict:
@@ -425,7 +428,7 @@ def probe_phase(tokens=(512, 2048, 8192)):
                            copier=mf.FP8_WS_COPIER, variant=variant,
                            multicast=mf.fp8_ws_multicast(cfg.kind, cfg.block_m))
                 if (variant in ("as_is", "noskip", "swcvt", "uncoalesced", "old_epilogue", "guarded", "l2_rows_twice",
-                                "dupw", "dupa", "rowcopies", *SETTING_VARIANTS)
+                                "dupw", "dupa", "rowcopies", "copier_rowcopies", *SETTING_VARIANTS)
                         or variant.startswith("stagger")):
                     want = y.clone() if want is None else want
                     row["bitwise_equal_to_as_is"] = bool(torch.equal(y, want))
