@@ -228,11 +228,14 @@ FP8_WS_BULK = True
 #: profile_split_fc7ca77_h100.jsonl``, H100, T = 8192) split the staged epilogue's ~4750 cycles a tile (both
 #: warpgroups at once, the tensor cores idle) into ~750 conversion and destinations, ~500 wait, ~800 staging stores
 #: and ~2700 in the copies' issue (the destinations' dependent loads waited for there, 128 copies a warpgroup).
-#: Off until it has run on a GPU: built in session 49 (offline sm_90a compile: no spill in a K loop, the copier's
-#: copies and read-waits in the PTX, ``tests/test_hopper_compile.py``); no device was lent to test it there. Its
-#: GPU test (same bits off / on, with and without the multicast): ``tests/gpu/test_ws_launch_options_gpu.py``;
-#: its timing: ``fp8_ws_probe.py phase 8192 as_is,copier,as_is,copier``.
-FP8_WS_COPIER = False
+#: Built in session 49, on since session 50: same bits off / on, with and without the multicast
+#: (``tests/gpu/test_ws_launch_options_gpu.py``; ``tests/gpu/test_fp8_gpu.py -k "fused or graph"`` 9 passed with it on,
+#: and the fused interrupt repair), and faster on an H100 (``results/probes/copier_runs/phase_ee3b74f_h100.jsonl``,
+#: the phase alone, off / on alternating, 3 s windows at T = 8192: 6494 / 6302 and 6580 / 6441 us; 0.3 s windows:
+#: T = 2048 2010 / 1905, T = 512 1229 / 1228). The layer bench with it on: T = 8192 6205 us (6623 in f7e564b's run
+#: (``results/layer_fp8_h100-80gb-hbm3.json``). One 512-byte copy a row instead of two of 256 bytes
+#: (``fp8_ws_probe.py``'s ``copier_rowcopies``) was no faster under the copier (6367 / 6406 us), so it stays a probe.
+FP8_WS_COPIER = True
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
 # started, the per-row words its epilogue loads (L2: the rows' ``token_src_metadata``, then the buffer bases; L1: the
 # top-k weights), since the L2 epilogue costs 5-6 % of the phase's cycles and only ~2 % is its stores' traffic

@@ -1,10 +1,12 @@
 """The probes of ``results/probes/`` that patch kernel text still apply to the kernels of this checkout (they run only
 on a GPU, where a stale patch would cost a device call to find out)."""
 import ast
+import importlib
 import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -365,3 +367,36 @@ def test_fp8_stage_profile_patches_apply_once_and_summarize():
     assert (m["l1_store_per_tile"], m["l1_quant_per_tile"]) == (8, 0)  # (per L1 tile: 2 of them)
     assert (m["l2_mma_per_stage"], m["l1_share"], m["l2_epi_share"], m["outside_tiles_share"]) == (60, 0.6, 0.04, 0.1)
     assert out["loader"]["empty_per_tile"] == 300 and out["loader"]["empty_share"] == 0.9
+
+
+def _bound_names(text: str) -> set:
+    """The names a piece of Python source assigns (``x = ...``, ``x += ...``, ``a, b = ...``) at a line's start."""
+    names = set()
+    for m in re.finditer(r"^\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\+?=[^=]", text, re.M):
+        names.update(re.split(r"\s*,\s*", m.group(1)))
+    return names - {"_"}
+
+
+def test_fp8_stage_profile_patches_bind_no_name_of_the_kernel():
+    """Each clock patch of the FP8 profile binds only names new to the kernel function it patches: session 50's
+    profile under ``FP8_WS_COPIER`` hung because its tile count ``n2`` was also the math partition's count of staged
+    L2 tiles (the handshake's parity), stepped twice a tile. The check can fail: the kernel's own ``n2`` is found."""
+    probe = _load("stage_profile_probe")
+    src = pathlib.Path(importlib.import_module("megamoe.kernels.gemm_fp8_ws").__file__).read_text()
+
+    def function_at(anchor: str) -> str:
+        at = src.index(anchor)
+        start = src.rindex("\ndef ", 0, at)
+        end = src.find("\n@gluon.jit", at)
+        return src[start:end if end >= 0 else len(src)]
+
+    patched = 0
+    for old, new in probe.FP8_PATCHES:
+        if "def " in new:  # (the helpers' definitions)
+            continue
+        body = set(re.findall(r"\b[A-Za-z_]\w*\b", function_at(old)))
+        clash = (_bound_names(new) - _bound_names(old)) & body
+        assert not clash, (old[:60], clash)
+        patched += 1
+    assert patched > 10
+    assert {"n2"} & _bound_names("        n2 += 1\n") & set(re.findall(r"\w+", function_at(probe._M_LOOP)))

@@ -345,6 +345,9 @@ _L_MASKED = "                _fence_proxy_async_global()\n            s = it % S
 _L_EMPTY = "            mbarrier.wait(empty.index(s), ph ^ 1)\n            bar = ready.index(s)\n"
 _L_END = "\n\n\n@gluon.jit\ndef _pull_partition"
 _Z = _ZERO
+#: the math partition's tile and stage counts (prefixed: the kernel's own ``n2`` counts the COPIER handshake's tiles;
+#: session 50's profile under ``FP8_WS_COPIER`` hung when this patch's ``n2`` was that variable too)
+_M_COUNTS = ("p_n1", "p_n2", "p_s1", "p_s2")
 _M_SUMS = ("c1_tile", "c2_tile", "c1_wait", "c2_wait", "c1_epi", "c2_epi", "c_pass", "c1_first", "c2_first")
 _E_SUMS = ("e_cvt", "e_wait", "e_stage", "e_copy")
 _Q_SUMS = ("q_quant", "q_store", "q_publish")
@@ -367,7 +370,7 @@ FP8_PATCHES = [
     ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
     # math warpgroups
     (_M_LOOP, "    c0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _M_SUMS + _E_SUMS + _Q_SUMS)
-     + "    n1 = 0\n    n2 = 0\n    s1 = 0\n    s2 = 0\n"
+     + "".join(f"    {n} = 0\n" for n in _M_COUNTS)
      + _M_LOOP.replace("step):\n", f"step):\n        t_tile = _clk()\n        c_wait = {_Z}\n        c_first = {_Z}\n",
                        1)),
     (_M_WAIT, "            t0 = _clk()\n" + _M_WAIT.replace(
@@ -377,14 +380,13 @@ FP8_PATCHES = [
     (_M_EPI, "        t_epi = _clk()\n        c_pass += t_epi - t_p\n" + _M_EPI),
     (_M_END, "        t_end = _clk()\n        if is_l2:\n            c2_tile += t_end - t_tile\n"
              "            c2_wait += c_wait\n            c2_first += c_first\n            c2_epi += t_end - t_epi\n"
-             "            n2 += 1\n"
-             "            s2 += kb_mma\n        else:\n            c1_tile += t_end - t_tile\n"
+             "            p_n2 += 1\n"
+             "            p_s2 += kb_mma\n        else:\n            c1_tile += t_end - t_tile\n"
              "            c1_wait += c_wait\n            c1_first += c_first\n            c1_epi += t_end - t_epi\n"
-             "            n1 += 1\n"
-             "            s1 += kb_mma\n" + _M_END),
+             "            p_n1 += 1\n"
+             "            p_s1 += kb_mma\n" + _M_END),
     (_M_EXIT, _M_EXIT + "    MB: gl.constexpr = 16 * wg\n    _prof(MB + 0, _clk() - c0)\n"
-     "    _prof(MB + 1, n1.to(gl.int64))\n    _prof(MB + 2, n2.to(gl.int64))\n    _prof(MB + 3, s1.to(gl.int64))\n"
-     "    _prof(MB + 4, s2.to(gl.int64))\n"
+     + "".join(f"    _prof(MB + {1 + k}, {n}.to(gl.int64))\n" for k, n in enumerate(_M_COUNTS))
      + "".join(f"    _prof(MB + {5 + k}, {n})\n" for k, n in enumerate(_M_SUMS))
      + "".join(f"    _prof({_L2_EPI_SLOT} + 4 * wg + {k}, {n})\n" for k, n in enumerate(_E_SUMS))
      + "".join(f"    _prof({_L1_EPI_SLOT} + 3 * wg + {k}, {n})\n" for k, n in enumerate(_Q_SUMS))),
