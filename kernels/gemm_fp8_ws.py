@@ -191,8 +191,9 @@ STAGE_LAYOUT: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[2 * HN.va
 #: ``BULK``: one (pool row, 128-column half) of a warpgroup's 64 x 256 a thread -- each thread issues one copy.
 #: ``cp.async.bulk`` takes uniform registers, so ptxas issues a warp's copies one lane at a time (``R2UR`` of the
 #: lane's operands, ``UBLKCP``, ``BRA.U.ANY`` back; lanes predicated off skip that loop): session 48's profile had
-#: ~2700 cycles a tile issuing a warpgroup's 128 copies. (One 512-byte copy a row from 16 rows a warp, half the
-#: loop: ``fp8_ws_probe.py``'s ``rowcopies`` variant, session 49, not yet run on a GPU.)
+#: ~2700 cycles a tile issuing a warpgroup's 128 copies, hence ``COPIER`` (the pull warps issue them). One 512-byte copy
+#: a row from 16 rows a warp, half the loop (``fp8_ws_probe.py``'s ``rowcopies`` / ``copier_rowcopies``), was no
+#: faster under ``COPIER`` in session 50 (``results/probes/copier_runs/``).
 BULK_ROWS: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
 #: ``BULK``: copy ``BULK_BYTES`` from the staging buffer (``$2``: byte offset in it) to global ``$1`` when ``$3`` is
 #: nonzero, as one bulk-async group of this thread (an empty group when zero). The staging buffer's offset from
