@@ -359,6 +359,7 @@ def test_fp8_stage_profile_patches_apply_once_and_summarize():
                             epi1_store=16).items():
             prof[:2, S[f"m{wg}_{name.rstrip('_')}"]] = v
     prof[:2, S["load_tiles"]], prof[:2, S["load_total"]], prof[:2, S["load_empty"]] = 3, 1000, 900
+    prof[:2, S["copy_tiles"]], prof[:2, S["copy_issue"]], prof[:2, S["copy_drain"]] = 4, 1000, 70
     out = probe.summarize_fp8(prof)
     assert out["ctas"] == 2
     m = out["math1"]
@@ -367,6 +368,8 @@ def test_fp8_stage_profile_patches_apply_once_and_summarize():
     assert (m["l1_store_per_tile"], m["l1_quant_per_tile"]) == (8, 0)  # (per L1 tile: 2 of them)
     assert (m["l2_mma_per_stage"], m["l1_share"], m["l2_epi_share"], m["outside_tiles_share"]) == (60, 0.6, 0.04, 0.1)
     assert out["loader"]["empty_per_tile"] == 300 and out["loader"]["empty_share"] == 0.9
+    assert (out["copier"]["issue_per_tile"], out["copier"]["wait_per_tile"], out["copier"]["drain"]) == (250, 0, 70)
+    assert len(set(S.values())) == len(S) and max(S.values()) < probe.PER_CTA  # (no two counters in one slot)
 
 
 def _bound_names(text: str) -> set:

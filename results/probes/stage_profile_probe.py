@@ -27,8 +27,9 @@ latency / issue bounds the phase; the math's wait says how long the tensor cores
 
 The same for the FP8 Gluon phase ("fp8_ws", pool block 128, as the host runs it; session 48): per math warpgroup the
 cycles of each L1 / L2 tile, its ring stages' ``ready`` waits (the first stage's apart) and its epilogue, the rest
-per stage (MMAs, promotion, release); the L1 epilogue in three parts and the staged L2 epilogue (self-issued copies,
-``FP8_WS_COPIER`` off) in four; the loader's group-sync, pull, arrival-mask and free-slot waits (``FP8_SLOTS``;
+per stage (MMAs, promotion, release); the L1 epilogue in three parts and the staged L2 epilogue in four (with
+``FP8_WS_COPIER`` three: conversion, wait for free staging rows, staging; the copier's own waits, issue and
+read-waits apart); the loader's group-sync, pull, arrival-mask and free-slot waits (``FP8_SLOTS``;
 ``fp8_ws_probe.py``'s patching and one-rank calls):
 
     python results/probes/stage_profile_probe.py fp8 [T1,T2,..] ['{"FP8_WS_MULTICAST": false}'] >> fp8_profile.jsonl
@@ -57,7 +58,7 @@ SLOTS = {"dec_total": 0, "dec_ready": 1, "dec_tile": 2, "dec_fold": 3, "dec_deco
          "dec2_stages": 38, "dec2_tiles": 39,
          "math0_epil1": 40, "math0_epil2": 41, "math0_l1tiles": 42, "math0_l2tiles": 43,
          "math1_epil1": 44, "math1_epil2": 45, "math1_l1tiles": 46, "math1_l2tiles": 47}
-PER_CTA = 56
+PER_CTA = 64
 #: Counters summarized per tile (of their role's L1 or L2 tiles), not per stage.
 PER_TILE = {"epil1": "l1tiles", "epil2": "l2tiles"}
 ADDR = "__PROF_ADDR__"
@@ -317,13 +318,23 @@ _L2_EPI_SLOT = 40  #: warpgroup wg's ``_L2_EPI_PARTS`` from slot ``_L2_EPI_SLOT 
 #: stores of the bytes and scales; ``epi1_publish`` the fence, barrier and arrival-mask OR.
 _L1_EPI_PARTS = ("epi1_quant", "epi1_store", "epi1_publish")
 _L1_EPI_SLOT = 48  #: warpgroup wg's ``_L1_EPI_PARTS`` from slot ``_L1_EPI_SLOT + 3 wg``
+#: ``FP8_WS_COPIER``: the math side's staged L2 epilogue (``_l2_epilogue_staged``) lands in the same four slots
+#: (``epi2_cvt`` the conversion, ``epi2_wait`` the wait for the copier to have read the staging rows, ``epi2_stage``
+#: the stores, fence, barrier and arrive; ``epi2_copy`` 0); the copier's own cycles (``_copy_rows``, the pull warps
+#: after their pull): ``copy_total`` from its first L2 slot to its exit, ``copy_tiles`` its L2 tiles, ``copy_wait``
+#: waiting for a warpgroup's staged rows, ``copy_issue`` the copies' issue (the destinations' loads waited for
+#: there), ``copy_read`` the read-waits, barriers and arrives on ``freed``, ``copy_drain`` the final wait for
+#: completion.
+_COPY_PARTS = ("copy_total", "copy_tiles", "copy_wait", "copy_issue", "copy_read", "copy_drain")
+_COPY_SLOT = 56
 FP8_SLOTS = {**{f"m{wg}_{name}": 16 * wg + k for wg in (0, 1) for k, name in enumerate(
     ("total", "tiles1", "tiles2", "stages1", "stages2", "tile1", "tile2", "wait1", "wait2", "epi1", "epi2",
      "pass", "first1", "first2"))},
     "load_total": 32, "load_gsync": 33, "load_land": 34, "load_mask": 35, "load_empty": 36, "load_stages": 37,
     "load_tiles": 38,
     **{f"m{wg}_{name}": _L2_EPI_SLOT + 4 * wg + k for wg in (0, 1) for k, name in enumerate(_L2_EPI_PARTS)},
-    **{f"m{wg}_{name}": _L1_EPI_SLOT + 3 * wg + k for wg in (0, 1) for k, name in enumerate(_L1_EPI_PARTS)}}
+    **{f"m{wg}_{name}": _L1_EPI_SLOT + 3 * wg + k for wg in (0, 1) for k, name in enumerate(_L1_EPI_PARTS)},
+    **{name: _COPY_SLOT + k for k, name in enumerate(_COPY_PARTS)}}
 _FP8_CLK = _CLK.replace("def _full_mask(", "def _group_sync(")  # (the same helpers, before another function)
 _M_LOOP = ("    for i in range(first, stop, step):\n        t, b, nt, e, valid, kind = _slot(tiles, num_tiles, i, MC)\n"
            "        is_l2 = t >= num_l1\n        if is_l2:\n            KB = I // BK\n            # weight scale rows")
@@ -366,6 +377,18 @@ _E_STAGE = "    fence_async_shared()\n    gl.thread_barrier()\n    gl.inline_asm
 _E_COPY = ("    gl.inline_asm_elementwise(BULK_STORE_ASM, \"=r,l,r,r\", [dst, src, go], dtype=gl.int32, is_pure=False, "
            "pack=1)\n")
 _E_CALL = "                    _l2_epilogue_bulk(acc_lo, acc_hi, l2_stage,"
+_S_ENTRY = "    v_lo = _to_bf16_bits(acc_lo)\n    v_hi = _to_bf16_bits(acc_hi)\n    mbarrier.wait(freed.index(wg),"
+_S_STAGE = "does not wait)\n    st = l2_stage.slice(wg * WM, WM, dim=0)\n"
+_S_END = "    mbarrier.arrive(staged.index(wg), count=1)\n"
+_S_CALL = "                    _l2_epilogue_staged(acc_lo, acc_hi, l2_stage, staged, freed, n2, wg)\n"
+_K_SUMS = ("k_wait", "k_issue", "k_read")
+_K_START = "    n = 0\n    first, stop, step = _schedule(tiles, num_tiles, MC)\n"
+_K_WAIT = "                mbarrier.wait(staged.index(wg), n & 1)\n"
+_K_ISSUE = ("                gl.inline_asm_elementwise(BULK_STORE_ASM, \"=r,l,r,r\", [dst, src, go], dtype=gl.int32,\n"
+            "                                          is_pure=False, pack=1)\n")
+_K_READ = "            _bulk_wait(True, 1)  # warpgroup 0's"
+_K_READ_END = "            mbarrier.arrive(freed.index(1), count=1)\n            n += 1\n"
+_K_END = "            n += 1\n    _bulk_wait(False)\n"
 FP8_PATCHES = [
     ("\n\n@gluon.jit\ndef _group_sync(", _FP8_CLK),
     # math warpgroups
@@ -399,6 +422,23 @@ FP8_PATCHES = [
     ("                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n",
      "                                      valid - wg * WM, wg, OFF_META, OFF_COMBINE, T, H)\n"
      + "".join(f"                    {n} += d_{n[2:]}\n" for n in _E_SUMS)),
+    # COPIER: the math side's staged L2 epilogue in parts (the same sums), and the copier's own counters
+    (_S_ENTRY, "    s0 = _clk()\n" + _S_ENTRY.replace("    mbarrier.wait(", "    s1 = _clk()\n    mbarrier.wait(", 1)),
+    (_S_STAGE, _S_STAGE.replace("    st = ", "    s2 = _clk()\n    st = ", 1)),
+    (_S_END, _S_END + "    s3 = _clk()\n    return s1 - s0, s2 - s1, s3 - s2, (s3 - s2) * 0\n"),
+    (_S_CALL, _S_CALL.replace("_l2_epilogue_staged(", "d_cvt, d_wait, d_stage, d_copy = _l2_epilogue_staged(", 1)
+     + "".join(f"                    {n} += d_{n[2:]}\n" for n in _E_SUMS)),
+    (_K_START, "    k0 = _clk()\n" + "".join(f"    {n} = {_Z}\n" for n in _K_SUMS) + "    k_n = 0\n" + _K_START),
+    (_K_WAIT, "                w0 = _clk()\n" + _K_WAIT + "                k_wait += _clk() - w0\n"),
+    (_K_ISSUE, "                i0 = _clk()\n" + _K_ISSUE + "                k_issue += _clk() - i0\n"),
+    (_K_READ, "            r0 = _clk()\n" + _K_READ),
+    (_K_READ_END, _K_READ_END.replace("            n += 1\n", "            k_read += _clk() - r0\n            k_n += 1\n"
+                                                             "            n += 1\n", 1)),
+    (_K_END, _K_END.replace("    _bulk_wait(False)\n", "    d0 = _clk()\n    _bulk_wait(False)\n    k1 = _clk()\n"
+                                                        f"    _prof({_COPY_SLOT}, k1 - k0)\n"
+                                                        f"    _prof({_COPY_SLOT + 1}, k_n.to(gl.int64))\n"
+                            + "".join(f"    _prof({_COPY_SLOT + 2 + k}, {n})\n" for k, n in enumerate(_K_SUMS))
+                            + f"    _prof({_COPY_SLOT + 5}, k1 - d0)\n", 1)),
     # the L1 epilogue's parts (returned to the math partition, summed there)
     (_Q_ENTRY, "    p0 = _clk()\n" + _Q_ENTRY),
     (_Q_STORE, "    p1 = _clk()\n" + _Q_STORE),
@@ -485,6 +525,10 @@ def summarize_fp8(prof) -> dict:
                      **{f"{n}_per_tile": round(mean[f"load_{n}"] / lt, 1) for n in ("gsync", "land", "mask", "empty")},
                      **{f"{n}_share": round(mean[f"load_{n}"] / mean["load_total"], 4)
                         for n in ("gsync", "land", "mask", "empty")}}
+    ct = max(mean["copy_tiles"], 1.0)
+    out["copier"] = {"total": round(mean["copy_total"], 1), "tiles": mean["copy_tiles"],
+                     **{f"{n[5:]}_per_tile": round(mean[n] / ct, 1) for n in ("copy_wait", "copy_issue", "copy_read")},
+                     "drain": round(mean["copy_drain"], 1)}
     totals = p[:, FP8_SLOTS["m0_total"]]
     out["math0_total_max_cta"], out["math0_total_min_cta"] = float(totals.max()), float(totals.min())
     return out
