@@ -49,6 +49,10 @@ for the largest block a call may pick:
   FP8_WS_BULK``, the default at block 128) staged in shared memory and written by one ``cp.async.bulk`` a (row,
   half) while the warpgroup goes back to its MMAs (:func:`_l2_epilogue_bulk`; the staging buffer's address comes
   from :mod:`megamoe.shared_address`), else stored from registers after a layout change (:func:`_l2_epilogue`).
+  With ``COPIER`` too (``megamoe.fused.FP8_WS_COPIER``, the default since session 50) the pull warps, once their
+  pull is done, compute the rows' destinations and issue those copies (:func:`_copy_rows`): a math warpgroup only
+  converts and stages its rows (:func:`_l2_epilogue_staged`; mbarriers ``staged`` / ``freed`` hand the staging rows
+  back and forth).
 
 **2-CTA clusters** (``MC``, pool block 128, ``megamoe.fused.FP8_WS_MULTICAST``): the grid runs as clusters of two
 CTAs (:mod:`megamoe.multicast`) over the front launch's pair table instead of the tile stride: each cluster takes
