@@ -1,7 +1,6 @@
 """The probes of ``results/probes/`` that patch kernel text still apply to the kernels of this checkout (they run only
 on a GPU, where a stale patch would cost a device call to find out)."""
 import ast
-import importlib
 import importlib.util
 import json
 import os

@@ -381,7 +381,7 @@ _S_ENTRY = "    v_lo = _to_bf16_bits(acc_lo)\n    v_hi = _to_bf16_bits(acc_hi)\n
 _S_STAGE = "does not wait)\n    st = l2_stage.slice(wg * WM, WM, dim=0)\n"
 _S_END = "    mbarrier.arrive(staged.index(wg), count=1)\n"
 _S_CALL = "                    _l2_epilogue_staged(acc_lo, acc_hi, l2_stage, staged, freed, n2, wg)\n"
-_K_SUMS = ("k_wait", "k_issue", "k_read")
+_K_SUMS = ("k_wait", "k_issue", "k_read")  #: (stored in the copy_* slots of the same names)
 _K_START = "    n = 0\n    first, stop, step = _schedule(tiles, num_tiles, MC)\n"
 _K_WAIT = "                mbarrier.wait(staged.index(wg), n & 1)\n"
 _K_ISSUE = ("                gl.inline_asm_elementwise(BULK_STORE_ASM, \"=r,l,r,r\", [dst, src, go], dtype=gl.int32,\n"
@@ -435,10 +435,9 @@ FP8_PATCHES = [
     (_K_READ_END, _K_READ_END.replace("            n += 1\n", "            k_read += _clk() - r0\n            k_n += 1\n"
                                                              "            n += 1\n", 1)),
     (_K_END, _K_END.replace("    _bulk_wait(False)\n", "    d0 = _clk()\n    _bulk_wait(False)\n    k1 = _clk()\n"
-                                                        f"    _prof({_COPY_SLOT}, k1 - k0)\n"
-                                                        f"    _prof({_COPY_SLOT + 1}, k_n.to(gl.int64))\n"
-                            + "".join(f"    _prof({_COPY_SLOT + 2 + k}, {n})\n" for k, n in enumerate(_K_SUMS))
-                            + f"    _prof({_COPY_SLOT + 5}, k1 - d0)\n", 1)),
+                            + "".join(f"    _prof({FP8_SLOTS[slot]}, {v})\n" for slot, v in (
+                                ("copy_total", "k1 - k0"), ("copy_tiles", "k_n.to(gl.int64)"), ("copy_wait", "k_wait"),
+                                ("copy_issue", "k_issue"), ("copy_read", "k_read"), ("copy_drain", "k1 - d0"))), 1)),
     # the L1 epilogue's parts (returned to the math partition, summed there)
     (_Q_ENTRY, "    p0 = _clk()\n" + _Q_ENTRY),
     (_Q_STORE, "    p1 = _clk()\n" + _Q_STORE),
