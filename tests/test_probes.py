@@ -355,7 +355,7 @@ def test_fp8_stage_profile_patches_apply_once_and_summarize():
     for wg in (0, 1):  # 2 L1 tiles of 10 stages in 600 cycles (100 waiting, 50 in epilogues), 1 L2 tile in 300
         for name, v in dict(total=1000, tiles1=2, stages1=10, tile1=600, wait1=100, epi1=50, tiles2=1, stages2=4,
                             tile2=300, wait2=20, epi2=40, pass_=0, first1=60, first2=0, epi2_copy=30,
-                            epi1_store=16).items():
+                            epi2_wait=7, epi1_store=16).items():
             prof[:2, S[f"m{wg}_{name.rstrip('_')}"]] = v
     prof[:2, S["load_tiles"]], prof[:2, S["load_total"]], prof[:2, S["load_empty"]] = 3, 1000, 900
     prof[:2, S["copy_tiles"]], prof[:2, S["copy_issue"]], prof[:2, S["copy_drain"]] = 4, 1000, 70
@@ -363,8 +363,10 @@ def test_fp8_stage_profile_patches_apply_once_and_summarize():
     assert out["ctas"] == 2
     m = out["math1"]
     assert (m["l1_tile"], m["l1_wait_per_tile"], m["l1_epi_per_tile"], m["l1_mma_per_stage"]) == (300, 50, 25, 45)
-    assert m["l1_first_wait_per_tile"] == 30 and (m["l2_copy_per_tile"], m["l2_cvt_per_tile"]) == (30, 0)
-    assert (m["l1_store_per_tile"], m["l1_quant_per_tile"]) == (8, 0)  # (per L1 tile: 2 of them)
+    assert m["l1_first_wait_per_tile"] == 30 and (m["l2_epi_copy_per_tile"], m["l2_epi_cvt_per_tile"]) == (30, 0)
+    # the staged epilogue's wait for free rows beside, not over, the tile's ready waits (one key each)
+    assert (m["l2_wait_per_tile"], m["l2_epi_wait_per_tile"]) == (20, 7)
+    assert (m["l1_epi_store_per_tile"], m["l1_epi_quant_per_tile"]) == (8, 0)  # (per L1 tile: 2 of them)
     assert (m["l2_mma_per_stage"], m["l1_share"], m["l2_epi_share"], m["outside_tiles_share"]) == (60, 0.6, 0.04, 0.1)
     assert out["loader"]["empty_per_tile"] == 300 and out["loader"]["empty_share"] == 0.9
     assert (out["copier"]["issue_per_tile"], out["copier"]["wait_per_tile"], out["copier"]["drain"]) == (250, 0, 70)

@@ -516,8 +516,10 @@ def summarize_fp8(prof) -> dict:
                     f"l{k}_share": m["tile" + k] / m["total"], f"l{k}_wait_share": m["wait" + k] / m["total"],
                     f"l{k}_epi_share": m["epi" + k] / m["total"]}
         row["outside_tiles_share"] = 1 - (m["tile1"] + m["tile2"]) / m["total"]
-        row |= {f"l2_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS}
-        row |= {f"l1_{n[5:]}_per_tile": m[n] / max(m["tiles1"], 1.0) for n in _L1_EPI_PARTS}
+        # the epilogues' parts as l2_epi_<part>_per_tile (until session 51 l2_<part>_per_tile: its "wait", the
+        # staged epilogue's wait for free rows, overwrote l2_wait_per_tile, the tile's ready waits)
+        row |= {f"l2_epi_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS}
+        row |= {f"l1_epi_{n[5:]}_per_tile": m[n] / max(m["tiles1"], 1.0) for n in _L1_EPI_PARTS}
         out[f"math{wg}"] = {k: round(v, 4 if k.endswith("share") else 1) for k, v in row.items()}
     lt = max(mean["load_tiles"], 1.0)
     out["loader"] = {"total": round(mean["load_total"], 1), "tiles": mean["load_tiles"],
@@ -550,7 +552,7 @@ def probe_fp8(tokens=(2048, 8192), settings: dict | None = None):
                 continue
             us, prof = _timed_and_profiled(fp, call, fp8_kernel_module, 4096 * PER_CTA)  # (4096 CTAs at most)
             fp.emit(probe="fp8_stage_profile", T=T, settings=settings, kind=cfg.kind, block_m=cfg.block_m,
-                    multicast=mf.FP8_WS_MULTICAST, bulk=mf.FP8_WS_BULK, copier=mf.FP8_WS_COPIER,
+                    multicast=mf.FP8_WS_MULTICAST, bulk=mf.FP8_WS_BULK, copier_on=mf.FP8_WS_COPIER,
                     group_sync=mf.WS_GROUP_SYNC["fp8_ws"], us=us,
                     **summarize_fp8(prof), commit=os.environ.get("MEGAMOE_GIT_COMMIT"))
             sb.destroy()
