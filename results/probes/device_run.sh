@@ -129,7 +129,7 @@
 #                  epilogue in parts: conversion, wait for the staging rows, staging stores, and with FP8_WS_COPIER
 #                  off the copies; the L1 epilogue in three: quantisation, stores, publish), the loader's waits, the
 #                  copier's waits / issue / read-waits per L2 tile (-> $OUT/fp8_profile.jsonl; ~30 s for
-#                  512,2048,8192 on an H100; session 50's run under the copier hung on a name clash, since fixed)
+#                  512,2048,8192 on an H100; 20 s for 2048,8192 under the copier, session 51)
 #   gputests_fp4_readers  the GPU tests of every kernel that reads the transformed FP4 weights, smallest first: both
 #                  Gluon tiles' small cases (clamp, I = 640), fold_decode against the CPU pass, the one-launch and staged
 #                  kernels' small cases (H = 384: a shorter last 256-row block), predecoded / real-size calls, a CUDA
