@@ -495,6 +495,14 @@ def fp8_kernel_module(addr: int):
     return _fp8_probe_module().kernel_module(_fp8_variant(addr))
 
 
+def _add(row: dict, more: dict) -> None:
+    """``row |= more``, refusing a key already in ``row`` (a summary's keys name one counter each)."""
+    clash = row.keys() & more.keys()
+    if clash:
+        raise KeyError(f"summary keys computed twice: {sorted(clash)}")
+    row |= more
+
+
 def summarize_fp8(prof) -> dict:
     """Means over the CTAs that ran a tile (cycles): per math warpgroup and tile kind, a tile's cycles, its ``ready``
     waits, its epilogue and the rest per MMA stage (MMAs, promotion, the tile's preamble); the share of the
@@ -509,17 +517,17 @@ def summarize_fp8(prof) -> dict:
         row = {"total": m["total"], "pass_share": m["pass"] / m["total"]}
         for k in ("1", "2"):
             tiles, stages = max(m["tiles" + k], 1.0), max(m["stages" + k], 1.0)
-            row |= {f"l{k}_tiles": m["tiles" + k], f"l{k}_tile": m["tile" + k] / tiles,
+            _add(row, {f"l{k}_tiles": m["tiles" + k], f"l{k}_tile": m["tile" + k] / tiles,
                     f"l{k}_wait_per_tile": m["wait" + k] / tiles, f"l{k}_first_wait_per_tile": m["first" + k] / tiles,
                     f"l{k}_epi_per_tile": m["epi" + k] / tiles,
                     f"l{k}_mma_per_stage": (m["tile" + k] - m["wait" + k] - m["epi" + k]) / stages,
                     f"l{k}_share": m["tile" + k] / m["total"], f"l{k}_wait_share": m["wait" + k] / m["total"],
-                    f"l{k}_epi_share": m["epi" + k] / m["total"]}
+                    f"l{k}_epi_share": m["epi" + k] / m["total"]})
         row["outside_tiles_share"] = 1 - (m["tile1"] + m["tile2"]) / m["total"]
         # the epilogues' parts as l2_epi_<part>_per_tile (until session 51 l2_<part>_per_tile: its "wait", the
-        # staged epilogue's wait for free rows, overwrote l2_wait_per_tile, the tile's ready waits)
-        row |= {f"l2_epi_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS}
-        row |= {f"l1_epi_{n[5:]}_per_tile": m[n] / max(m["tiles1"], 1.0) for n in _L1_EPI_PARTS}
+        # staged epilogue's wait for free rows, silently overwrote l2_wait_per_tile, the tile's ready waits)
+        _add(row, {f"l2_epi_{n[5:]}_per_tile": m[n] / max(m["tiles2"], 1.0) for n in _L2_EPI_PARTS})
+        _add(row, {f"l1_epi_{n[5:]}_per_tile": m[n] / max(m["tiles1"], 1.0) for n in _L1_EPI_PARTS})
         out[f"math{wg}"] = {k: round(v, 4 if k.endswith("share") else 1) for k, v in row.items()}
     lt = max(mean["load_tiles"], 1.0)
     out["loader"] = {"total": round(mean["load_total"], 1), "tiles": mean["load_tiles"],
