@@ -232,9 +232,10 @@ FP8_WS_BULK = True
 #: (``tests/gpu/test_ws_launch_options_gpu.py``; ``tests/gpu/test_fp8_gpu.py -k "fused or graph"`` 9 passed with it on,
 #: and the fused interrupt repair), and faster on an H100 (``results/probes/copier_runs/phase_ee3b74f_h100.jsonl``,
 #: the phase alone, off / on alternating, 3 s windows at T = 8192: 6494 / 6302 and 6580 / 6441 us; 0.3 s windows:
-#: T = 2048 2010 / 1905, T = 512 1229 / 1228). The layer bench with it on (``results/layer_fp8_h100-80gb-hbm3.json``):
-#: T = 8192 6205 us (6623 in f7e564b's run, ``results/probes/layer_fp8_variants/layer_fp8_h100_f7e564b.json``, on
-#: another H100). One 512-byte copy a row instead of two of 256 bytes
+#: T = 2048 2010 / 1905, T = 512 1229 / 1228). The layer bench with it on
+#: (``results/probes/layer_fp8_variants/layer_fp8_h100_ee3b74f_copier.json``): T = 8192 6205 us (6623 in f7e564b's
+#: run, ``results/probes/layer_fp8_variants/layer_fp8_h100_f7e564b.json``, on another H100; 6273 at 5e6f0c0 on a
+#: third, ``results/layer_fp8_h100-80gb-hbm3.json``). One 512-byte copy a row instead of two of 256 bytes
 #: (``fp8_ws_probe.py``'s ``copier_rowcopies``) was no faster under the copier (6367 / 6406 us), so it stays a probe.
 FP8_WS_COPIER = True
 # Tried and removed (session 46, f2a3976, ``FP8_WS_PREFETCH``): each math warpgroup prefetching into L1, as a tile
